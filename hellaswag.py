@@ -1,0 +1,246 @@
+"""
+HellaSwag evaluation for GPT-2 style models: https://github.com/rowanz/hellaswag
+
+Each example is a context and 4 possible endings, one of them right. The model
+"picks" the ending it finds least surprising: we render context + ending for all
+4 endings, run them through the model and compare the losses on the ending tokens.
+- acc_norm: the ending with the lowest mean per-token loss (the number people quote:
+  GPT-2 124M gets 0.2945, GPT-3 124M 0.337)
+- acc: the ending with the lowest summed loss (favors short endings)
+
+Used by train_gpt2.py (--hellaswag-every) and on its own:
+    python hellaswag.py --init-from gpt2
+    python hellaswag.py --checkpoint log/model_19072.pt
+    torchrun --standalone --nproc_per_node=8 hellaswag.py --checkpoint log/model_19072.pt
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+
+import requests
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# the validation split is the one everybody reports (the test split has no labels)
+HELLASWAG_FILE = "hellaswag_val.jsonl"
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data"
+HELLASWAG_VAL_EXAMPLES = 10042
+EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
+
+
+class HellaSwagError(Exception):
+    """A one-line, user-facing problem with the HellaSwag data (download, file format)."""
+
+
+def default_cache_dir():
+    # the same cache directory train_gpt2.py keeps the GPT-2 weights in
+    return os.environ.get("GPT2_CACHE_DIR") or os.path.expanduser("~/.cache/train_gpt2")
+
+# -----------------------------------------------------------------------------
+# the data: download once, check, read
+
+
+def read_examples(path, expected_count=None):
+    """Reads and checks a HellaSwag jsonl file: one JSON object per line with ctx, 4 endings, label."""
+    if not os.path.isfile(path):
+        raise HellaSwagError(f"HellaSwag file {path} not found: pass --hellaswag-file PATH to a copy of {HELLASWAG_FILE}")
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                example = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise HellaSwagError(f"{path}:{line_number} is not valid JSON ({e}): re-download it or fix the file")
+            if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
+                    and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
+                    and all(isinstance(ending, str) for ending in example["endings"])
+                    and example.get("label") in (0, 1, 2, 3)):
+                raise HellaSwagError(f"{path}:{line_number} is not a HellaSwag example: it needs a string 'ctx', "
+                                     f"a list of 4 string 'endings' and a 'label' in 0..3")
+            examples.append(example)
+    if not examples:
+        raise HellaSwagError(f"HellaSwag file {path} has no examples")
+    if expected_count is not None and len(examples) != expected_count:
+        raise HellaSwagError(f"HellaSwag file {path} has {len(examples)} examples, expected {expected_count}: "
+                             f"delete it to download it again")
+    return examples
+
+
+def download(url, path, expected_count):
+    """Downloads url to path atomically: the file appears whole and checked, or not at all."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # a unique temp file in the same directory, so that the rename is atomic and concurrent downloads don't mix
+    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            response = requests.get(url, stream=True, timeout=60)
+            response.raise_for_status()
+            for chunk in response.iter_content(chunk_size=1 << 20):
+                f.write(chunk)
+        read_examples(tmp_path, expected_count)  # never cache a truncated or wrong file
+        os.replace(tmp_path, path)
+    except requests.RequestException as e:
+        raise HellaSwagError(f"could not download {url} ({e}): on an offline machine pass --hellaswag-file PATH")
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+def load_examples(path=None, cache_dir=None):
+    """The HellaSwag validation examples: from a local file if path is given, else downloaded once into cache_dir."""
+    if path is not None:
+        return read_examples(path)
+    base_url = os.environ.get("HELLASWAG_URL", HELLASWAG_URL).rstrip("/")
+    # only the canonical file is held to its known size: a mirror (HELLASWAG_URL) may serve a subset
+    expected_count = HELLASWAG_VAL_EXAMPLES if base_url == HELLASWAG_URL else None
+    cached_path = os.path.join(cache_dir or default_cache_dir(), HELLASWAG_FILE)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # rank 0 downloads, the others wait for it: no race of all ranks on one file
+    if rank == 0 and not os.path.exists(cached_path):
+        print(f"downloading {base_url}/{HELLASWAG_FILE} to {cached_path}")
+        download(f"{base_url}/{HELLASWAG_FILE}", cached_path, expected_count)
+    if dist.is_initialized():
+        dist.barrier()
+    return read_examples(cached_path, expected_count)
+
+# -----------------------------------------------------------------------------
+# tokenize once, into fixed-shape tensors
+
+
+def prepare(examples, enc, block_size):
+    """
+    Tokenizes all examples once. Returns a dict of tensors, padded to one fixed row length L:
+    tokens (N, 4, L): context + " " + ending, one row per ending, padded with end-of-text
+    mask   (N, 4, L): True at the ending tokens, the ones we score
+    labels (N,):      the index of the right ending
+    Rows longer than block_size lose context tokens from the left, so that every ending fits.
+    """
+    rows, masks = [], []
+    for example in examples:
+        context = enc.encode(example["ctx"])
+        for ending in example["endings"]:
+            # the space belongs to the ending: GPT-2's tokenizer attaches it to the next word
+            ending_tokens = enc.encode(" " + ending)
+            row = (context + ending_tokens)[-block_size:]
+            num_ending = min(len(ending_tokens), len(row))
+            rows.append(row)
+            masks.append([False] * (len(row) - num_ending) + [True] * num_ending)
+    row_length = max(len(row) for row in rows)
+    tokens = torch.full((len(rows), row_length), enc.eot_token, dtype=torch.long)  # (N*4, L)
+    mask = torch.zeros((len(rows), row_length), dtype=torch.bool)  # (N*4, L)
+    for i, (row, row_mask) in enumerate(zip(rows, masks)):
+        tokens[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = torch.tensor(row_mask)
+    labels = torch.tensor([example["label"] for example in examples], dtype=torch.long)  # (N,)
+    return {"tokens": tokens.view(len(examples), 4, row_length), "mask": mask.view(len(examples), 4, row_length),
+            "labels": labels}
+
+# -----------------------------------------------------------------------------
+# score
+
+
+def ending_losses(model, tokens, mask):
+    """
+    Summed loss and token count over the ending tokens of each row.
+    tokens, mask: (B, 4, L) on the model's device. Returns sum_loss (B, 4) float, num_tokens (B, 4).
+    """
+    B, _, L = tokens.shape
+    tokens = tokens.view(B * 4, L)
+    logits, _ = model(tokens)  # (B*4, L, V), possibly bf16 under autocast
+    V = logits.size(-1)
+    # the logits at position t predict the token at t+1
+    losses = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), tokens[:, 1:].reshape(-1), reduction="none")
+    losses = losses.view(B * 4, L - 1)
+    target_mask = mask.view(B * 4, L)[:, 1:]  # (B*4, L-1)
+    sum_loss = (losses * target_mask).sum(dim=1).view(B, 4)
+    num_tokens = target_mask.sum(dim=1).view(B, 4)
+    return sum_loss, num_tokens
+
+
+def evaluate(model, prepared, device, autocast_ctx, rank=0, world_size=1, examples_per_batch=EXAMPLES_PER_BATCH):
+    """
+    HellaSwag accuracy of model on the prepared examples: returns (acc_norm, acc, n).
+    The ranks split the examples (rank r takes every world_size-th) and all-reduce the counts.
+    Every forward pass has the same shape (examples_per_batch*4, L), so a compiled model compiles once.
+    """
+    tokens, mask, labels = prepared["tokens"], prepared["mask"], prepared["labels"]
+    num_examples = labels.size(0)
+    my_examples = torch.arange(rank, num_examples, world_size)
+    # every rank runs the same number of batches; the last ones are filled up with example 0, whose scores we drop
+    num_batches = math.ceil(math.ceil(num_examples / world_size) / examples_per_batch)
+    filler = torch.zeros(num_batches * examples_per_batch - len(my_examples), dtype=torch.long)
+    batches = torch.cat([my_examples, filler]).view(num_batches, examples_per_batch)
+    is_real = (torch.arange(batches.numel()) < len(my_examples)).view(num_batches, examples_per_batch)
+    counts = torch.zeros(3, dtype=torch.long, device=device)  # correct (summed loss), correct_norm (mean loss), n
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), autocast_ctx:
+        for batch, batch_is_real in zip(batches, is_real):
+            sum_loss, num_tokens = ending_losses(model, tokens[batch].to(device), mask[batch].to(device))  # (B, 4)
+            predicted = sum_loss.argmin(dim=1)  # (B,)
+            predicted_norm = (sum_loss / num_tokens).argmin(dim=1)  # (B,)
+            batch_labels, batch_is_real = labels[batch].to(device), batch_is_real.to(device)
+            counts[0] += ((predicted == batch_labels) & batch_is_real).sum()
+            counts[1] += ((predicted_norm == batch_labels) & batch_is_real).sum()
+            counts[2] += batch_is_real.sum()
+    model.train(was_training)
+    if world_size > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    correct, correct_norm, n = counts.tolist()
+    return correct_norm / n, correct / n, n
+
+# -----------------------------------------------------------------------------
+# standalone: python hellaswag.py --checkpoint PATH | --init-from gpt2
+
+
+def main():
+    parser = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 checkpoint or of OpenAI's GPT-2.")
+    model_source = parser.add_mutually_exclusive_group(required=True)
+    model_source.add_argument("--checkpoint", help="a checkpoint written by train_gpt2.py")
+    model_source.add_argument("--init-from", choices=["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"],
+                              help="OpenAI's GPT-2 weights, downloaded once")
+    parser.add_argument("--hellaswag-file", help=f"a local copy of {HELLASWAG_FILE}, for offline machines")
+    parser.add_argument("--cache-dir", help="where downloads are kept (default: $GPT2_CACHE_DIR or ~/.cache/train_gpt2)")
+    parser.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, mps")
+    args = parser.parse_args()
+
+    # imported here, not at the top: train_gpt2.py imports this module
+    from train_gpt2 import (UsageError, autocast_context, gpt2_tokenizer, load_checkpoint, load_pretrained,
+                            model_from_checkpoint, resolve_dtype, setup_distributed, teardown_distributed)
+    ddp = setup_distributed(args.device)
+    try:
+        if ddp.world_size > 1 and ddp.rank != 0:
+            dist.barrier()  # rank 0 downloads the weights first, the others then read them from the cache
+        if args.checkpoint:
+            try:
+                model = model_from_checkpoint(load_checkpoint(args.checkpoint))
+            except Exception as e:  # a missing, truncated or foreign file: torch and pickle raise many kinds
+                raise UsageError(f"--checkpoint {args.checkpoint}: cannot load it as a train_gpt2.py checkpoint ({e})")
+        else:
+            model = load_pretrained(args.init_from, cache_dir=args.cache_dir)
+        if ddp.world_size > 1 and ddp.rank == 0:
+            dist.barrier()
+        model.to(ddp.device)
+        examples = load_examples(args.hellaswag_file, args.cache_dir)
+        prepared = prepare(examples, gpt2_tokenizer(), model.config.block_size)
+        autocast_ctx = autocast_context(ddp.device_type, resolve_dtype("auto", ddp.device_type))
+        acc_norm, acc, n = evaluate(model, prepared, ddp.device, autocast_ctx, ddp.rank, ddp.world_size)
+    except (UsageError, HellaSwagError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        teardown_distributed()
+    if ddp.rank == 0:
+        print(f"HellaSwag ({n} examples): acc_norm {acc_norm:.4f} (GPT-2 124M: 0.2945, GPT-3 124M: 0.337), acc {acc:.4f}")
+        print(f"acc_norm={acc_norm:.6f} acc={acc:.6f} n={n}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""hellaswag.py: download, file checks, scoring against a hand computation, the CLI, and 2 ranks under torchrun."""
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hellaswag
+from train_gpt2 import GPT, GPTConfig, gpt2_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (context, 4 endings): real HellaSwag-like text, endings of different lengths so that acc and acc_norm differ
+SYNTHETIC = [
+    ("A man is sitting on a roof.", "He",
+     ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+      "is holding a rubik's cube.", "starts pulling up roofing on a roof."]),
+    ("A lady walks to a barbell. She", "bends down and grabs the pole.",
+     ["swings and lands in her arms.", "pulls the barbell forward.", "pulls a rope attached to the barbell.",
+      "stands and lifts the weight over her head."]),
+    ("Two women in a child are shown in a canoe while a man pulls the canoe while standing in the water, "
+     "with other individuals visible in the background.", "The child and a different man",
+     ["are then shown paddling down a river in a boat while a woman talks.", "are driving the canoe, they go "
+      "down the river flowing side to side.", "sit in a canoe while the man paddles.",
+      "walking go down the rapids, while the man in his helicopter almost falls and goes out of canoehood."]),
+    ("A boy is running down a track.", "The boy",
+     ["runs into a car.", "gets in a mat.", "lifts his body above the height of a pole.", "stands on his hands."]),
+    ("The boy lifts his body above the height of a pole.", "The boy",
+     ["turns his body around on the bar.", "falls over.", "lands on his back on to a red mat.",
+      "jumps up and down."]),
+    ("We see a person doing laundry.", "The person",
+     ["sorts the clothes by color.", "is seen.", "folds a shirt and puts it in a drawer very carefully.",
+      "dances."]),
+    ("A woman is outside with a bucket and a dog.", "The dog",
+     ["is running around trying to avoid a bath.", "gets into the bath tub.", "sits.",
+      "jumps out of the bucket and runs."]),
+]
+
+
+def synthetic_examples(labels):
+    """Examples in the real hellaswag_val.jsonl format."""
+    return [{"ind": 24 + i, "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": ctx_a + " " + ctx_b, "endings": endings,
+             "label": label, "activity_label": "Synthetic", "split": "val", "split_type": "indomain",
+             "source_id": f"synthetic~{i}"}
+            for i, ((ctx_a, ctx_b, endings), label) in enumerate(zip(SYNTHETIC, labels))]
+
+
+def write_jsonl(path, examples):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(example) + "\n" for example in examples))
+
+
+def tiny_model(seed=0):
+    """A random 2-layer model; weights larger than at init, so that the losses differ clearly between endings."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def hand_scores(model, enc, ctx, endings, block_size):
+    """Summed and mean loss of each ending, one unpadded forward pass per ending, a loop over the ending tokens."""
+    context = enc.encode(ctx)
+    sums, means = [], []
+    for ending in endings:
+        ending_tokens = enc.encode(" " + ending)
+        sequence = (context + ending_tokens)[-block_size:]
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([sequence]))
+        log_probs = torch.log_softmax(logits[0].double(), dim=-1)  # (T, V)
+        total, count = 0.0, 0
+        # position 0 has nothing before it to predict it from
+        for position in range(max(len(sequence) - len(ending_tokens), 1), len(sequence)):
+            total -= log_probs[position - 1, sequence[position]].item()
+            count += 1
+        sums.append(total)
+        means.append(total / count)
+    return sums, means
+
+
+def argmin(values):
+    return min(range(len(values)), key=lambda i: values[i])
+
+
+def labelled_by_hand(model, enc, block_size):
+    """
+    Examples whose labels make the expected accuracies known: the hand acc_norm prediction is right for the
+    even examples and wrong for the odd ones. Returns (examples, expected acc_norm, expected acc, hand scores).
+    """
+    scores = [hand_scores(model, enc, a + " " + b, endings, block_size) for a, b, endings in SYNTHETIC]
+    for sums, means in scores:  # the test is only meaningful if float noise cannot flip a prediction
+        assert sorted(means)[1] - sorted(means)[0] > 1e-3 and sorted(sums)[1] - sorted(sums)[0] > 1e-3
+    labels = [(argmin(means) + i % 2) % 4 for i, (_, means) in enumerate(scores)]
+    examples = synthetic_examples(labels)
+    n = len(examples)
+    acc_norm = sum(argmin(means) == label for (_, means), label in zip(scores, labels)) / n
+    acc = sum(argmin(sums) == label for (sums, _), label in zip(scores, labels)) / n
+    return examples, acc_norm, acc, scores
+
+
+@pytest.mark.parametrize("block_size", [64, 12])  # 12: long examples lose context from the left
+def test_download_then_scores_match_hand_computation(static_server, tmp_path, monkeypatch, block_size):
+    model, enc = tiny_model(), gpt2_tokenizer()
+    examples, expected_acc_norm, expected_acc, scores = labelled_by_hand(model, enc, block_size)
+    www, base_url = static_server
+    write_jsonl(www / "hellaswag_val.jsonl", examples)
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    cache_dir = tmp_path / "cache"
+
+    loaded = hellaswag.load_examples(cache_dir=str(cache_dir))
+    assert loaded == examples
+    assert os.listdir(cache_dir) == ["hellaswag_val.jsonl"]  # no temp file left behind
+    prepared = hellaswag.prepare(loaded, enc, block_size)
+    N, _, L = prepared["tokens"].shape
+    assert N == len(examples) and L <= block_size and prepared["mask"].shape == (N, 4, L)
+
+    sum_loss, num_tokens = hellaswag.ending_losses(model, prepared["tokens"], prepared["mask"])  # (N, 4)
+    hand_sums = torch.tensor([sums for sums, _ in scores], dtype=torch.float64)
+    hand_means = torch.tensor([means for _, means in scores], dtype=torch.float64)
+    torch.testing.assert_close(sum_loss.double(), hand_sums, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close((sum_loss / num_tokens).double(), hand_means, rtol=1e-5, atol=1e-4)
+
+    # 7 examples: batches of 8 and of 3 both end in a padded partial batch
+    for examples_per_batch in (8, 3):
+        acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext(),
+                                              examples_per_batch=examples_per_batch)
+        assert (acc_norm, acc, n) == (expected_acc_norm, expected_acc, len(examples))
+    assert expected_acc_norm == 4 / 7  # by construction, see labelled_by_hand
+
+    # 3 ranks, one after the other, each keeping its own counts: together they count every example once
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)
+    per_rank = [hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext(), rank, 3, examples_per_batch=2)
+                for rank in range(3)]
+    assert sum(n for _, _, n in per_rank) == len(examples)
+    assert round(sum(a * n for a, _, n in per_rank)) == round(expected_acc_norm * len(examples))
+
+
+def test_cached_file_is_reused(static_server, tmp_path, monkeypatch):
+    www, base_url = static_server
+    examples = synthetic_examples([0] * len(SYNTHETIC))
+    write_jsonl(www / "hellaswag_val.jsonl", examples)
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == examples
+    (www / "hellaswag_val.jsonl").unlink()  # the server no longer has it: the cache must answer
+    assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == examples
+
+
+def test_failed_download_leaves_no_cache(static_server, tmp_path, monkeypatch):
+    _, base_url = static_server  # serves nothing: 404
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    with pytest.raises(hellaswag.HellaSwagError, match="--hellaswag-file"):
+        hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_bad_download_is_not_cached(static_server, tmp_path, monkeypatch):
+    www, base_url = static_server
+    (www / "hellaswag_val.jsonl").write_text('{"ctx": "truncated", "endi')
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    with pytest.raises(hellaswag.HellaSwagError, match="not valid JSON"):
+        hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", r"bad\.jsonl:2 is not valid JSON"),
+    ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', r"bad\.jsonl:2 is not a HellaSwag example"),
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', r"bad\.jsonl:2 is not a HellaSwag example"),
+])
+def test_bad_file_is_refused_with_its_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(synthetic_examples([0])[0]) + "\n" + line + "\n")
+    with pytest.raises(hellaswag.HellaSwagError, match=message):
+        hellaswag.load_examples(str(path))
+
+
+def test_canonical_file_is_held_to_its_size(tmp_path):
+    path = tmp_path / "hellaswag_val.jsonl"
+    write_jsonl(path, synthetic_examples([0, 1]))
+    with pytest.raises(hellaswag.HellaSwagError, match="has 2 examples, expected 10042"):
+        hellaswag.read_examples(str(path), expected_count=hellaswag.HELLASWAG_VAL_EXAMPLES)
+
+
+def last_line(result):
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path):
+    """The standalone script on a checkpoint; under torchrun 2 ranks download once and count the same."""
+    model, enc = tiny_model(), gpt2_tokenizer()
+    examples, expected_acc_norm, expected_acc, _ = labelled_by_hand(model, enc, 64)
+    checkpoint = tmp_path / "model.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, checkpoint)
+    local_file = tmp_path / "hellaswag_val.jsonl"
+    write_jsonl(local_file, examples)
+    expected = f"acc_norm={expected_acc_norm:.6f} acc={expected_acc:.6f} n={len(examples)}"
+
+    command = [sys.executable, "hellaswag.py", "--checkpoint", str(checkpoint), "--device", "cpu"]
+    single = subprocess.run(command + ["--hellaswag-file", str(local_file)], cwd=REPO, capture_output=True, text=True)
+    assert last_line(single) == expected
+
+    www, base_url = static_server
+    write_jsonl(www / "hellaswag_val.jsonl", examples)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = dict(os.environ, HELLASWAG_URL=base_url, OMP_NUM_THREADS="1")
+    two_ranks = subprocess.run(torchrun + command[1:] + ["--cache-dir", str(tmp_path / "cache")], cwd=REPO,
+                               env=env, capture_output=True, text=True, timeout=120)
+    assert last_line(two_ranks) == expected
+    assert two_ranks.stdout.count("downloading") == 1
+    assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
+
+
+def test_compiled_model_compiles_once(tmp_path):
+    """Fixed shapes: the padded partial last batch must not trigger a recompile."""
+    from torch._dynamo.testing import CompileCounter
+    model, enc = tiny_model(), gpt2_tokenizer()
+    prepared = hellaswag.prepare(synthetic_examples([0] * len(SYNTHETIC)), enc, 64)
+    expected = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext(), examples_per_batch=3)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    assert hellaswag.evaluate(compiled, prepared, "cpu", contextlib.nullcontext(), examples_per_batch=3) == expected
+    assert counter.frame_count == 1
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    checkpoint = tmp_path / "model.pt"
+    model = tiny_model()
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, checkpoint)
+    for flags, culprit in [
+        (["--checkpoint", str(tmp_path / "missing.pt")], "missing.pt"),
+        (["--checkpoint", str(checkpoint), "--hellaswag-file", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+    ]:
+        result = subprocess.run([sys.executable, os.path.join(REPO, "hellaswag.py"), "--device", "cpu"] + flags,
+                                cwd=tmp_path, capture_output=True, text=True)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("error:") and culprit in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
