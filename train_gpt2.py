@@ -1,0 +1,896 @@
+"""
+Train GPT-2 from scratch, in one file you can read top to bottom.
+
+    python train_gpt2.py                                    # one GPU, or a CPU / Apple GPU for debugging
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py  # every GPU of one node
+    python train_gpt2.py --help                             # every setting, with its default
+
+Without FineWeb shards (make them with `python fineweb.py`) it trains a small model on tiny Shakespeare.
+"""
+
+import argparse
+import contextlib
+import glob
+import json
+import math
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn import functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPT2_VOCAB = 50257  # tokens of the GPT-2 tokenizer; a larger --vocab-size only pads the embedding table
+EOT = 50256  # <|endoftext|>, which separates documents
+
+# -----------------------------------------------------------------------------
+# Settings: edit the defaults here, or pass any of them as a flag (n_layer -> --n-layer).
+# The defaults are the GPT-2 124M recipe on FineWeb-Edu 10B tokens.
+
+
+def setting(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+MODEL_SIZES = {  # n_layer, n_head, n_embd of OpenAI's four GPT-2 models
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+
+@dataclass
+class TrainConfig:
+    # data and outputs
+    data: str = setting("edu_fineweb10B", "a directory of *train* and *val* shards (.npy or .bin), or a text file")
+    log_dir: str = setting("log", "where log.jsonl and checkpoints go")
+    # model
+    model: str = setting("gpt2", "size preset for --n-layer/--n-head/--n-embd", list(MODEL_SIZES))
+    n_layer: int = setting(0, "transformer blocks (0: from --model)")
+    n_head: int = setting(0, "attention heads (0: from --model)")
+    n_embd: int = setting(0, "embedding width (0: from --model)")
+    block_size: int = setting(1024, "longest context the model can take (the rows of its position table)")
+    vocab_size: int = setting(50304, "embedding rows: the 50257 GPT-2 tokens padded to a multiple of 128, for faster matmuls")
+    attn: str = setting("sdpa", "sdpa (flash attention) or naive (explicit masked softmax, for tests)", ["sdpa", "naive"])
+    init_from: str = setting("scratch", "start from random weights or from OpenAI's", ["scratch", *MODEL_SIZES])
+    # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
+    batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process")
+    seq_len: int = setting(1024, "tokens per sequence")
+    total_batch_size: int = setting(524288, "tokens per optimizer step, over all processes (2**19, GPT-3 small's 0.5M)")
+    # optimization
+    max_steps: int = setting(19073, "optimizer steps (19073 x 524288 tokens: one pass over FineWeb-Edu 10B)")
+    warmup_steps: int = setting(715, "steps of linear learning-rate warmup")
+    max_lr: float = setting(6e-4, "peak learning rate; cosine decay then takes it to min_lr_ratio of this")
+    min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --max-lr")
+    weight_decay: float = setting(0.1, "AdamW weight decay of the matmul and embedding weights")
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this")
+    seed: int = setting(1337, "seeds the weights, the shard order and the samples")
+    # evaluation, samples, checkpoints
+    eval_every: int = setting(250, "steps between validation and samples (0: only at the end)")
+    val_tokens: int = setting(10485760, "validation tokens: a fixed set, the same for any number of processes")
+    hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; off by default off CUDA)")
+    hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
+    eval_only: bool = setting(False, "evaluate the initial or resumed model, log it, and stop")
+    prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
+    num_samples: int = setting(4, "samples printed at each evaluation")
+    max_new_tokens: int = setting(32, "length of each sample")
+    sample: str = setting("", "print samples from this checkpoint and exit, with no training")
+    checkpoint_every: int = setting(2500, "steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)")
+    keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep")
+    resume: str = setting("auto", "auto: from the latest checkpoint in --log-dir; or a checkpoint path; --no-resume: start fresh")
+    max_bad_steps: int = setting(5, "stop after this many steps in a row with a non-finite loss or gradient norm")
+    # hardware and speed
+    device: str = setting("auto", "auto picks cuda, then mps, then cpu", ["auto", "cpu", "cuda", "mps"])
+    dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere", ["auto", "fp32", "tf32", "bf16", "fp16"])
+    compile: Optional[bool] = setting(None, "torch.compile the model (default: on for CUDA)")
+    fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
+
+
+# A model that learns tiny Shakespeare in a few minutes on a laptop CPU: the default when no shards are there.
+# Its vocab is not padded: padding speeds up GPU matmuls, but on a CPU slicing the padded logits off costs more.
+SHAKESPEARE = dict(
+    data=os.path.join(HERE, "input.txt"), n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
+    batch_size=16, seq_len=128, total_batch_size=4096, max_steps=250, warmup_steps=25, max_lr=2e-3,
+    eval_every=50, val_tokens=16384, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
+)
+
+
+class UsageError(Exception):
+    """A mistake the user can fix: printed as one line, without a traceback."""
+
+
+def parse_args(argv=None):
+    """Returns the config and the names of the settings given on the command line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     argument_default=argparse.SUPPRESS)
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help = f"{f.metadata['help']} (default: {f.default})"
+        if f.type in (bool, Optional[bool]):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
+        else:
+            parser.add_argument(flag, type=f.type, choices=f.metadata["choices"], help=help)
+    parser.add_argument("--no-resume", dest="resume", action="store_const", const="none", help="start fresh, moving an old --log-dir aside")
+    given = vars(parser.parse_args(argv))
+    return TrainConfig(**given), set(given)
+
+
+# -----------------------------------------------------------------------------
+# The model: GPT-2 exactly, so OpenAI's weights load into it one-to-one.
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    attn: str = "sdpa"
+
+
+def naive_attention(q, k, v):
+    """Causal attention written out; the reference for SDPA and the slow rung of the speed ladder."""
+    T, S = q.size(-2), k.size(-2)  # queries are the last T of the S keys
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, T, S)
+    future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(S - T + 1)
+    att = att.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return att @ v  # (B, nh, T, hs)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.naive = config.n_head, config.attn == "naive"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v of all heads in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_PROJECTION = True
+
+    def forward(self, x, kv_cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if kv_cache is not None:  # sampling: one new token attends to the keys and values of all earlier ones
+            if kv_cache:
+                k, v = torch.cat([kv_cache[0], k], dim=2), torch.cat([kv_cache[1], v], dim=2)
+            kv_cache[:] = [k, v]
+        if self.naive:
+            y = naive_attention(q, k, v)
+        else:  # a single new token sees everything before it, so it needs no mask
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)  # flash attention
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_PROJECTION = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv_cache=None):
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.n_tokens = min(config.vocab_size, GPT2_VOCAB)  # rows past this are padding
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if hasattr(module, "RESIDUAL_PROJECTION"):  # keeps the residual stream's variance from growing with depth
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        B, T = idx.size()
+        past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if kv_cache is None else kv_cache[i])
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)[..., : self.n_tokens]  # (B, T, n_tokens): padded ids are never sampled or scored
+        loss = None
+        if targets is not None:  # mean over the targets that are not -1 (padding)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+
+def flops_per_token(config, seq_len):
+    """6N for the matmuls' forward and backward, plus attention's 12*L*H*Q*T (PaLM's appendix B)."""
+    n_params = config.vocab_size * config.n_embd + config.n_layer * (12 * config.n_embd**2 + 13 * config.n_embd) + 2 * config.n_embd
+    return 6 * n_params + 12 * config.n_layer * config.n_embd * seq_len
+
+
+@torch.no_grad()
+def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k=50):
+    """Samples continuations, top-k from the softmax, with a KV cache so each new token costs one position."""
+    device = model.lm_head.weight.device
+    idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (N, P)
+    max_new_tokens = min(max_new_tokens, model.config.block_size - idx.size(1))
+    kv_cache = [[] for _ in model.transformer.h]
+    logits, _ = model(idx, kv_cache=kv_cache)
+    out = [idx]
+    for _ in range(max_new_tokens):
+        probs = F.softmax(logits[:, -1].float(), dim=-1)  # (N, n_tokens)
+        top_probs, top_ids = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)  # (N, k)
+        choice = torch.multinomial(top_probs, 1, generator=generator)  # (N, 1)
+        next_ids = torch.gather(top_ids, -1, choice)  # (N, 1)
+        out.append(next_ids)
+        logits, _ = model(next_ids, kv_cache=kv_cache)
+    return torch.cat(out, dim=1).tolist()
+
+
+def gpt2_tokenizer():
+    """The GPT-2 BPE from the shipped gpt2.tiktoken (tiktoken's r50k_base): no network needed."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(os.path.join(HERE, "gpt2.tiktoken"))
+    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    return tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT})
+
+
+def download(url, path):
+    """Fetches url to path through a temporary file, so path only ever holds a whole download."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with requests.get(url, headers=headers, stream=True, timeout=60) as response:
+            response.raise_for_status()
+            with open(path + ".tmp", "wb") as f:
+                for chunk in response.iter_content(chunk_size=1 << 20):
+                    f.write(chunk)
+    except requests.RequestException as e:
+        raise UsageError(f"could not download {url} ({e}); set HF_ENDPOINT to a mirror, or HF_TOKEN if it needs a login")
+    os.replace(path + ".tmp", path)
+
+
+def load_pretrained(name, endpoint=None, cache_dir=None):
+    """OpenAI's GPT-2 weights from the Hugging Face hub (or HF_ENDPOINT's mirror), cached on disk."""
+    from safetensors.torch import load_file
+
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    cache_dir = cache_dir or os.environ.get("GPT2_CACHE_DIR") or os.path.expanduser("~/.cache/train_gpt2")
+    path = os.path.join(cache_dir, name, "model.safetensors")
+    if not os.path.exists(path):
+        download(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path)
+    try:
+        weights = load_file(path)
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
+    model = GPT(GPTConfig(**MODEL_SIZES[name]))
+    ours = model.state_dict()
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    loaded = set()
+    with torch.no_grad():
+        for key, tensor in weights.items():
+            key = "transformer." + key.removeprefix("transformer.")
+            if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                continue
+            if key not in ours:
+                raise UsageError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
+            if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
+                tensor = tensor.t()
+            target = ours[key][: tensor.size(0)] if key == "transformer.wte.weight" else ours[key]
+            if target.shape != tensor.shape:
+                raise UsageError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for {name}")
+            target.copy_(tensor)
+            loaded.add(key)
+        ours["transformer.wte.weight"][GPT2_VOCAB:].zero_()  # padding rows: never looked up or scored
+    missing = set(ours) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
+    if missing:
+        raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Data: token shards read through memory maps, or a text file tokenized in memory.
+
+BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
+
+
+def open_shard(path):
+    """A shard's tokens as a read-only uint16 memory map: .npy (np.save) or .bin (llm.c's format)."""
+    if path.endswith(".bin"):
+        header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
+        if len(header) < BIN_HEADER_INTS or header[0] != BIN_MAGIC or header[1] != BIN_VERSION:
+            raise UsageError(f"{path}: bad header (want magic {BIN_MAGIC}, version {BIN_VERSION}); re-create the shard")
+        n_tokens = int(header[2])
+        if os.path.getsize(path) != 4 * BIN_HEADER_INTS + 2 * n_tokens:
+            raise UsageError(f"{path}: the header promises {n_tokens} tokens but the file size disagrees (truncated?); re-create it")
+        return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise UsageError(f"{path}: not a readable .npy shard ({e}); re-create it with fineweb.py")
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise UsageError(f"{path}: expected a 1-D uint16 token array, found {tokens.dtype} {tokens.shape}; re-create it with fineweb.py")
+    return tokens
+
+
+def check_token_ids(tokens, vocab_size, source):
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise UsageError(f"{source} holds token id {int(tokens.max())}, which --vocab-size {vocab_size} cannot embed; raise --vocab-size")
+
+
+class TokenStream:
+    """The training tokens as one endless stream: every shard end to end, in an order reshuffled each epoch.
+
+    Each optimizer step consumes the next total_batch_size tokens (plus one, for the last target). That global
+    batch is cut into chunks of B*T tokens, and micro-step m of rank r reads chunk m*world + r, so any split of
+    the same total batch over processes and accumulation steps trains on exactly the same tokens.
+    """
+
+    def __init__(self, shards, names, seed):
+        self.shards, self.names, self.seed = shards, names, seed
+        self.epoch, self.index, self.offset = 0, 0, 0  # now in shard order(epoch)[index], at token offset
+
+    def order(self, epoch):
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+
+    def seek(self, epoch, index, offset, n):
+        """The position n tokens on from (epoch, index, offset)."""
+        offset += n
+        while offset >= len(self.shards[self.order(epoch)[index]]):
+            offset -= len(self.shards[self.order(epoch)[index]])
+            index += 1
+            if index == len(self.shards):
+                epoch, index = epoch + 1, 0
+        return epoch, index, offset
+
+    def read(self, skip, n, vocab_size):
+        """n tokens, starting skip tokens after the current position, as int64."""
+        epoch, index, offset = self.seek(self.epoch, self.index, self.offset, skip)
+        pieces = []
+        while n > 0:
+            shard = self.order(epoch)[index]
+            piece = self.shards[shard][offset: offset + n]
+            check_token_ids(piece, vocab_size, self.names[shard])
+            pieces.append(piece)
+            n -= len(piece)
+            epoch, index, offset = self.seek(epoch, index, offset, len(piece))
+        return torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+
+    def next_step(self, B, T, accum_steps, rank, world_size, vocab_size):
+        """This rank's micro-batches (x, y) for one optimizer step, then moves past the whole global batch."""
+        batches = []
+        for micro in range(accum_steps):
+            buf = self.read((micro * world_size + rank) * B * T, B * T + 1, vocab_size)
+            batches.append((buf[:-1].view(B, T), buf[1:].view(B, T)))  # inputs, and targets one token later
+        self.epoch, self.index, self.offset = self.seek(self.epoch, self.index, self.offset, accum_steps * world_size * B * T)
+        return batches
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "index": self.index, "offset": self.offset}
+
+    def load_state_dict(self, state):
+        self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
+
+
+def load_data(cfg):
+    """The train stream and the fixed validation tokens, from a shard directory or a text file."""
+    if not os.path.exists(cfg.data):
+        raise UsageError(f"--data {cfg.data}: no such file or directory; make FineWeb shards with `python fineweb.py`, or pass a text file")
+    if os.path.isdir(cfg.data):
+        paths = sorted(p for p in glob.glob(os.path.join(cfg.data, "*")) if p.endswith((".npy", ".bin")))
+        train_paths = [p for p in paths if "train" in os.path.basename(p)]
+        val_paths = [p for p in paths if "val" in os.path.basename(p)]
+        for split, found in (("train", train_paths), ("val", val_paths)):
+            if not found:
+                raise UsageError(f"--data {cfg.data}: no *{split}* shards (.npy or .bin) in it; make them with `python fineweb.py`")
+        train = [open_shard(p) for p in train_paths]
+        names = train_paths
+        val_shards = [open_shard(p) for p in val_paths]
+    else:
+        try:
+            with open(cfg.data, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--data {cfg.data}: cannot read it as UTF-8 text ({e})")
+        tokens = np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
+        split = int(0.9 * len(tokens))  # the last 10% validates
+        train, names, val_shards = [tokens[:split]], [cfg.data], [tokens[split:]]
+    train_tokens = sum(len(s) for s in train)
+    if train_tokens < cfg.total_batch_size + 1:
+        raise UsageError(f"--data {cfg.data}: {train_tokens} training tokens, fewer than one batch of --total-batch-size {cfg.total_batch_size}; use more text or a smaller batch")
+    n_val = (min(cfg.val_tokens, sum(len(s) for s in val_shards) - 1) // cfg.seq_len) * cfg.seq_len
+    if n_val <= 0:
+        raise UsageError(f"--data {cfg.data}: the validation split holds less than one sequence of --seq-len {cfg.seq_len}")
+    val, need = [], n_val + 1
+    for shard in val_shards:
+        val.append(shard[:need])
+        need -= len(val[-1])
+    val = np.concatenate(val)
+    check_token_ids(val, cfg.vocab_size, f"the validation data of {cfg.data}")
+    return TokenStream(train, names, cfg.seed), val, train_tokens
+
+
+# -----------------------------------------------------------------------------
+# Setup: processes, devices, precision.
+
+
+class Dist(NamedTuple):
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str
+    device_type: str
+
+
+def setup_distributed(device="auto"):
+    """One process per GPU under torchrun (RANK, LOCAL_RANK, WORLD_SIZE), or a single process."""
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda, but PyTorch sees no CUDA GPU; install a CUDA build of torch or use --device cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"process LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower torchrun's --nproc_per_node")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    elif device == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps, but this machine has no Apple GPU available to PyTorch; use --device cpu")
+    device_type = device.split(":")[0]
+    if world_size > 1:
+        if device_type == "mps":
+            raise UsageError("several processes need CUDA or the CPU; run one process on mps")
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return Dist(rank, local_rank, world_size, device, device_type)
+
+
+def teardown_distributed():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype, device_type):
+    if dtype == "auto":
+        if device_type != "cuda":
+            return "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"  # V100 and T4 lack bf16
+    if dtype == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UsageError("--dtype bf16: this GPU has no bf16; use --dtype fp16")
+    return dtype
+
+
+def autocast_context(device_type, dtype):
+    """Matmuls in bf16/fp16 with float32 master weights; a no-op for fp32 and tf32."""
+    if dtype in DTYPES:
+        return torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
+    return contextlib.nullcontext()
+
+
+PEAK_FLOPS = {  # dense bf16/fp16 tensor-core peak, by a part of the GPU's name, for MFU
+    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
+    "A10G": 70e12, "L4": 121e12, "L40S": 362e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+}
+
+
+def peak_flops(device_type):
+    if device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for part, flops in PEAK_FLOPS.items() if part in name), None)
+
+
+def resolve_config(cfg, given, env):
+    """Fills in the defaults that depend on the data, the model preset and the device, then checks everything."""
+    if "data" not in given and not os.path.exists(cfg.data):
+        if env.rank == 0:
+            print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): training a small model on tiny Shakespeare instead")
+        cfg.__dict__.update({k: v for k, v in SHAKESPEARE.items() if k not in given})
+    if cfg.init_from != "scratch":
+        cfg.model = cfg.init_from
+    for key, value in MODEL_SIZES[cfg.model].items():
+        if getattr(cfg, key) == 0:
+            setattr(cfg, key, value)
+    if cfg.compile is None:
+        cfg.compile = env.device_type == "cuda"
+    if "hellaswag_every" not in given and env.device_type != "cuda":
+        cfg.hellaswag_every = 0
+    cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
+    check_config(cfg, env.world_size)
+    return cfg
+
+
+def check_config(cfg, world_size):
+    def flag(name):
+        return "--" + name.replace("_", "-")
+
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len", "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps"):
+        if getattr(cfg, name) <= 0:
+            raise UsageError(f"{flag(name)} must be positive, not {getattr(cfg, name)}")
+    for name in ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples", "max_new_tokens"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"{flag(name)} must be zero or more, not {getattr(cfg, name)}")
+    for name in ("max_lr", "grad_clip"):
+        if not getattr(cfg, name) > 0:
+            raise UsageError(f"{flag(name)} must be positive, not {getattr(cfg, name)}")
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    if cfg.seq_len > cfg.block_size:
+        raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; shorten it")
+    if cfg.init_from != "scratch" and (cfg.block_size, cfg.vocab_size) != (1024, 50304):
+        raise UsageError(f"--init-from {cfg.init_from} needs --block-size 1024 and --vocab-size 50304")
+    tokens_per_pass = cfg.batch_size * cfg.seq_len * world_size
+    if cfg.total_batch_size % tokens_per_pass:
+        raise UsageError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len x processes "
+                         f"= {cfg.batch_size} x {cfg.seq_len} x {world_size} = {tokens_per_pass}; change one of them")
+
+
+# -----------------------------------------------------------------------------
+# Optimization: AdamW with decay on the weight matrices only, warmup then cosine decay.
+
+
+def make_optimizer(model, cfg, device_type):
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},  # matmuls and embeddings
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases and LayerNorm gains
+    ]
+    fused = cfg.fused_adamw and device_type == "cuda"  # one kernel for all parameters, not one per tensor
+    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def get_lr(step, cfg):
+    """Linear warmup to max_lr, then a cosine down to min_lr_ratio * max_lr, reached at the last step."""
+    min_lr = cfg.max_lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# Evaluation and checkpoints.
+
+
+@torch.no_grad()
+def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
+    """Mean loss per token over the fixed validation set; rank r takes every world_size-th batch of B sequences."""
+    n_seq = (len(val) - 1) // T
+    totals = torch.zeros(2, device=device)  # loss sum, token count
+    for first in range(rank * B, n_seq, world_size * B):
+        rows = min(B, n_seq - first)
+        buf = torch.from_numpy(val[first * T: (first + rows) * T + 1].astype(np.int64))
+        x = torch.zeros(B, T, dtype=torch.long)  # a short last batch is padded, so shapes never change
+        y = torch.full((B, T), -1, dtype=torch.long)
+        x[:rows], y[:rows] = buf[:-1].view(rows, T), buf[1:].view(rows, T)
+        with autocast_ctx:
+            _, loss = model(x.to(device), y.to(device))
+        totals += torch.stack([loss.float() * rows * T, torch.tensor(float(rows * T), device=device)])
+    if world_size > 1:
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def print_samples(model, cfg, enc, device, autocast_ctx, seed):
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with autocast_ctx:
+        samples = generate(model, enc.encode_ordinary(cfg.prompt) or [EOT], cfg.num_samples, cfg.max_new_tokens, generator)
+    for i, tokens in enumerate(samples):
+        print(f"sample {i}: {enc.decode([t for t in tokens if t < GPT2_VOCAB])!r}")
+
+
+def checkpoint_paths(log_dir):
+    """Checkpoints in log_dir, oldest first."""
+    found = glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
+    return sorted(p for p in found if re.fullmatch(r"ckpt_\d+\.pt", os.path.basename(p)))
+
+
+def load_checkpoint(path):
+    # weights_only: a checkpoint is data, and loading one can never run code
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise ValueError("not a train_gpt2.py checkpoint")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt):
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def find_resume_checkpoint(cfg, rank):
+    """The checkpoint to resume from (None: start fresh), falling back past unreadable ones."""
+    if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto"):
+        return None
+    if cfg.resume != "auto":
+        try:
+            return load_checkpoint(cfg.resume)
+        except Exception as e:
+            raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
+    for path in reversed(checkpoint_paths(cfg.log_dir)):
+        try:
+            return load_checkpoint(path)
+        except Exception as e:
+            if rank == 0:
+                print(f"warning: skipping unreadable checkpoint {path} ({type(e).__name__}: {e})")
+    return None
+
+
+def check_same_shapes(ckpt, model_config, path_hint):
+    saved = ckpt["model_config"]
+    ours = asdict(model_config)
+    differ = [f"{k}: checkpoint {saved.get(k)}, flags {ours[k]}" for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if saved.get(k) != ours[k]]
+    if differ:
+        raise UsageError(f"{path_hint} does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
+
+
+def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env):
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
+    rng_per_rank = [rng]
+    if env.world_size > 1:  # every rank reaches here before rank 0 writes
+        rng_per_rank = [None] * env.world_size
+        dist.all_gather_object(rng_per_rank, rng)
+    if env.rank == 0:
+        ckpt = {
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "step": step, "stream": stream.state_dict(), "rng": rng_per_rank, "val_loss": val_loss,
+            "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
+        }
+        path = os.path.join(cfg.log_dir, f"ckpt_{step:06d}.pt")
+        with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        for old in checkpoint_paths(cfg.log_dir)[: -cfg.keep_checkpoints]:
+            os.remove(old)
+    if env.world_size > 1:
+        dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# The training run.
+
+
+def train(cfg, given):
+    env = setup_distributed(cfg.device)
+    cfg = resolve_config(cfg, given, env)
+    master = env.rank == 0  # only rank 0 prints and writes files
+    device, device_type = env.device, env.device_type
+    torch.set_float32_matmul_precision("highest" if cfg.dtype == "fp32" else "high")  # "high": TF32 matmuls
+    torch.backends.cudnn.allow_tf32 = cfg.dtype != "fp32"
+    autocast_ctx = autocast_context(device_type, cfg.dtype)
+    enc = gpt2_tokenizer()
+    stream, val, train_tokens = load_data(cfg)
+    accum_steps = cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model_config = GPTConfig(cfg.block_size, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.attn)
+    ckpt = find_resume_checkpoint(cfg, env.rank)
+    if ckpt is None and cfg.init_from != "scratch":
+        if master:
+            raw_model = load_pretrained(cfg.init_from)
+        if env.world_size > 1:  # rank 0 downloads, the others then read its cached copy
+            dist.barrier()
+        if not master:
+            raw_model = load_pretrained(cfg.init_from)
+        raw_model.config.attn = cfg.attn
+    else:
+        raw_model = GPT(model_config)
+    raw_model.to(device)
+    optimizer = make_optimizer(raw_model, cfg, device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")  # fp16 gradients underflow unless scaled
+    start_step, val_loss = 0, None
+    if ckpt is not None:
+        check_same_shapes(ckpt, model_config, f"checkpoint of step {ckpt['step']}")
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        stream.load_state_dict(ckpt["stream"])
+        if env.rank < len(ckpt["rng"]):
+            torch.set_rng_state(ckpt["rng"][env.rank]["cpu"])
+            if device_type == "cuda" and ckpt["rng"][env.rank]["cuda"] is not None:
+                torch.cuda.set_rng_state(ckpt["rng"][env.rank]["cuda"])
+        start_step, val_loss = ckpt["step"], ckpt["val_loss"]
+    if master:
+        fresh_run = ckpt is None and not cfg.eval_only
+        if fresh_run and os.path.isdir(cfg.log_dir) and os.listdir(cfg.log_dir):
+            aside = f"{cfg.log_dir.rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(cfg.log_dir, aside)
+            print(f"starting fresh: moved the old {cfg.log_dir} aside to {aside}")
+        os.makedirs(cfg.log_dir, exist_ok=True)
+        log_file = open(os.path.join(cfg.log_dir, "log.jsonl"), "a")  # appended, never truncated
+
+    def log(record, line=None):
+        if master:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+            if line:
+                print(line, flush=True)
+
+    if master:
+        n_params = sum(p.numel() for p in raw_model.parameters())
+        print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
+              f"{env.world_size} process(es) on {device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
+        print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
+              f"{cfg.batch_size} x {cfg.seq_len} x {accum_steps} accumulation steps x {env.world_size} process(es)")
+        if ckpt is not None:
+            print(f"resuming from the checkpoint of step {start_step} in {cfg.log_dir}")
+            log({"step": start_step, "event": "resume"})
+
+    model = torch.compile(raw_model) if cfg.compile else raw_model  # fuses kernels; evaluation uses the same compiled model
+    train_model = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if device_type == "cuda" else None) if env.world_size > 1 else model
+
+    hellaswag_data = None
+    if cfg.hellaswag_every > 0:
+        import hellaswag
+
+        hellaswag_data = hellaswag.prepare(hellaswag.load_examples(cfg.hellaswag_file or None), enc, cfg.block_size)
+
+    def evaluate(step):
+        nonlocal val_loss
+        tokens = step * cfg.total_batch_size
+        val_loss = evaluate_val(model, val, cfg.batch_size, cfg.seq_len, device, autocast_ctx, env.rank, env.world_size)
+        extra = {"eval_only": True, "init_from": cfg.init_from if ckpt is None else cfg.resume} if cfg.eval_only else {}
+        log({"step": step, "tokens": tokens, "val_loss": val_loss, **extra}, f"step {step:5d} | val loss {val_loss:.4f}")
+        if hellaswag_data is not None and (cfg.eval_only or step % cfg.hellaswag_every == 0 or step == cfg.max_steps):
+            acc_norm, acc, n = hellaswag.evaluate(model, hellaswag_data, device, autocast_ctx, env.rank, env.world_size)
+            log({"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
+                f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+        if master and cfg.num_samples > 0:
+            print_samples(raw_model, cfg, enc, device, autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
+
+    if cfg.eval_only:
+        evaluate(start_step)
+        return
+
+    stop_signal = []
+    for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the step, checkpoint, exit cleanly
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+    inject_nan = {int(s) for s in os.environ.get("TRAIN_GPT2_NAN_STEPS", "").split(",") if s}  # test hook
+    mfu_peak = peak_flops(device_type)
+    flops_per_step = flops_per_token(model_config, cfg.seq_len) * cfg.total_batch_size
+    bad_steps_in_a_row = 0
+    step = start_step
+    while True:
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            evaluate(step)
+        stopping = step == cfg.max_steps or bool(stop_signal)
+        if step > start_step and (stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env)
+        if stopping:
+            break
+
+        t0 = time.time()
+        optimizer.zero_grad(set_to_none=True)
+        loss_accum = torch.zeros((), device=device)
+        batches = stream.next_step(cfg.batch_size, cfg.seq_len, accum_steps, env.rank, env.world_size, cfg.vocab_size)
+        for micro, (x, y) in enumerate(batches):
+            if device_type == "cuda":
+                x, y = x.pin_memory(), y.pin_memory()  # lets the copy overlap with the GPU's work
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            last_micro = micro == accum_steps - 1
+            sync_context = train_model.no_sync() if env.world_size > 1 and not last_micro else contextlib.nullcontext()
+            with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
+                with autocast_ctx:
+                    _, loss = train_model(x, y)
+                if step in inject_nan:
+                    loss = loss * float("nan")
+                loss = loss / accum_steps  # the gradients add up to those of the mean over the whole batch
+                loss_accum += loss.detach()
+                scaler.scale(loss).backward()
+        stats = torch.stack([loss_accum, torch.tensor(float(bool(stop_signal)), device=device)])
+        if env.world_size > 1:  # the mean loss, and whether any rank got a stop signal
+            dist.all_reduce(stats)
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+        lr = get_lr(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_value, stop_votes, norm_value = stats[0].item() / env.world_size, stats[1].item(), norm.item()
+        if stop_votes and not stop_signal:
+            stop_signal.append("peer")
+        finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
+        if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
+            scaler.step(optimizer)
+        scaler.update()
+        dt = time.time() - t0
+        tok_per_sec = cfg.total_batch_size / dt
+        record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size, "train_loss": loss_value if finite else None,
+                  "lr": lr, "grad_norm": norm_value if math.isfinite(norm_value) else None, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
+        line = f"step {step:5d} | loss {loss_value:.6f} | lr {lr:.4e} | norm {norm_value:.4f} | {dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s"
+        if mfu_peak:
+            record["mfu"] = flops_per_step / dt / (mfu_peak * env.world_size)
+            line += f" | mfu {100 * record['mfu']:.1f}%"
+        if not finite:
+            bad_steps_in_a_row += 1
+            record["skipped"] = True
+            line += f" | non-finite: update skipped ({bad_steps_in_a_row} in a row)"
+        else:
+            bad_steps_in_a_row = 0
+        log(record, line)
+        if bad_steps_in_a_row >= cfg.max_bad_steps:
+            last = checkpoint_paths(cfg.log_dir)
+            raise UsageError(f"{bad_steps_in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {step}); "
+                             f"stopping. Lower --max-lr and resume from {last[-1] if last else 'scratch'}")
+        step += 1
+
+    if stop_signal and master:
+        print(f"stopped by signal at step {step}, checkpoint saved; resume with the same command (it picks up {cfg.log_dir})")
+
+
+def sample_from_checkpoint(cfg):
+    """--sample PATH: print samples from a checkpoint, without any training setup."""
+    env = setup_distributed(cfg.device)
+    try:
+        ckpt = load_checkpoint(cfg.sample)
+    except Exception as e:
+        raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({e})")
+    model = model_from_checkpoint(ckpt).to(env.device)
+    dtype = resolve_dtype(cfg.dtype, env.device_type)
+    print(f"checkpoint of step {ckpt['step']} (val loss {ckpt['val_loss']}), prompt {cfg.prompt!r}")
+    print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed)
+
+
+def main(argv=None):
+    cfg, given = parse_args(argv)
+    try:
+        if cfg.sample:
+            sample_from_checkpoint(cfg)
+        else:
+            train(cfg, given)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    main()
