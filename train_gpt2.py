@@ -848,6 +848,8 @@ def train(cfg, given):
         if mfu_peak:
             record["mfu"] = flops_per_step / dt / (mfu_peak * env.world_size)
             line += f" | mfu {100 * record['mfu']:.1f}%"
+        if device_type == "cuda":
+            record["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         if not finite:
             bad_steps_in_a_row += 1
             record["skipped"] = True
