@@ -1,0 +1,143 @@
+"""--init-from: OpenAI's GPT-2 weights in the Hugging Face layout, downloaded, mapped, and checked against a
+forward pass written out on the raw tensors. The file is a tiny random model written by the test and served
+from 127.0.0.1, so nothing here needs the network."""
+import contextlib
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import hellaswag
+import train_gpt2
+from test_hellaswag import synthetic_examples, write_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
+
+
+def hf_gpt2_weights(seed=0):
+    """Random weights in the layout of openai-community/gpt2's model.safetensors: no 'transformer.' prefix,
+    Conv1D weights stored (in, out), 50257 token rows, no lm_head, and the causal-mask buffers h.N.attn.bias."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, std=0.2):
+        return torch.randn(*shape, generator=generator) * std
+
+    C = N_EMBD
+    weights = {"wte.weight": randn(50257, C), "wpe.weight": randn(BLOCK_SIZE, C),
+               "ln_f.weight": 1 + randn(C), "ln_f.bias": randn(C)}
+    for i in range(N_LAYER):
+        weights.update({
+            f"h.{i}.ln_1.weight": 1 + randn(C), f"h.{i}.ln_1.bias": randn(C),
+            f"h.{i}.attn.c_attn.weight": randn(C, 3 * C), f"h.{i}.attn.c_attn.bias": randn(3 * C),
+            f"h.{i}.attn.c_proj.weight": randn(C, C), f"h.{i}.attn.c_proj.bias": randn(C),
+            f"h.{i}.attn.bias": torch.tril(torch.ones(BLOCK_SIZE, BLOCK_SIZE)).view(1, 1, BLOCK_SIZE, BLOCK_SIZE),
+            f"h.{i}.ln_2.weight": 1 + randn(C), f"h.{i}.ln_2.bias": randn(C),
+            f"h.{i}.mlp.c_fc.weight": randn(C, 4 * C), f"h.{i}.mlp.c_fc.bias": randn(4 * C),
+            f"h.{i}.mlp.c_proj.weight": randn(4 * C, C), f"h.{i}.mlp.c_proj.bias": randn(C),
+        })
+    return weights
+
+
+def reference_logits(w, idx):
+    """GPT-2's forward pass on the raw tensors, in float64: Conv1D is x @ W + b, GELU the tanh approximation."""
+    w = {k: v.double() for k, v in w.items()}
+    B, T = idx.shape
+    C, hs = N_EMBD, N_EMBD // N_HEAD
+
+    def layer_norm(x, name):
+        mean = x.mean(dim=-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + 1e-5) * w[name + ".weight"] + w[name + ".bias"]
+
+    def conv1d(x, name):
+        return x @ w[name + ".weight"] + w[name + ".bias"]
+
+    def gelu(x):
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+    x = w["wte.weight"][idx] + w["wpe.weight"][:T]  # (B, T, C)
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    for i in range(N_LAYER):
+        q, k, v = conv1d(layer_norm(x, f"h.{i}.ln_1"), f"h.{i}.attn.c_attn").split(C, dim=-1)
+        q, k, v = (t.view(B, T, N_HEAD, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(future, float("-inf"))  # (B, nh, T, T)
+        y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + conv1d(y, f"h.{i}.attn.c_proj")
+        x = x + conv1d(gelu(conv1d(layer_norm(x, f"h.{i}.ln_2"), f"h.{i}.mlp.c_fc")), f"h.{i}.mlp.c_proj")
+    return layer_norm(x, "ln_f") @ w["wte.weight"].T  # (B, T, 50257): the output layer is the token embedding
+
+
+@pytest.fixture
+def gpt2_server(static_server, monkeypatch):
+    """Serves the tiny weights as openai-community/gpt2, whose size preset is shrunk to match."""
+    www, base_url = static_server
+    weights = hf_gpt2_weights()
+    path = www / "openai-community" / "gpt2" / "resolve" / "main" / "model.safetensors"
+    path.parent.mkdir(parents=True)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    monkeypatch.setitem(train_gpt2.MODEL_SIZES, "gpt2", dict(n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD))
+    monkeypatch.setenv("HF_ENDPOINT", base_url)
+    return weights, path
+
+
+def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
+    weights, served = gpt2_server
+    model = train_gpt2.load_pretrained("gpt2", cache_dir=str(tmp_path / "cache")).eval()
+    idx = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = model(idx)
+    expected = reference_logits(weights, idx)
+    assert logits.shape == expected.shape == (2, 24, 50257)
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-4)
+
+    served.unlink()  # the second load reads the cached copy
+    cached = train_gpt2.load_pretrained("gpt2", cache_dir=str(tmp_path / "cache")).eval()
+    with torch.no_grad():
+        assert torch.equal(cached(idx)[0], logits)
+
+
+def test_missing_weights_are_a_usage_error(static_server, tmp_path):
+    with pytest.raises(train_gpt2.UsageError, match="could not download"):
+        train_gpt2.load_pretrained("gpt2", endpoint=static_server[1], cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache" / "gpt2" / "model.safetensors").exists()
+
+
+def test_hellaswag_cli_init_from_gpt2(gpt2_server, tmp_path, monkeypatch, capsys):
+    examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
+    write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
+    cache_dir = str(tmp_path / "cache")
+    model = train_gpt2.load_pretrained("gpt2", cache_dir=cache_dir)
+    prepared = hellaswag.prepare(examples, train_gpt2.gpt2_tokenizer(), model.config.block_size)
+    acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext())
+
+    monkeypatch.setattr(sys, "argv", ["hellaswag.py", "--init-from", "gpt2", "--cache-dir", cache_dir,
+                                      "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--device", "cpu"])
+    hellaswag.main()
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"acc_norm={acc_norm:.6f} acc={acc:.6f} n={n}"
+
+
+def test_eval_only_init_from_gpt2_logs_the_reference(gpt2_server, tmp_path, monkeypatch):
+    """What plot.py draws as GPT-2's line: an --eval-only --init-from gpt2 run's val loss and HellaSwag."""
+    examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
+    write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache"))
+    log_dir = tmp_path / "log"
+    train_gpt2.main(["--init-from", "gpt2", "--eval-only", "--data", os.path.join(REPO, "input.txt"),
+                     "--log-dir", str(log_dir), "--device", "cpu", "--no-compile", "--batch-size", "2",
+                     "--seq-len", "64", "--total-batch-size", "128", "--val-tokens", "256", "--num-samples", "0",
+                     "--hellaswag-every", "1", "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl")])
+    records = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
+    assert all(r["eval_only"] is True and r["init_from"] == "gpt2" for r in records)
+    val_loss = next(r["val_loss"] for r in records if "val_loss" in r)
+    assert math.isfinite(val_loss)
+
+    model = train_gpt2.load_pretrained("gpt2")  # the logged HellaSwag is that of the loaded weights
+    prepared = hellaswag.prepare(examples, train_gpt2.gpt2_tokenizer(), 1024)
+    acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext())
+    logged = next(r for r in records if "hellaswag_acc_norm" in r)
+    assert (logged["hellaswag_acc_norm"], logged["hellaswag_acc"]) == (acc_norm, acc)
