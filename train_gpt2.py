@@ -100,7 +100,7 @@ class TrainConfig:
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
     batch_size=16, seq_len=128, total_batch_size=4096, max_steps=250, warmup_steps=25, max_lr=2e-3,
-    eval_every=50, val_tokens=16384, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
+    eval_every=50, val_tokens=16384, hellaswag_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
 )
 
 
@@ -114,7 +114,7 @@ def parse_args(argv=None):
                                      argument_default=argparse.SUPPRESS)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        help = f"{f.metadata['help']} (default: {f.default})"
+        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if f.type in (bool, Optional[bool]):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
@@ -291,7 +291,7 @@ def download(url, path):
     os.replace(path + ".tmp", path)
 
 
-def load_pretrained(name, endpoint=None, cache_dir=None):
+def load_pretrained(name, endpoint=None, cache_dir=None, attn="sdpa"):
     """OpenAI's GPT-2 weights from the Hugging Face hub (or HF_ENDPOINT's mirror), cached on disk."""
     from safetensors.torch import load_file
 
@@ -304,7 +304,7 @@ def load_pretrained(name, endpoint=None, cache_dir=None):
         weights = load_file(path)
     except Exception as e:
         raise UsageError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
-    model = GPT(GPTConfig(**MODEL_SIZES[name]))
+    model = GPT(GPTConfig(**MODEL_SIZES[name], attn=attn))
     ours = model.state_dict()
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     loaded = set()
@@ -368,7 +368,8 @@ class TokenStream:
     """
 
     def __init__(self, shards, names, seed):
-        self.shards, self.names, self.seed = shards, names, seed
+        nonempty = [i for i, shard in enumerate(shards) if len(shard)]  # an empty shard would stall seek()
+        self.shards, self.names, self.seed = [shards[i] for i in nonempty], [names[i] for i in nonempty], seed
         self.epoch, self.index, self.offset = 0, 0, 0  # now in shard order(epoch)[index], at token offset
 
     def order(self, epoch):
@@ -513,8 +514,8 @@ def autocast_context(device_type, dtype):
 
 
 PEAK_FLOPS = {  # dense bf16/fp16 tensor-core peak, by a part of the GPU's name, for MFU
-    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
-    "A10G": 70e12, "L4": 121e12, "L40S": 362e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+    "A10G": 70e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
 }
 
 
@@ -531,8 +532,12 @@ def resolve_config(cfg, given, env):
         if env.rank == 0:
             print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): training a small model on tiny Shakespeare instead")
         cfg.__dict__.update({k: v for k, v in SHAKESPEARE.items() if k not in given})
-    if cfg.init_from != "scratch":
-        cfg.model = cfg.init_from
+    if cfg.init_from != "scratch":  # OpenAI's shapes, whatever a preset said
+        pretrained = dict(MODEL_SIZES[cfg.init_from], block_size=1024, vocab_size=50304)
+        clash = [f"--{k.replace('_', '-')}" for k, v in pretrained.items() if k in given and getattr(cfg, k) != v]
+        if clash:
+            raise UsageError(f"--init-from {cfg.init_from} fixes {', '.join(clash)}; drop those flags")
+        cfg.__dict__.update(pretrained, model=cfg.init_from)
     for key, value in MODEL_SIZES[cfg.model].items():
         if getattr(cfg, key) == 0:
             setattr(cfg, key, value)
@@ -562,8 +567,6 @@ def check_config(cfg, world_size):
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if cfg.seq_len > cfg.block_size:
         raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; shorten it")
-    if cfg.init_from != "scratch" and (cfg.block_size, cfg.vocab_size) != (1024, 50304):
-        raise UsageError(f"--init-from {cfg.init_from} needs --block-size 1024 and --vocab-size 50304")
     tokens_per_pass = cfg.batch_size * cfg.seq_len * world_size
     if cfg.total_batch_size % tokens_per_pass:
         raise UsageError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len x processes "
@@ -715,12 +718,11 @@ def train(cfg, given):
     ckpt = find_resume_checkpoint(cfg, env.rank)
     if ckpt is None and cfg.init_from != "scratch":
         if master:
-            raw_model = load_pretrained(cfg.init_from)
+            raw_model = load_pretrained(cfg.init_from, attn=cfg.attn)
         if env.world_size > 1:  # rank 0 downloads, the others then read its cached copy
             dist.barrier()
         if not master:
-            raw_model = load_pretrained(cfg.init_from)
-        raw_model.config.attn = cfg.attn
+            raw_model = load_pretrained(cfg.init_from, attn=cfg.attn)
     else:
         raw_model = GPT(model_config)
     raw_model.to(device)
@@ -731,7 +733,8 @@ def train(cfg, given):
         check_same_shapes(ckpt, model_config, f"checkpoint of step {ckpt['step']}")
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"]:  # empty unless the run used fp16
+            scaler.load_state_dict(ckpt["scaler"])
         stream.load_state_dict(ckpt["stream"])
         if env.rank < len(ckpt["rng"]):
             torch.set_rng_state(ckpt["rng"][env.rank]["cpu"])
@@ -882,6 +885,7 @@ def sample_from_checkpoint(cfg):
 
 def main(argv=None):
     cfg, given = parse_args(argv)
+    signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if cfg.sample:
             sample_from_checkpoint(cfg)
@@ -892,6 +896,8 @@ def main(argv=None):
         sys.exit(2)
     finally:
         teardown_distributed()
+        for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
