@@ -1,0 +1,524 @@
+"""
+Prepare pretraining shards: FineWeb-Edu from the Hugging Face hub, or local text.
+
+    python fineweb.py                      # FineWeb-Edu sample-10BT -> edu_fineweb10B/
+    python fineweb.py --input input.txt --output shakespeare --shard-size 100000
+
+Every document is prefixed by <|endoftext|> (50256) and tokenized with the GPT-2
+BPE shipped next to this file (gpt2.tiktoken, no network needed). Tokens go into
+shards of --shard-size tokens saved as uint16 .npy; the first shard is the
+validation split: PREFIX_val_000000.npy, PREFIX_train_000001.npy, ... (the names
+and format of build-nanogpt's fineweb.py, so shards are interchangeable).
+
+Hub files are streamed with requests one at a time (HF_ENDPOINT / --endpoint for
+mirrors, HF_TOKEN for gated access), checked against their sha256, tokenized by
+all cores while the next file downloads, and deleted once tokenized. Interrupt
+it any time and run the same command again: it resumes from manifest.json in the
+output directory and produces the same bytes as an uninterrupted run.
+"""
+
+import argparse
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
+from multiprocessing import Pool
+from urllib.parse import quote
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import requests
+import tiktoken
+import tiktoken.load
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EOT = 50256  # <|endoftext|>, the document delimiter GPT-2 was trained with
+JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
+DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class PrepareError(Exception):
+    """A problem the user can fix; main() prints it as one `error:` line."""
+
+# -----------------------------------------------------------------------------
+# tokenization, in worker processes: each job is one unit of a source file
+# (a parquet row group, a batch of jsonl lines or a whole .txt file)
+
+def load_gpt2_encoding():
+    ranks = tiktoken.load.load_tiktoken_bpe(os.path.join(HERE, "gpt2.tiktoken"))
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
+    )
+
+def init_worker():
+    global encoding, open_parquet
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    encoding = load_gpt2_encoding()
+    open_parquet = (None, None)  # (path, ParquetFile): footers of big files take ms to parse
+
+def parquet_file(path):
+    global open_parquet
+    if open_parquet[0] != path:
+        if open_parquet[1] is not None:
+            open_parquet[1].close()
+        open_parquet = (path, pq.ParquetFile(path))
+    return open_parquet[1]
+
+def unit_texts(job):
+    kind, path = job[0], job[1]
+    if kind == "parquet":
+        _, _, row_group, field = job
+        column = parquet_file(path).read_row_group(row_group, columns=[field]).column(0)
+        return [text for text in column.to_pylist() if text is not None]
+    if kind == "jsonl":
+        _, _, first_line_number, lines, field = job
+        texts = []
+        for line_number, line in enumerate(lines, first_line_number):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[field]
+            except ValueError as e:
+                raise PrepareError(f"{path}:{line_number}: malformed JSON ({e}); fix or delete that line")
+            except (KeyError, TypeError):
+                raise PrepareError(f"{path}:{line_number}: no '{field}' field; name the text field with --text-field")
+            if not isinstance(text, str):
+                raise PrepareError(f"{path}:{line_number}: '{field}' is not a string")
+            texts.append(text)
+        return texts
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return [data.decode("utf-8")]
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+
+def encode_ordinary(text):
+    # encode_to_numpy with no special tokens allowed is encode_ordinary without building a Python list
+    try:
+        return encoding.encode_to_numpy(text, disallowed_special=())
+    except UnicodeEncodeError:  # lone surrogates (from jsonl escapes): repaired as encode_ordinary does
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return encoding.encode_to_numpy(text, disallowed_special=())
+
+def tokenize_unit(job):
+    eot = np.array([EOT], dtype=np.uint32)
+    pieces = []
+    for text in unit_texts(job):
+        pieces += (eot, encode_ordinary(text))
+    # the GPT-2 vocabulary (50257) fits uint16
+    return np.concatenate(pieces).astype(np.uint16) if pieces else np.empty(0, dtype=np.uint16)
+
+def file_units(path, first_unit, field):
+    """Yield (unit index, job, fraction of the file) for the units of one source file, from first_unit on."""
+    if path.endswith(".parquet"):
+        try:
+            with pq.ParquetFile(path) as pf:
+                columns, row_groups = pf.schema_arrow.names, pf.num_row_groups
+        except pa.ArrowException as e:
+            raise PrepareError(f"{path} is not a readable parquet file ({e})")
+        if field not in columns:
+            raise PrepareError(f"{path} has no '{field}' column (it has {', '.join(columns)}); "
+                               "name the text column with --text-field")
+        for row_group in range(first_unit, row_groups):
+            yield row_group, ("parquet", path, row_group, field), 1 / row_groups
+    elif path.endswith(".jsonl"):
+        size = max(os.path.getsize(path), 1)
+        with open(path, "rb") as f:
+            for _ in islice(f, first_unit * JSONL_LINES_PER_UNIT):
+                pass
+            unit = first_unit
+            while lines := list(islice(f, JSONL_LINES_PER_UNIT)):
+                first_line_number = unit * JSONL_LINES_PER_UNIT + 1
+                yield unit, ("jsonl", path, first_line_number, lines, field), sum(map(len, lines)) / size
+                unit += 1
+    elif first_unit == 0:
+        yield 0, ("txt", path), 1.0
+
+# -----------------------------------------------------------------------------
+# sources: the hub's parquet files, or local files
+
+def hub_headers():
+    token = os.environ.get("HF_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+def http_get(session, url, args, headers=None):
+    """GET url; 5xx/429 and network failures raise requests exceptions (retried), others PrepareError."""
+    response = session.get(url, headers={**hub_headers(), **(headers or {})}, stream=True, timeout=(30, 60))
+    status = response.status_code
+    if status < 400 or status == 416:
+        return response
+    response.close()
+    if status >= 500 or status == 429:
+        raise requests.HTTPError(f"HTTP {status} from {url}")
+    if status in (401, 403):
+        raise PrepareError(f"{args.endpoint} refused access to {args.dataset} (HTTP {status}); set HF_TOKEN to a "
+                           "Hugging Face token that can read it (https://huggingface.co/settings/tokens)")
+    if status == 404:
+        raise PrepareError(f"{url} not found (HTTP 404); check --dataset and --subset")
+    raise PrepareError(f"{url} answered HTTP {status}")
+
+def backoff(failures, error, args, stop):
+    if failures > args.retries:
+        raise PrepareError(f"giving up on {args.endpoint} after {args.retries} retries ({error}); check the "
+                           "network or proxy, or point HF_ENDPOINT (or --endpoint) at a mirror, e.g. https://hf-mirror.com")
+    stop.wait(min(args.retry_delay * 2 ** (failures - 1), 60))
+
+def list_hub_files(args, stop):
+    url = f"{args.endpoint}/api/datasets/{args.dataset}/tree/main/{args.subset}"
+    session, files, failures = requests.Session(), [], 0
+    while url:
+        try:
+            with http_get(session, url, args) as response:
+                entries, next_url = response.json(), response.links.get("next", {}).get("url")
+            files += [{"path": e["path"], "size": e["size"], "sha256": (e.get("lfs") or {}).get("oid")}
+                      for e in entries if e.get("type") == "file" and e["path"].endswith(".parquet")]
+        except requests.RequestException as e:
+            failures += 1
+            backoff(failures, e, args, stop)
+            continue
+        except (KeyError, TypeError, AttributeError):
+            raise PrepareError(f"unexpected answer from {url}; is --endpoint a Hugging Face hub or mirror?")
+        url = next_url
+    if not files:
+        raise PrepareError(f"no parquet files in {args.dataset}/{args.subset} at {args.endpoint}; check --subset")
+    return sorted(files, key=lambda f: f["path"])
+
+def sha256_of(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+def download(source, args, stop):
+    """Fetch one hub file into OUTPUT/downloads, verified; a partial .part file is resumed with a Range request."""
+    path = os.path.join(args.output, "downloads", os.path.basename(source["path"]))
+    if os.path.exists(path):
+        return path  # only ever renamed into place once verified
+    part = path + ".part"
+    url = f"{args.endpoint}/datasets/{args.dataset}/resolve/main/{quote(source['path'])}"
+    session, started = requests.Session(), time.time()
+    for attempt in range(2):  # a file that fails its checksum is downloaded afresh once
+        failures = 0
+        while not stop.is_set() and (not os.path.exists(part) or os.path.getsize(part) != source["size"]):
+            have = os.path.getsize(part) if os.path.exists(part) else 0
+            try:
+                with http_get(session, url, args, {"Range": f"bytes={have}-"} if have else {}) as response:
+                    if response.status_code == 416:  # we hold more than the file has: verification decides
+                        break
+                    with open(part, "ab" if response.status_code == 206 else "wb") as f:
+                        for chunk in response.iter_content(DOWNLOAD_CHUNK):
+                            f.write(chunk)
+                            failures = 0  # a flaky link that makes progress never runs out of retries
+                            if stop.is_set():
+                                return None
+                break  # the server sent what it had; size and sha256 are checked below
+            except requests.RequestException as e:
+                failures += 1
+                backoff(failures, e, args, stop)
+        if stop.is_set():
+            return None
+        got = sha256_of(part)
+        if os.path.getsize(part) == source["size"] and source["sha256"] in (None, got):
+            os.replace(part, path)
+            megabytes = source["size"] / 1e6
+            tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {megabytes / (time.time() - started):.1f} MB/s)")
+            return path
+        os.remove(part)
+    raise PrepareError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected sha256 "
+                       f"{source['sha256']}, size {source['size']}; got {got}); the mirror may serve a damaged "
+                       "or stale copy: try another HF_ENDPOINT")
+
+def local_sources(paths):
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                           if name.endswith((".txt", ".jsonl", ".parquet")))
+            if not found:
+                raise PrepareError(f"--input {path}: no .txt, .jsonl or .parquet files in that directory")
+            files += found
+        elif not os.path.isfile(path):
+            raise PrepareError(f"--input {path}: no such file")
+        elif not path.endswith((".txt", ".jsonl", ".parquet")):
+            raise PrepareError(f"--input {path}: unsupported type; use .txt (one document), .jsonl or .parquet")
+        else:
+            files.append(path)
+    return [{"path": os.path.abspath(p), "size": os.path.getsize(p), "sha256": sha256_of(p)} for p in files]
+
+# -----------------------------------------------------------------------------
+# output: shards, the carried partial shard and the manifest, each written whole
+
+def write_atomically(path, write):
+    # the temp name holds neither "train" nor "val", so loaders listing shards never see a half-written one
+    temp = os.path.join(os.path.dirname(path), ".writing.tmp")
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException as e:
+        if os.path.exists(temp):
+            os.remove(temp)
+        if isinstance(e, OSError) and e.errno is None:  # numpy reports a short write to a full disk without errno
+            raise OSError(errno.ENOSPC, str(e), path) from e
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
+        directory = os.open(os.path.dirname(path), os.O_DIRECTORY)
+        os.fsync(directory)
+        os.close(directory)
+
+def save_manifest(args, manifest):
+    path = os.path.join(args.output, "manifest.json")
+    write_atomically(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+def shard_name(prefix, index):
+    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
+
+def open_manifest(args, config, stop):
+    """Load the output directory's manifest (refusing a different configuration) or start a new one."""
+    path = os.path.join(args.output, "manifest.json")
+    sources = local_sources(args.input) if args.input else None
+    if os.path.exists(path):
+        with open(path) as f:
+            manifest = json.load(f)
+        for flag, value in config.items():
+            old = manifest["config"].get(flag)
+            if old != value:
+                shown = " ".join(old) if isinstance(old, list) else old
+                raise PrepareError(f"{args.output} holds shards made with {flag} {shown} (not {value}); rerun with "
+                                   f"{flag} {shown} to continue them, or choose another --output")
+        if sources is not None and sources != manifest["sources"]:
+            changed = next((new["path"] for new, old in zip(sources, manifest["sources"]) if new != old), "the file list")
+            raise PrepareError(f"{changed} changed since {args.output} was started; restore it, or choose another --output")
+        return manifest
+    if any(name.endswith(".npy") and ("train" in name or "val" in name) for name in os.listdir(args.output)):
+        raise PrepareError(f"{args.output} holds shards without a manifest.json (made by another tool?); "
+                           "choose another --output or move them away")
+    manifest = {
+        "config": config,
+        "sources": sources or list_hub_files(args, stop),
+        "shards": [],  # completed shards, in order: name and tokens
+        # the token stream continues at unit `unit` of source `file`, skipping its first `skip` tokens,
+        # after the tokens of the shards and of the `carry` file (a partial shard)
+        "next": {"file": 0, "unit": 0, "skip": 0, "carry": None, "tokens": 0, "documents": 0},
+        "done": False,
+    }
+    save_manifest(args, manifest)
+    return manifest
+
+# -----------------------------------------------------------------------------
+
+def prepare(args):
+    hub = not args.input
+    downloads_dir = os.path.join(args.output, "downloads")
+    os.makedirs(downloads_dir if hub else args.output, exist_ok=True)
+    config = {"--input": [os.path.abspath(p) for p in args.input]} if args.input else \
+             {"--dataset": args.dataset, "--subset": args.subset}
+    config.update({"--text-field": args.text_field, "--shard-size": args.shard_size,
+                   "--prefix": args.prefix, "--max-tokens": args.max_tokens})
+    stop = threading.Event()
+    manifest = open_manifest(args, config, stop)
+    sources, shards, state = manifest["sources"], manifest["shards"], manifest["next"]
+    if manifest["done"]:
+        print(f"{args.output} is already complete: {state['documents']:,} documents, {state['tokens']:,} tokens "
+              f"in {len(shards)} shards; nothing to do")
+        return
+
+    delete_downloads = hub and not args.keep_downloads
+    for name in os.listdir(args.output):  # leftovers of a killed run: a temp file, a superseded carry
+        if name == ".writing.tmp" or (name.startswith(".carry_") and name != state["carry"]):
+            os.remove(os.path.join(args.output, name))
+    if delete_downloads:
+        for source in sources[:state["file"]]:
+            finished = os.path.join(downloads_dir, os.path.basename(source["path"]))
+            if os.path.exists(finished):
+                os.remove(finished)
+    shard = np.empty(args.shard_size, dtype=np.uint16)
+    fill = 0
+    if state["carry"]:
+        carry = np.load(os.path.join(args.output, state["carry"]))
+        shard[:len(carry)] = carry
+        fill = len(carry)
+    tokens = tokens_at_start = state["tokens"]
+    documents = state["documents"]
+    start_file, start_unit, start_skip = state["file"], state["unit"], state["skip"]
+    print(f"{'resuming' if tokens else 'preparing'} {len(sources)} {'hub' if hub else 'local'} files "
+          f"({sum(s['size'] for s in sources) / 1e9:.2f} GB) -> {args.output}, {args.shard_size:,} tokens per shard, "
+          f"{args.workers} workers" + (f", {tokens:,} tokens already done" if tokens else ""))
+
+    def checkpoint(file, unit, skip, carry):
+        old_carry = state["carry"]
+        state.update(file=file, unit=unit, skip=skip, carry=None, tokens=tokens, documents=documents)
+        if len(carry):
+            state["carry"] = f".carry_{file:06d}.npy"
+            write_atomically(os.path.join(args.output, state["carry"]), lambda f: np.save(f, carry))
+        save_manifest(args, manifest)
+        if old_carry and old_carry != state["carry"]:
+            os.remove(os.path.join(args.output, old_carry))
+
+    def write_shard(tokens_in_shard):
+        name = shard_name(args.prefix, len(shards))
+        write_atomically(os.path.join(args.output, name), lambda f: np.save(f, tokens_in_shard))
+        shards.append({"name": name, "tokens": len(tokens_in_shard)})
+
+    with Pool(args.workers, initializer=init_worker) as pool, ThreadPoolExecutor(1) as downloader:
+        downloads = {}
+
+        def source_path(i):
+            if not hub:
+                return sources[i]["path"]
+            # keep --prefetch files downloading ahead, so downloading overlaps tokenizing
+            for j in range(i, min(i + 1 + args.prefetch, len(sources))):
+                if j not in downloads:
+                    downloads[j] = downloader.submit(download, sources[j], args, stop)
+            return downloads.pop(i).result()
+
+        def jobs():
+            for i in range(start_file, len(sources)):
+                first_unit = start_unit if i == start_file else 0
+                path = source_path(i)
+                for unit, job, fraction in file_units(path, first_unit, args.text_field):
+                    yield i, unit, fraction, job
+                yield i, None, 0, path  # end of file i
+
+        total_bytes = sum(s["size"] for s in sources[start_file:])
+        bytes_read = tokens_read = 0
+        start = time.time()
+        bar = tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, mininterval=1,
+                   desc="tokenizing", dynamic_ncols=True)
+        try:
+            pending, job_stream, failure = deque(), jobs(), None
+            while True:
+                # units are tokenized in parallel, in a bounded window, and consumed in order
+                while failure is None and len(pending) < 2 * args.workers:
+                    try:
+                        item = next(job_stream, None)
+                    except (PrepareError, OSError) as e:
+                        failure = e  # a download failed: finish the units in flight first, so they are kept
+                        break
+                    if item is None:
+                        break
+                    i, unit, fraction, job = item
+                    pending.append((i, unit, fraction, job if unit is None else pool.apply_async(tokenize_unit, (job,))))
+                if not pending:
+                    break
+                i, unit, fraction, result = pending.popleft()
+                if unit is None:  # a source file is finished
+                    if delete_downloads:
+                        checkpoint(i + 1, 0, 0, shard[:fill])  # its tokens are safe, the file can go
+                        os.remove(result)
+                    continue
+                unit_tokens = result.get()
+                skip = start_skip if (i, unit) == (start_file, start_unit) else 0
+                consumed = skip
+                bytes_read += fraction * sources[i]["size"]
+                tokens_read += len(unit_tokens) - skip
+                while consumed < len(unit_tokens) and tokens != args.max_tokens:
+                    take = min(args.shard_size - fill, len(unit_tokens) - consumed)
+                    if args.max_tokens is not None:
+                        take = min(take, args.max_tokens - tokens)
+                    shard[fill:fill + take] = unit_tokens[consumed:consumed + take]
+                    documents += int(np.count_nonzero(shard[fill:fill + take] == EOT))
+                    fill, consumed, tokens = fill + take, consumed + take, tokens + take
+                    bar.update(take)
+                    if fill == args.shard_size:
+                        write_shard(shard)
+                        fill = 0
+                        checkpoint(i, unit, consumed, shard[:0])
+                if tokens == args.max_tokens:
+                    break
+                estimate = tokens + tokens_read / max(bytes_read, 1) * (total_bytes - bytes_read)
+                bar.total = int(min(estimate, args.max_tokens or estimate))
+            if failure is not None:
+                raise failure
+        finally:
+            stop.set()  # lets a download in flight end, so the downloader can shut down
+            bar.close()
+
+    if tokens == documents:
+        raise PrepareError("no text found in the inputs (no documents, or only empty ones); check them and --text-field")
+    if fill:
+        write_shard(shard[:fill])
+    state.update(tokens=tokens, documents=documents)
+    manifest["done"] = True
+    checkpoint(len(sources), 0, 0, shard[:0])
+    if delete_downloads:  # what --max-tokens left unread
+        shutil.rmtree(downloads_dir)
+    elapsed = time.time() - start
+    print(f"done: {documents:,} documents, {tokens:,} tokens in {len(shards)} shards "
+          f"(1 val + {len(shards) - 1} train) in {args.output}; {elapsed:.1f} s, "
+          f"{(tokens - tokens_at_start) / elapsed:,.0f} tokens/s")
+    if len(shards) == 1:
+        print(f"warning: only a validation shard was written; lower --shard-size (now {args.shard_size:,}) to get train shards")
+
+# -----------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", metavar="PATH",
+                        help="local .txt (one document each), .jsonl or .parquet files or directories of them, "
+                             "instead of the hub dataset")
+    parser.add_argument("--output", help="shard directory (default: edu_fineweb10B for the hub dataset)")
+    parser.add_argument("--prefix", help="shard name prefix (default: edufineweb for the hub, else the --output name)")
+    parser.add_argument("--shard-size", type=int, default=10**8, help="tokens per shard (default: 100M)")
+    parser.add_argument("--max-tokens", type=int, help="stop after this many tokens, for trials")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else os.cpu_count(), help="tokenizer processes (default: all cores)")
+    parser.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
+    parser.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="hub dataset")
+    parser.add_argument("--subset", default="sample/10BT", help="folder of the dataset, e.g. sample/100BT")
+    parser.add_argument("--endpoint", default=os.environ.get("HF_ENDPOINT", "https://huggingface.co"),
+                        help="hub or mirror URL (default: $HF_ENDPOINT or https://huggingface.co)")
+    parser.add_argument("--keep-downloads", action="store_true", help="keep the parquet files in OUTPUT/downloads")
+    parser.add_argument("--prefetch", type=int, default=1,
+                        help="files downloaded ahead of the one being tokenized (0: one parquet on disk at a time)")
+    parser.add_argument("--retries", type=int, default=10, help="retries of a failing request (default: 10)")
+    parser.add_argument("--retry-delay", type=float, default=1.0, help="first retry wait in seconds, doubling")
+    args = parser.parse_args(argv)
+    if args.input and not args.output:
+        parser.error("--input needs --output DIR")
+    args.output = args.output or "edu_fineweb10B"
+    args.prefix = args.prefix or ("edufineweb" if not args.input else os.path.basename(os.path.abspath(args.output)))
+    args.endpoint = args.endpoint.rstrip("/")
+    for flag, value, least in (("--shard-size", args.shard_size, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--workers", args.workers, 1), ("--prefetch", args.prefetch, 0),
+                               ("--retries", args.retries, 0)):
+        if value is not None and value < least:
+            parser.error(f"{flag} must be at least {least}")
+    return args
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        prepare(args)
+    except PrepareError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("\ninterrupted; run the same command again to resume", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:
+        if e.errno in NO_SPACE:
+            sys.exit(f"error: disk full writing {e.filename or args.output}; free some space or choose another "
+                     "--output, then run the same command again to resume")
+        sys.exit(f"error: {e}")
+
+if __name__ == "__main__":
+    main()

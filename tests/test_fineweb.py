@@ -1,0 +1,434 @@
+"""fineweb.py end to end: real subprocesses against a fake Hugging Face hub served on 127.0.0.1."""
+
+import http.server
+import io
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from urllib.parse import parse_qs, urlparse
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tiktoken
+import tiktoken.load
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINEWEB = os.path.join(REPO, "fineweb.py")
+DATASET = "HuggingFaceFW/fineweb-edu"
+SUBSET = "sample/10BT"
+EOT = 50256
+
+# -----------------------------------------------------------------------------
+# the reference: tiktoken's encode_ordinary per document, each prefixed by <|endoftext|>
+
+ranks = tiktoken.load.load_tiktoken_bpe(os.path.join(REPO, "gpt2.tiktoken"))
+gpt2 = tiktoken.Encoding(name="gpt2", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+                         mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT})
+
+def reference_stream(docs):
+    return np.array([t for doc in docs for t in [EOT] + gpt2.encode_ordinary(doc)], dtype=np.uint16)
+
+def npy_bytes(array):
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+def expected_shards(docs, shard_size, prefix):
+    stream = reference_stream(docs)
+    return {f"{prefix}_{'val' if i == 0 else 'train'}_{i:06d}.npy": npy_bytes(stream[start:start + shard_size])
+            for i, start in enumerate(range(0, len(stream), shard_size))}
+
+def shards_in(directory):
+    return {name: open(os.path.join(directory, name), "rb").read()
+            for name in sorted(os.listdir(directory)) if name.endswith(".npy") and not name.startswith(".")}
+
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+         "they you were her she there been one all we their has would when what if can who more will no do so "
+         "learning students photosynthesis mitochondria theorem école naïve 東京 数学 🙂 don't it's we'll 1984 3.14159 "
+         "<|endoftext|> \n \n\n \t").split(" ")
+
+def make_docs(seed, count):
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400))) for _ in range(count)]
+    docs[1] = ""  # an empty document is still a document: just <|endoftext|>
+    return docs
+
+def write_parquet(path, docs, row_group_size=16, column="text"):
+    table = pa.table({column: docs, "id": [f"<urn:{i}>" for i in range(len(docs))]})
+    pq.write_table(table, path, row_group_size=row_group_size, compression="none")  # big enough for Range tests
+
+def run_fineweb(*args, env=None, **kwargs):
+    environment = {k: v for k, v in os.environ.items() if k not in ("HF_ENDPOINT", "HF_TOKEN")}
+    return subprocess.run([sys.executable, FINEWEB, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          env={**environment, **(env or {})}, **kwargs)
+
+def assert_error(result, *words):
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: "), result.stderr
+    for word in words:
+        assert word in last_line, last_line
+
+# -----------------------------------------------------------------------------
+# a fake hub: the tree API and resolve with Range, and ways to misbehave
+
+class Hub(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), HubHandler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.files = {}  # repo path -> bytes
+        self.token = None  # when set, requests need "Authorization: Bearer <token>"
+        self.status = None  # when set, every request gets this status
+        self.fail = 0  # the next `fail` requests get HTTP 500
+        self.drop_after = {}  # repo path -> bytes sent before the next response for it hangs up
+        self.corrupt = Counter()  # repo path -> responses left that serve it with a flipped byte
+        self.page_size = None  # paginate the tree listing with Link headers, as the hub does
+        self.rate = None  # bytes per second for file bodies
+        self.log = []  # (request path, Range header, status)
+        self.served = Counter()  # repo path -> body bytes sent
+
+    def add(self, name, docs):
+        path = f"{SUBSET}/{name}"
+        buffer = io.BytesIO()
+        write_parquet(buffer, docs)
+        self.files[path] = buffer.getvalue()
+        return path
+
+class HubHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status, body=b"", headers=()):
+        self.server.log.append((self.path, self.headers.get("Range"), status))
+        self.send_response(status)
+        for header in headers:
+            self.send_header(*header)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        hub, url = self.server, urlparse(self.path)
+        if hub.status:
+            return self.reply(hub.status)
+        if hub.fail:
+            hub.fail -= 1
+            return self.reply(500)
+        if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
+            return self.reply(401)
+        tree, resolve = f"/api/datasets/{DATASET}/tree/main/", f"/datasets/{DATASET}/resolve/main/"
+        if url.path.startswith(tree):
+            folder = url.path[len(tree):]
+            entries = [{"type": "directory", "path": f"{folder}/nested", "oid": "0" * 40, "size": 0},
+                       {"type": "file", "path": f"{folder}/README.md", "oid": "1" * 40, "size": 5}]
+            entries += [{"type": "file", "path": path, "size": len(data), "oid": "2" * 40,
+                         "lfs": {"oid": sha256(data), "size": len(data), "pointerSize": 134}}
+                        for path, data in sorted(hub.files.items()) if path.startswith(folder + "/")]
+            if not entries[2:]:
+                return self.reply(404)
+            headers = []
+            if hub.page_size:
+                cursor = int(parse_qs(url.query).get("cursor", ["0"])[0])
+                if cursor + hub.page_size < len(entries):
+                    headers.append(("Link", f'<{hub.url}{url.path}?cursor={cursor + hub.page_size}>; rel="next"'))
+                entries = entries[cursor:cursor + hub.page_size]
+            return self.reply(200, json.dumps(entries).encode(), headers)
+        path = url.path[len(resolve):]
+        if not url.path.startswith(resolve) or path not in hub.files:
+            return self.reply(404)
+        data = hub.files[path]
+        if hub.corrupt[path]:
+            hub.corrupt[path] -= 1
+            data = data[:100] + bytes([data[100] ^ 1]) + data[101:]
+        start = int(self.headers["Range"].split("=")[1].rstrip("-")) if self.headers.get("Range") else 0
+        if start >= len(data):
+            return self.reply(416)
+        status = 206 if start else 200
+        hub.log.append((self.path, self.headers.get("Range"), status))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data) - start))
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.end_headers()
+        stop_at = len(data)
+        if path in hub.drop_after:
+            stop_at = start + hub.drop_after.pop(path)
+        step = 16384
+        for offset in range(start, stop_at, step):
+            chunk = data[offset:min(offset + step, stop_at)]
+            try:
+                self.wfile.write(chunk)
+            except OSError:
+                return  # the client went away (killed)
+            hub.served[path] += len(chunk)
+            if hub.rate:
+                time.sleep(len(chunk) / hub.rate)
+        self.close_connection = True
+
+def sha256(data):
+    import hashlib
+    return hashlib.sha256(data).hexdigest()
+
+@pytest.fixture
+def hub():
+    server = Hub()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+HUB_DOCS = [make_docs(seed, 120) for seed in range(3)]  # three parquet files of ~160 KB, ~35k tokens each
+
+def add_hub_files(hub):
+    return [hub.add(f"{i:03d}_00000.parquet", docs) for i, docs in enumerate(HUB_DOCS)]
+
+def hub_run(hub, output, *args, **kwargs):
+    return run_fineweb("--endpoint", hub.url, "--output", output, "--shard-size", 5000, "--retry-delay", 0.01, *args,
+                       **kwargs)
+
+def resolve_requests(hub, path):
+    return [(r, status) for p, r, status in hub.log if p.endswith(path)]
+
+# -----------------------------------------------------------------------------
+
+def test_hub_pipeline_matches_tiktoken_per_document(hub, tmp_path):
+    paths = add_hub_files(hub)
+    hub.token, hub.page_size = "secret", 2
+    output = tmp_path / "edu"
+    result = run_fineweb("--output", output, "--shard-size", 5000, env={"HF_ENDPOINT": hub.url, "HF_TOKEN": "secret"})
+    assert result.returncode == 0, result.stderr
+    expected = expected_shards([doc for docs in HUB_DOCS for doc in docs], 5000, "edufineweb")
+    assert shards_in(output) == expected  # exact names, boundaries and bytes
+    assert list(expected)[:2] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert [(s["path"], s["sha256"]) for s in manifest["sources"]] == [(p, sha256(hub.files[p])) for p in paths]
+    assert [s["tokens"] for s in manifest["shards"]][:-1] == [5000] * (len(expected) - 1) and manifest["done"]
+    assert not (output / "downloads").exists()  # each parquet is deleted once tokenized
+    assert f"{len(expected)} shards" in result.stdout and "documents" in result.stdout
+
+    requests_so_far = len(hub.log)
+    again = run_fineweb("--output", output, "--shard-size", 5000, env={"HF_ENDPOINT": hub.url})
+    assert again.returncode == 0 and "already complete" in again.stdout
+    assert len(hub.log) == requests_so_far  # a finished run re-run touches nothing
+    assert shards_in(output) == expected
+
+
+def test_killed_and_interrupted_runs_resume_to_identical_shards(hub, tmp_path):
+    paths = add_hub_files(hub)
+    clean = hub_run(hub, tmp_path / "clean", "--workers", 1)
+    assert clean.returncode == 0, clean.stderr
+    hub.served.clear()
+
+    output = tmp_path / "resumed"
+    manifest = output / "manifest.json"
+
+    def shards_done():
+        try:
+            return len(json.loads(manifest.read_text())["shards"])
+        except (OSError, ValueError):
+            return 0
+
+    hub.rate = 200_000  # slow enough to stop it partway
+    for signal_number, shards_before_stop in ((signal.SIGKILL, 1), (signal.SIGINT, 10)):
+        process = subprocess.Popen([sys.executable, FINEWEB, "--endpoint", hub.url, "--output", output,
+                                    "--shard-size", "5000", "--retry-delay", "0.01", "--workers", "2"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while shards_done() < shards_before_stop and process.poll() is None:
+            time.sleep(0.01)
+        process.send_signal(signal_number)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode in (-signal.SIGKILL, 130), stderr
+        assert "Traceback" not in stderr
+        assert not json.loads(manifest.read_text())["done"]
+    assert "run the same command again to resume" in stderr
+    hub.rate = None
+    result = hub_run(hub, output, "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    assert "resuming" in result.stdout
+    assert shards_in(output) == shards_in(tmp_path / "clean")
+    for path in paths:  # what was downloaded before the interruptions was kept, not fetched again
+        assert hub.served[path] <= len(hub.files[path]) + 3 * 65536, (path, hub.served[path])
+
+
+def test_dropped_connection_and_partial_file_resume_with_range(hub, tmp_path):
+    first, second, _ = add_hub_files(hub)
+    hub.drop_after[first] = 100_000
+    output = tmp_path / "edu"
+    (output / "downloads").mkdir(parents=True)
+    (output / "downloads" / (os.path.basename(second) + ".part")).write_bytes(hub.files[second][:70_000])
+    result = hub_run(hub, output)
+    assert result.returncode == 0, result.stderr
+    assert shards_in(output) == expected_shards([d for docs in HUB_DOCS for d in docs], 5000, "edufineweb")
+    # the dropped response kept its whole 64 KiB chunks; the rest came with a Range request
+    assert resolve_requests(hub, first) == [(None, 200), ("bytes=65536-", 206)]
+    assert resolve_requests(hub, second) == [("bytes=70000-", 206)]
+    assert hub.served[second] == len(hub.files[second]) - 70_000
+
+
+def test_server_errors_are_retried_then_reported(hub, tmp_path):
+    add_hub_files(hub)
+    hub.fail = 3
+    result = hub_run(hub, tmp_path / "ok", "--retries", 3)
+    assert result.returncode == 0, result.stderr
+    assert [status for _, _, status in hub.log[:4]] == [500, 500, 500, 200]
+
+    hub.fail = 100
+    result = hub_run(hub, tmp_path / "down", "--retries", 2)
+    assert_error(result, "after 2 retries", "HTTP 500", "HF_ENDPOINT")
+
+
+def test_unreachable_network_names_mirrors(tmp_path):
+    result = run_fineweb("--endpoint", "http://127.0.0.1:9", "--output", tmp_path / "edu", "--retries", 1,
+                         "--retry-delay", 0.01)
+    assert_error(result, "http://127.0.0.1:9", "HF_ENDPOINT")
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_refused_access_names_hf_token(hub, tmp_path, status):
+    add_hub_files(hub)
+    hub.status = status
+    assert_error(hub_run(hub, tmp_path / "edu"), f"HTTP {status}", "HF_TOKEN")
+
+
+def test_checksum_mismatch_downloads_again_once_then_fails(hub, tmp_path):
+    first, _, _ = add_hub_files(hub)
+    hub.corrupt[first] = 1
+    result = hub_run(hub, tmp_path / "once")
+    assert result.returncode == 0, result.stderr
+    assert resolve_requests(hub, first) == [(None, 200), (None, 200)]
+
+    hub.corrupt[first] = 2
+    result = hub_run(hub, tmp_path / "twice")
+    assert_error(result, first, "checksum", "HF_ENDPOINT")
+    assert not [name for name in os.listdir(tmp_path / "twice" / "downloads") if name.startswith("000_")]  # not kept
+    assert not shards_in(tmp_path / "twice")
+
+
+def write_local_inputs(directory):
+    """A .txt folder, a .jsonl and a .parquet; returns their paths and documents, in the order they are read."""
+    texts = directory / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("First document.\r\nWith a Windows line end and <|endoftext|> in it.\n")
+    (texts / "b.txt").write_text("Второй документ 🙂")
+    jsonl_docs = make_docs(7, 1100)  # more lines than one unit of work
+    jsonl_docs[5] = "a lone surrogate \ud83d survives"
+    lines = [json.dumps({"body": doc, "n": i}) for i, doc in enumerate(jsonl_docs)]
+    lines.insert(10, "")  # blank lines are not documents
+    (directory / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    parquet_docs = make_docs(8, 50)
+    write_parquet(directory / "docs.parquet", parquet_docs, column="body")
+    docs = [(texts / "a.txt").read_bytes().decode(), "Второй документ 🙂"] + jsonl_docs + parquet_docs
+    return [texts, directory / "docs.jsonl", directory / "docs.parquet"], docs
+
+
+def test_local_txt_jsonl_parquet_independent_of_workers(tmp_path):
+    inputs, docs = write_local_inputs(tmp_path)
+    expected = expected_shards(docs, 20_000, "corpus")
+    for workers in (1, 3):
+        output = tmp_path / f"w{workers}" / "corpus"
+        result = run_fineweb("--input", *inputs, "--output", output, "--shard-size", 20_000, "--text-field", "body",
+                             "--workers", workers)
+        assert result.returncode == 0, result.stderr
+        assert shards_in(output) == expected
+
+
+def test_max_tokens_stops_early(tmp_path):
+    inputs, docs = write_local_inputs(tmp_path)
+    output = tmp_path / "trial"
+    result = run_fineweb("--input", inputs[1], "--output", output, "--shard-size", 3000, "--max-tokens", 10_000,
+                         "--text-field", "body", "--prefix", "t")
+    assert result.returncode == 0, result.stderr
+    stream = reference_stream(docs[2:])[:10_000]
+    assert shards_in(output) == {name: npy_bytes(stream[i * 3000:(i + 1) * 3000]) for i, name in
+                                 enumerate(["t_val_000000.npy", "t_train_000001.npy", "t_train_000002.npy", "t_train_000003.npy"])}
+    again = run_fineweb("--input", inputs[1], "--output", output, "--shard-size", 3000, "--max-tokens", 10_000,
+                        "--text-field", "body", "--prefix", "t")
+    assert again.returncode == 0 and "already complete" in again.stdout
+    assert_error(run_fineweb("--input", inputs[1], "--output", output, "--shard-size", 3000, "--text-field", "body",
+                             "--prefix", "t"), "--max-tokens 10000")
+
+
+def make_bad_input(tmp_path, case):
+    if case == "malformed jsonl":
+        (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": broken\n')
+        return ["--input", tmp_path / "bad.jsonl"], ["bad.jsonl:3", "malformed JSON"]
+    if case == "jsonl without the field":
+        (tmp_path / "other.jsonl").write_text('{"text": "fine"}\n{"content": "no text"}\n')
+        return ["--input", tmp_path / "other.jsonl"], ["other.jsonl:2", "--text-field"]
+    if case == "parquet without a text column":
+        write_parquet(tmp_path / "other.parquet", ["a", "b"], column="content")
+        return ["--input", tmp_path / "other.parquet"], ["other.parquet", "'text' column", "content", "--text-field"]
+    if case == "empty input":
+        (tmp_path / "empty.jsonl").write_text("\n")
+        return ["--input", tmp_path / "empty.jsonl"], ["no text"]
+    if case == "missing file":
+        return ["--input", tmp_path / "nope.txt"], ["nope.txt", "no such file"]
+    if case == "not utf-8":
+        (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+        return ["--input", tmp_path / "latin1.txt"], ["latin1.txt", "UTF-8"]
+    if case == "foreign shards":
+        (tmp_path / "out").mkdir()
+        np.save(tmp_path / "out" / "edufineweb_train_000001.npy", np.zeros(10, dtype=np.uint16))
+        (tmp_path / "a.txt").write_text("hello")
+        return ["--input", tmp_path / "a.txt"], ["manifest.json", "--output"]
+    if case == "different configuration":
+        (tmp_path / "a.txt").write_text("hello world " * 100)
+        assert run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 100).returncode == 0
+        return ["--input", tmp_path / "a.txt", "--shard-size", 200], ["--shard-size 100", "--output"]
+    if case == "changed input":
+        (tmp_path / "a.txt").write_text("hello world " * 100)
+        assert run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 100).returncode == 0
+        (tmp_path / "a.txt").write_text("hello there " * 100)
+        return ["--input", tmp_path / "a.txt", "--shard-size", 100], ["a.txt changed"]
+
+
+@pytest.mark.parametrize("case", ["malformed jsonl", "jsonl without the field", "parquet without a text column",
+                                  "empty input", "missing file", "not utf-8", "foreign shards",
+                                  "different configuration", "changed input"])
+def test_bad_input_is_one_line_error(tmp_path, case):
+    args, words = make_bad_input(tmp_path, case)
+    result = run_fineweb(*args, "--output", tmp_path / "out")
+    assert_error(result, *words)
+    assert not [name for name in os.listdir(tmp_path / "out") if "train" in name or "val" in name] \
+        or case in ("foreign shards", "different configuration", "changed input")
+
+
+def test_disk_full_leaves_no_partial_shard(tmp_path):
+    (tmp_path / "a.txt").write_text("plenty of words to fill a shard " * 2000)
+
+    def small_disk():  # a real write error: files may not grow past 16 KB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    # the first shard, 10000 tokens, needs 20 KB
+    result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000,
+                         preexec_fn=small_disk)
+    assert_error(result, "disk full", "run the same command again")
+    assert os.listdir(tmp_path / "out") == ["manifest.json"]
+
+    result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000)
+    assert result.returncode == 0, result.stderr
+    assert shards_in(tmp_path / "out") == expected_shards([(tmp_path / "a.txt").read_text()], 10_000, "out")
+
+
+def test_shakespeare_shards_for_the_trainer(tmp_path):
+    output = tmp_path / "shakespeare"
+    result = run_fineweb("--input", os.path.join(REPO, "input.txt"), "--output", output, "--shard-size", 100_000)
+    assert result.returncode == 0, result.stderr
+    text = open(os.path.join(REPO, "input.txt"), encoding="utf-8").read()
+    assert shards_in(output) == expected_shards([text], 100_000, "shakespeare")
+    assert list(shards_in(output)) == ["shakespeare_train_000001.npy", "shakespeare_train_000002.npy",
+                                       "shakespeare_train_000003.npy", "shakespeare_val_000000.npy"]
