@@ -326,6 +326,10 @@ def open_manifest(args, config, stop):
 # -----------------------------------------------------------------------------
 
 def prepare(args):
+    version = getattr(tiktoken, "__version__", "0.0")
+    if tuple(int(part) for part in version.split(".")[:2]) < (0, 11):
+        # before 0.11, encode_to_numpy turned "<|endoftext|>" in a text into the special token
+        raise PrepareError(f"tiktoken {version} is too old; pip install 'tiktoken>=0.11'")
     hub = not args.input
     downloads_dir = os.path.join(args.output, "downloads")
     os.makedirs(downloads_dir if hub else args.output, exist_ok=True)
@@ -384,8 +388,8 @@ def prepare(args):
         def source_path(i):
             if not hub:
                 return sources[i]["path"]
-            # keep --prefetch files downloading ahead, so downloading overlaps tokenizing
-            for j in range(i, min(i + 1 + args.prefetch, len(sources))):
+            # the next file downloads while this one is tokenized
+            for j in range(i, min(i + 2, len(sources))):
                 if j not in downloads:
                     downloads[j] = downloader.submit(download, sources[j], args, stop)
             return downloads.pop(i).result()
@@ -488,8 +492,6 @@ def parse_args(argv=None):
     parser.add_argument("--endpoint", default=os.environ.get("HF_ENDPOINT", "https://huggingface.co"),
                         help="hub or mirror URL (default: $HF_ENDPOINT or https://huggingface.co)")
     parser.add_argument("--keep-downloads", action="store_true", help="keep the parquet files in OUTPUT/downloads")
-    parser.add_argument("--prefetch", type=int, default=1,
-                        help="files downloaded ahead of the one being tokenized (0: one parquet on disk at a time)")
     parser.add_argument("--retries", type=int, default=10, help="retries of a failing request (default: 10)")
     parser.add_argument("--retry-delay", type=float, default=1.0, help="first retry wait in seconds, doubling")
     args = parser.parse_args(argv)
@@ -499,7 +501,7 @@ def parse_args(argv=None):
     args.prefix = args.prefix or ("edufineweb" if not args.input else os.path.basename(os.path.abspath(args.output)))
     args.endpoint = args.endpoint.rstrip("/")
     for flag, value, least in (("--shard-size", args.shard_size, 1), ("--max-tokens", args.max_tokens, 1),
-                               ("--workers", args.workers, 1), ("--prefetch", args.prefetch, 0),
+                               ("--workers", args.workers, 1),
                                ("--retries", args.retries, 0)):
         if value is not None and value < least:
             parser.error(f"{flag} must be at least {least}")

@@ -432,3 +432,13 @@ def test_shakespeare_shards_for_the_trainer(tmp_path):
     assert shards_in(output) == expected_shards([text], 100_000, "shakespeare")
     assert list(shards_in(output)) == ["shakespeare_train_000001.npy", "shakespeare_train_000002.npy",
                                        "shakespeare_train_000003.npy", "shakespeare_val_000000.npy"]
+    # the trainer takes them as they are
+    log_dir = tmp_path / "log"
+    train = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data", output, "--max-steps", "2",
+                            "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--seq-len", "32", "--batch-size", "4",
+                            "--total-batch-size", "128", "--val-tokens", "256", "--eval-every", "1", "--device", "cpu",
+                            "--no-compile", "--num-samples", "0", "--log-dir", log_dir],
+                           capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-2000:]
+    log = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
+    assert any("val_loss" in entry for entry in log) and any("train_loss" in entry for entry in log)
