@@ -82,7 +82,10 @@ def unit_texts(job):
     kind, path = job[0], job[1]
     if kind == "parquet":
         _, _, row_group, field = job
-        column = parquet_file(path).read_row_group(row_group, columns=[field]).column(0)
+        try:
+            column = parquet_file(path).read_row_group(row_group, columns=[field]).column(0)
+        except pa.ArrowException as e:
+            raise PrepareError(f"{path}: cannot read row group {row_group} ({e})")
         return [text for text in column.to_pylist() if text is not None]
     if kind == "jsonl":
         _, _, first_line_number, lines, field = job
@@ -291,19 +294,23 @@ def save_manifest(args, manifest):
 def shard_name(prefix, index):
     return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
 
+def with_flag(flag, value):
+    return f"without {flag}" if value is None else f"with {flag} {' '.join(value) if isinstance(value, list) else value}"
+
 def open_manifest(args, config, stop):
     """Load the output directory's manifest (refusing a different configuration) or start a new one."""
     path = os.path.join(args.output, "manifest.json")
     sources = local_sources(args.input) if args.input else None
+    manifest = None
     if os.path.exists(path):
         with open(path) as f:
             manifest = json.load(f)
+    if manifest and manifest["next"]["tokens"]:  # with no tokens made yet there is nothing to mix: start afresh
         for flag, value in config.items():
             old = manifest["config"].get(flag)
             if old != value:
-                shown = " ".join(old) if isinstance(old, list) else old
-                raise PrepareError(f"{args.output} holds shards made with {flag} {shown} (not {value}); rerun with "
-                                   f"{flag} {shown} to continue them, or choose another --output")
+                raise PrepareError(f"{args.output} holds shards made {with_flag(flag, old)}, not {with_flag(flag, value)}; "
+                                   f"rerun {with_flag(flag, old)} to continue them, or choose another --output")
         if sources is not None and sources != manifest["sources"]:
             changed = next((new["path"] for new, old in zip(sources, manifest["sources"]) if new != old), "the file list")
             raise PrepareError(f"{changed} changed since {args.output} was started; restore it, or choose another --output")

@@ -281,9 +281,10 @@ def test_dropped_connection_and_partial_file_resume_with_range(hub, tmp_path):
 def test_server_errors_are_retried_then_reported(hub, tmp_path):
     add_hub_files(hub)
     hub.fail = 3
-    result = hub_run(hub, tmp_path / "ok", "--retries", 3)
+    result = hub_run(hub, tmp_path / "ok", "--retries", 3, "--keep-downloads")
     assert result.returncode == 0, result.stderr
     assert [status for _, _, status in hub.log[:4]] == [500, 500, 500, 200]
+    assert sorted(os.listdir(tmp_path / "ok" / "downloads")) == [os.path.basename(p) for p in sorted(hub.files)]
 
     hub.fail = 100
     result = hub_run(hub, tmp_path / "down", "--retries", 2)
@@ -404,6 +405,15 @@ def test_bad_input_is_one_line_error(tmp_path, case):
     assert_error(result, *words)
     assert not [name for name in os.listdir(tmp_path / "out") if "train" in name or "val" in name] \
         or case in ("foreign shards", "different configuration", "changed input")
+
+
+def test_an_input_fixed_before_any_shard_needs_no_new_output(tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n")
+    assert_error(run_fineweb("--input", tmp_path / "a.jsonl", "--output", tmp_path / "out"), "no text")
+    (tmp_path / "a.jsonl").write_text('{"text": "now there is text"}\n')
+    result = run_fineweb("--input", tmp_path / "a.jsonl", "--output", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert shards_in(tmp_path / "out") == expected_shards(["now there is text"], 10**8, "out")
 
 
 def test_disk_full_leaves_no_partial_shard(tmp_path):
