@@ -1,0 +1,95 @@
+"""
+Profiles a few training steps of train_gpt2.py's model with torch.profiler and prints the operations that take
+the most time: self CUDA time on a GPU, self CPU time elsewhere. The place to start when a speed-up is to be found.
+
+    python benchmarks/profile_step.py                                   # GPT-2 124M, B=64, T=1024, on the GPU
+    python benchmarks/profile_step.py --batch-size 16 --trace step.json  # also a trace for https://ui.perfetto.dev
+    python benchmarks/profile_step.py --device cpu --n-layer 2 --n-head 2 --n-embd 64 --batch-size 4 --seq-len 32
+
+The model, batch and speed settings are train_gpt2.py's own flags, with its defaults (--model, --n-layer, --n-head,
+--n-embd, --vocab-size, --attn, --batch-size, --seq-len, --dtype, --compile, --fused-adamw, --device). Each step is
+one micro-batch of random tokens: forward, backward, gradient clipping and the AdamW update.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_gpt2  # noqa: E402
+from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, UsageError, autocast_context, make_optimizer  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first: compilation, autotuning, allocator (default: 3)")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps (default: 3)")
+    parser.add_argument("--top", type=int, default=25, help="rows of the table (default: 25)")
+    parser.add_argument("--trace", default="", help="also write a Chrome/Perfetto trace to this .json file")
+    args, trainer_flags = parser.parse_known_args(argv)
+    if args.warmup < 0 or args.steps <= 0 or args.top <= 0:
+        parser.exit(2, "error: --warmup must be zero or more, --steps and --top positive\n")
+    cfg, given = train_gpt2.parse_args(trainer_flags)
+    return args, cfg, given
+
+
+def main(argv=None):
+    args, cfg, given = parse_args(argv)
+    try:
+        env = train_gpt2.setup_distributed(cfg.device)
+        cfg.total_batch_size = cfg.batch_size * cfg.seq_len  # one micro-batch per step
+        # no data is read, but marking --data as given keeps the trainer from switching to its Shakespeare preset
+        cfg = train_gpt2.resolve_config(cfg, given | {"data"}, env)
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    device, device_type = env.device, env.device_type
+    torch.set_float32_matmul_precision("highest" if cfg.dtype == "fp32" else "high")  # as the trainer does: "high" is TF32
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(GPTConfig(cfg.block_size, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.attn)).to(device)
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    optimizer = make_optimizer(raw_model, cfg, device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")
+    autocast_ctx = autocast_context(device_type, cfg.dtype)
+    tokens = torch.randint(0, GPT2_VOCAB, (cfg.batch_size, cfg.seq_len + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast_ctx:
+            _, loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+
+    def wait_for_device():
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        train_step()
+    wait_for_device()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            with record_function("train_step"):
+                train_step()
+        wait_for_device()
+
+    # on a GPU the CPU only launches kernels, so the time that counts is the device's
+    sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    print(f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab {cfg.vocab_size}, attn {cfg.attn} | "
+          f"B={cfg.batch_size}, T={cfg.seq_len}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'} | "
+          f"{args.steps} profiled steps on {torch.cuda.get_device_name() if device_type == 'cuda' else device_type}, sorted by {sort_by}")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=args.top))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+        print(f"trace written to {args.trace}")
+
+
+if __name__ == "__main__":
+    main()
