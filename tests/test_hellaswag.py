@@ -1,6 +1,7 @@
 """hellaswag.py: download, file checks, scoring against a hand computation, the CLI, and 2 ranks under torchrun."""
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -188,32 +189,36 @@ def test_canonical_file_is_held_to_its_size(tmp_path):
         hellaswag.read_examples(str(path), expected_count=hellaswag.HELLASWAG_VAL_EXAMPLES)
 
 
-def last_line(result):
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip().splitlines()[-1]
+def save_checkpoint(model, path):
+    """The parts of a train_gpt2.py checkpoint that evaluation reads."""
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, path)
 
 
-def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path):
+def run_cli(monkeypatch, *flags):
+    """python hellaswag.py FLAGS, in this process (a subprocess would spend seconds importing torch)."""
+    monkeypatch.setattr(sys, "argv", ["hellaswag.py", "--device", "cpu", *flags])
+    hellaswag.main()
+
+
+def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path, monkeypatch, capsys):
     """The standalone script on a checkpoint; under torchrun 2 ranks download once and count the same."""
     model, enc = tiny_model(), gpt2_tokenizer()
     examples, expected_acc_norm, expected_acc, _ = labelled_by_hand(model, enc, 64)
-    checkpoint = tmp_path / "model.pt"
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, checkpoint)
-    local_file = tmp_path / "hellaswag_val.jsonl"
-    write_jsonl(local_file, examples)
+    save_checkpoint(model, tmp_path / "model.pt")
+    write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     expected = f"acc_norm={expected_acc_norm:.6f} acc={expected_acc:.6f} n={len(examples)}"
 
-    command = [sys.executable, "hellaswag.py", "--checkpoint", str(checkpoint), "--device", "cpu"]
-    single = subprocess.run(command + ["--hellaswag-file", str(local_file)], cwd=REPO, capture_output=True, text=True)
-    assert last_line(single) == expected
+    run_cli(monkeypatch, "--checkpoint", str(tmp_path / "model.pt"), "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"))
+    assert capsys.readouterr().out.strip().splitlines()[-1] == expected
 
     www, base_url = static_server
     write_jsonl(www / "hellaswag_val.jsonl", examples)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
+               "--checkpoint", str(tmp_path / "model.pt"), "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]
     env = dict(os.environ, HELLASWAG_URL=base_url, OMP_NUM_THREADS="1")
-    two_ranks = subprocess.run(torchrun + command[1:] + ["--cache-dir", str(tmp_path / "cache")], cwd=REPO,
-                               env=env, capture_output=True, text=True, timeout=120)
-    assert last_line(two_ranks) == expected
+    two_ranks = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert two_ranks.returncode == 0, two_ranks.stderr
+    assert two_ranks.stdout.strip().splitlines()[-1] == expected  # 7 examples: rank 0 scores 4, rank 1 scores 3
     assert two_ranks.stdout.count("downloading") == 1
     assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
 
@@ -231,16 +236,40 @@ def test_compiled_model_compiles_once(tmp_path):
     assert counter.frame_count == 1
 
 
-def test_cli_errors_are_one_line(tmp_path):
-    checkpoint = tmp_path / "model.pt"
-    model = tiny_model()
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, checkpoint)
+def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    save_checkpoint(tiny_model(), tmp_path / "model.pt")
     for flags, culprit in [
-        (["--checkpoint", str(tmp_path / "missing.pt")], "missing.pt"),
-        (["--checkpoint", str(checkpoint), "--hellaswag-file", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["--checkpoint", str(tmp_path / "missing.pt")], "--checkpoint"),
+        (["--checkpoint", str(tmp_path / "model.pt"), "--hellaswag-file", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
     ]:
-        result = subprocess.run([sys.executable, os.path.join(REPO, "hellaswag.py"), "--device", "cpu"] + flags,
-                                cwd=tmp_path, capture_output=True, text=True)
-        assert result.returncode == 2, result.stderr
-        assert result.stderr.startswith("error:") and culprit in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+        with pytest.raises(SystemExit) as exit:
+            run_cli(monkeypatch, *flags)
+        assert exit.value.code == 2
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("error:") and culprit in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):
+    """--hellaswag-every in a training run with --compile: dynamo traces the model (with its eager backend, which
+    generates no code, to keep a CPU test fast); the logged numbers are those of the weights at that step."""
+    import train_gpt2
+    examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
+    write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
+    with open(os.path.join(REPO, "input.txt")) as f:
+        (tmp_path / "text.txt").write_text(f.read(20000))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    log_dir = tmp_path / "log"
+    train_gpt2.main(["--data", str(tmp_path / "text.txt"), "--log-dir", str(log_dir), "--device", "cpu",
+                     "--compile", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
+                     "--batch-size", "2", "--seq-len", "32", "--total-batch-size", "64", "--val-tokens", "64",
+                     "--max-steps", "1", "--warmup-steps", "1", "--eval-every", "1", "--hellaswag-every", "1",
+                     "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--num-samples", "0"])
+    records = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "hellaswag_acc_norm" in r]
+    assert [r["step"] for r in logged] == [0, 1]
+
+    model = train_gpt2.model_from_checkpoint(train_gpt2.load_checkpoint(str(log_dir / "ckpt_000001.pt")))
+    acc_norm, acc, n = hellaswag.evaluate(model, hellaswag.prepare(examples, gpt2_tokenizer(), 64), "cpu",
+                                          contextlib.nullcontext())
+    assert (logged[-1]["hellaswag_acc_norm"], logged[-1]["hellaswag_acc"], n) == (acc_norm, acc, 7)
