@@ -208,14 +208,15 @@ def main():
                               help="OpenAI's GPT-2 weights, downloaded once")
     parser.add_argument("--hellaswag-file", help=f"a local copy of {HELLASWAG_FILE}, for offline machines")
     parser.add_argument("--cache-dir", help="where downloads are kept (default: $GPT2_CACHE_DIR or ~/.cache/train_gpt2)")
-    parser.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, mps")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                        help="auto picks cuda, then mps, then cpu")
     args = parser.parse_args()
 
     # imported here, not at the top: train_gpt2.py imports this module
     from train_gpt2 import (UsageError, autocast_context, gpt2_tokenizer, load_checkpoint, load_pretrained,
                             model_from_checkpoint, resolve_dtype, setup_distributed, teardown_distributed)
-    ddp = setup_distributed(args.device)
     try:
+        ddp = setup_distributed(args.device)
         if ddp.world_size > 1 and ddp.rank != 0:
             dist.barrier()  # rank 0 downloads the weights first, the others then read them from the cache
         if args.checkpoint:
