@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -260,11 +261,17 @@ def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     torch._dynamo.reset()
     log_dir = tmp_path / "log"
-    train_gpt2.main(["--data", str(tmp_path / "text.txt"), "--log-dir", str(log_dir), "--device", "cpu",
-                     "--compile", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
-                     "--batch-size", "2", "--seq-len", "32", "--total-batch-size", "64", "--val-tokens", "64",
-                     "--max-steps", "1", "--warmup-steps", "1", "--eval-every", "1", "--hellaswag-every", "1",
-                     "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--num-samples", "0"])
+    # the trainer takes over SIGTERM and SIGINT (to checkpoint before exiting): give them back to pytest after
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train_gpt2.main(["--data", str(tmp_path / "text.txt"), "--log-dir", str(log_dir), "--device", "cpu",
+                         "--compile", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
+                         "--batch-size", "2", "--seq-len", "32", "--total-batch-size", "64", "--val-tokens", "64",
+                         "--max-steps", "1", "--warmup-steps", "1", "--eval-every", "1", "--hellaswag-every", "1",
+                         "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--num-samples", "0"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     records = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
     logged = [r for r in records if "hellaswag_acc_norm" in r]
     assert [r["step"] for r in logged] == [0, 1]
