@@ -503,15 +503,17 @@ def parse_args(argv=None):
     parser.add_argument("--retry-delay", type=float, default=1.0, help="first retry wait in seconds, doubling")
     args = parser.parse_args(argv)
     if args.input and not args.output:
-        parser.error("--input needs --output DIR")
+        sys.exit("error: --input needs --output DIR, the directory for the shards")
     args.output = args.output or "edu_fineweb10B"
     args.prefix = args.prefix or ("edufineweb" if not args.input else os.path.basename(os.path.abspath(args.output)))
     args.endpoint = args.endpoint.rstrip("/")
+    if not args.endpoint.startswith(("http://", "https://")):
+        sys.exit(f"error: --endpoint (or HF_ENDPOINT) {args.endpoint!r} is not a URL; e.g. https://huggingface.co")
     for flag, value, least in (("--shard-size", args.shard_size, 1), ("--max-tokens", args.max_tokens, 1),
                                ("--workers", args.workers, 1),
                                ("--retries", args.retries, 0)):
         if value is not None and value < least:
-            parser.error(f"{flag} must be at least {least}")
+            sys.exit(f"error: {flag} must be at least {least}")
     return args
 
 def main(argv=None):

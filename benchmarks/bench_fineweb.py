@@ -14,15 +14,19 @@ Prints:
 - end to end, against a local hub throttled so that downloading takes about as long as
   tokenizing: every file downloaded first, then `fineweb.py --input` (download, then tokenize),
   against fineweb.py's hub mode, which tokenizes one file while it downloads the next.
-Each in-process timing is the best of --rounds, to see past other load on the machine.
+Each in-process timing is the best of --rounds, to see past other load on the machine; their
+CPU times, which that load hardly changes, bound the parallel efficiency the cores would give alone.
 """
 
 import argparse
+import contextlib
 import hashlib
 import http.server
+import io
 import json
 import multiprocessing
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -64,18 +68,28 @@ def write_parquet_files(docs, directory, files):
     per_file = -(-len(docs) // files)
     for i in range(files):
         path = os.path.join(directory, f"{i:03d}_00000.parquet")
-        # FineWeb's files hold row groups of about a thousand documents
-        pq.write_table(pa.table({"text": docs[i * per_file:(i + 1) * per_file]}), path, row_group_size=1024)
+        # FineWeb's files hold hundreds of row groups of ~1000 documents; smaller ones give this small
+        # benchmark as many units of work to spread over the cores
+        pq.write_table(pa.table({"text": docs[i * per_file:(i + 1) * per_file]}), path, row_group_size=256)
         paths.append(path)
     return paths
 
-def best_of(rounds, run):
-    times = []
+def cpu_seconds():
+    # this process and its reaped children (the pools' workers, once a run has closed its pool)
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+def best_of(rounds, runs):
+    """The shortest wall time and CPU time of each run over `rounds`; the runs take turns, so that load
+    from elsewhere on the machine hits them alike. CPU time, unlike wall time, hardly depends on that load."""
+    wall, cpu = {name: float("inf") for name in runs}, {name: float("inf") for name in runs}
     for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, run in runs.items():
+            start, start_cpu = time.perf_counter(), cpu_seconds()
+            run()
+            wall[name] = min(wall[name], time.perf_counter() - start)
+            cpu[name] = min(cpu[name], cpu_seconds() - start_cpu)
+    return wall, cpu
 
 def run_baseline(paths, workers, shard_size=10**7):
     shard, fill = np.empty(shard_size, dtype=np.uint16), 0
@@ -92,6 +106,10 @@ def run_baseline(paths, workers, shard_size=10**7):
                 fill, tokens = fill + take, tokens[take:]
                 if fill == shard_size:
                     fill = 0
+
+def quietly(function, *args):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        function(*args)
 
 def run_fineweb(args, output):
     return subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *args, "--output", output],
@@ -144,17 +162,23 @@ def main():
         paths = write_parquet_files(docs, tmp, args.files)
         megabytes = sum(os.path.getsize(p) for p in paths) / 1e6
 
-        single = tokens / best_of(args.rounds, lambda: [encoding.encode_ordinary(d) for d in docs])
-        baseline = tokens / best_of(args.rounds, lambda: run_baseline(paths, args.workers))
         outputs = iter(range(args.rounds))  # a fresh output each round: a finished one is not redone
-        ours = tokens / best_of(args.rounds, lambda: fineweb.main(
-            ["--input", *paths, "--output", os.path.join(tmp, f"out{next(outputs)}"), "--shard-size", "10000000",
-             "--workers", str(args.workers)]))
+        wall, cpu = best_of(args.rounds, {
+            "single": lambda: [encoding.encode_ordinary(d) for d in docs],
+            "baseline": lambda: run_baseline(paths, args.workers),
+            "fineweb": lambda: quietly(fineweb.main, ["--input", *paths, "--output", os.path.join(tmp, f"out{next(outputs)}"),
+                                                      "--shard-size", "10000000", "--workers", str(args.workers)]),
+        })
+        single, baseline, ours = (tokens / wall[name] for name in ("single", "baseline", "fineweb"))
         print(f"single core encode_ordinary: {single / 1e6:6.2f} M tokens/s")
         print(f"baseline Pool.imap, chunk 16: {baseline / 1e6:6.2f} M tokens/s "
               f"({baseline / (args.workers * single):.0%} of {args.workers} x single core)")
         print(f"fineweb.py (whole run):       {ours / 1e6:6.2f} M tokens/s "
               f"({ours / (args.workers * single):.0%} of {args.workers} x single core, {ours / baseline:.2f}x baseline)")
+        # what the efficiency would be with the cores to itself: the single core's CPU time over each run's
+        print(f"CPU time per token against the single core: baseline {cpu['baseline'] / cpu['single']:.2f}x "
+              f"(efficiency bound {cpu['single'] / cpu['baseline']:.0%}), "
+              f"fineweb.py {cpu['fineweb'] / cpu['single']:.2f}x (bound {cpu['single'] / cpu['fineweb']:.0%})")
 
         tokenize_seconds = tokens / ours
         rate = megabytes * 1e6 / tokenize_seconds  # downloading then takes as long as tokenizing
