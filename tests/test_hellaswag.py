@@ -4,7 +4,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import hellaswag
+import train_gpt2
 from train_gpt2 import GPT, GPTConfig, gpt2_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,7 +253,6 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
 def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):
     """--hellaswag-every in a training run with --compile: dynamo traces the model (with its eager backend, which
     generates no code, to keep a CPU test fast); the logged numbers are those of the weights at that step."""
-    import train_gpt2
     examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     with open(os.path.join(REPO, "input.txt")) as f:
@@ -261,17 +260,11 @@ def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     torch._dynamo.reset()
     log_dir = tmp_path / "log"
-    # the trainer takes over SIGTERM and SIGINT (to checkpoint before exiting): give them back to pytest after
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        train_gpt2.main(["--data", str(tmp_path / "text.txt"), "--log-dir", str(log_dir), "--device", "cpu",
-                         "--compile", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
-                         "--batch-size", "2", "--seq-len", "32", "--total-batch-size", "64", "--val-tokens", "64",
-                         "--max-steps", "1", "--warmup-steps", "1", "--eval-every", "1", "--hellaswag-every", "1",
-                         "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--num-samples", "0"])
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    train_gpt2.main(["--data", str(tmp_path / "text.txt"), "--log-dir", str(log_dir), "--device", "cpu",
+                     "--compile", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
+                     "--batch-size", "2", "--seq-len", "32", "--total-batch-size", "64", "--val-tokens", "64",
+                     "--max-steps", "1", "--warmup-steps", "1", "--eval-every", "1", "--hellaswag-every", "1",
+                     "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--num-samples", "0"])
     records = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
     logged = [r for r in records if "hellaswag_acc_norm" in r]
     assert [r["step"] for r in logged] == [0, 1]
