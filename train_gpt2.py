@@ -563,6 +563,10 @@ def check_config(cfg, world_size):
     for name in ("max_lr", "grad_clip"):
         if not getattr(cfg, name) > 0:
             raise UsageError(f"{flag(name)} must be positive, not {getattr(cfg, name)}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise UsageError(f"--min-lr-ratio must be between 0 and 1, not {cfg.min_lr_ratio}")
+    if not cfg.weight_decay >= 0:
+        raise UsageError(f"--weight-decay must be zero or more, not {cfg.weight_decay}")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if cfg.seq_len > cfg.block_size:
@@ -620,9 +624,13 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
 
 
 def print_samples(model, cfg, enc, device, autocast_ctx, seed):
+    prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
+    if max(prompt) >= model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
+        print(f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's {model.n_tokens}")
+        return
     generator = torch.Generator(device=device).manual_seed(seed)
     with autocast_ctx:
-        samples = generate(model, enc.encode_ordinary(cfg.prompt) or [EOT], cfg.num_samples, cfg.max_new_tokens, generator)
+        samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
     for i, tokens in enumerate(samples):
         print(f"sample {i}: {enc.decode([t for t in tokens if t < GPT2_VOCAB])!r}")
 
@@ -635,7 +643,10 @@ def checkpoint_paths(log_dir):
 
 def load_checkpoint(path):
     # weights_only: a checkpoint is data, and loading one can never run code
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
+        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError("not a train_gpt2.py checkpoint")
     return ckpt
@@ -744,7 +755,11 @@ def train(cfg, given):
     if master:
         fresh_run = ckpt is None and not cfg.eval_only
         if fresh_run and os.path.isdir(cfg.log_dir) and os.listdir(cfg.log_dir):
-            aside = f"{cfg.log_dir.rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = stamped = f"{cfg.log_dir.rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S')}"
+            for n in range(1, 1000):  # two fresh starts within a second must not collide
+                if not os.path.exists(aside):
+                    break
+                aside = f"{stamped}.{n}"
             os.rename(cfg.log_dir, aside)
             print(f"starting fresh: moved the old {cfg.log_dir} aside to {aside}")
         os.makedirs(cfg.log_dir, exist_ok=True)
@@ -800,11 +815,12 @@ def train(cfg, given):
     mfu_peak = peak_flops(device_type)
     flops_per_step = flops_per_token(model_config, cfg.seq_len) * cfg.total_batch_size
     bad_steps_in_a_row = 0
+    stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
     step = start_step
     while True:
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             evaluate(step)
-        stopping = step == cfg.max_steps or bool(stop_signal)
+        stopping = step == cfg.max_steps or stop_agreed
         if step > start_step and (stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
             save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env)
         if stopping:
@@ -837,8 +853,7 @@ def train(cfg, given):
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_value, stop_votes, norm_value = stats[0].item() / env.world_size, stats[1].item(), norm.item()
-        if stop_votes and not stop_signal:
-            stop_signal.append("peer")
+        stop_agreed = stop_votes > 0  # a signal that lands after this vote is counted at the next step
         finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
         if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
             scaler.step(optimizer)
@@ -866,7 +881,7 @@ def train(cfg, given):
                              f"stopping. Lower --max-lr and resume from {last[-1] if last else 'scratch'}")
         step += 1
 
-    if stop_signal and master:
+    if stop_agreed and master:
         print(f"stopped by signal at step {step}, checkpoint saved; resume with the same command (it picks up {cfg.log_dir})")
 
 
