@@ -1,0 +1,146 @@
+"""Shared pieces of the train_gpt2.py tests: synthetic shards, a tiny model's flags, running main() in-process
+or the script in a subprocess (plain or under torchrun), and reading log.jsonl."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train_gpt2
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "train_gpt2.py")
+VOCAB = 128
+
+# 2 layers, width 64, T=32, vocab 128: 4 x 32 x 2 accumulation steps = 256 tokens a step on one process
+TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32", "--vocab-size", str(VOCAB),
+        "--batch-size", "4", "--seq-len", "32", "--total-batch-size", "256", "--val-tokens", "256",
+        "--num-samples", "0", "--eval-every", "0", "--device", "cpu", "--hellaswag-every", "0"]
+
+
+def write_shards(directory, train_lengths=(3000, 2500), val_length=1000, vocab=VOCAB, seed=0, ext="npy"):
+    """Random token shards, np.save of uint16 (or llm.c's .bin), ids < vocab; returns the directory."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    for i, n in enumerate(train_lengths):
+        save_tokens(os.path.join(directory, f"synth_train_{i:06d}.{ext}"), rng.integers(0, vocab, n, dtype=np.uint16))
+    save_tokens(os.path.join(directory, f"synth_val_000000.{ext}"), rng.integers(0, vocab, val_length, dtype=np.uint16))
+    return str(directory)
+
+
+def save_tokens(path, tokens):
+    tokens = np.asarray(tokens, dtype=np.uint16)
+    path = str(path)
+    if path.endswith(".bin"):
+        header = np.zeros(256, dtype=np.int32)
+        header[:3] = [20240520, 1, len(tokens)]
+        with open(path, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.tobytes())
+    else:
+        np.save(path, tokens)
+
+
+def run_main(argv, capsys):
+    """train_gpt2.main(argv) in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = 0
+    try:
+        train_gpt2.main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def expect_usage_error(argv, capsys, *fragments):
+    """main(argv) must exit 2 with a single 'error: ...' line on stderr holding every fragment, no traceback."""
+    code, out, err = run_main(argv, capsys)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in out + err
+    for fragment in fragments:
+        assert str(fragment) in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def script_env(**extra):
+    # one thread: on a loaded 2-core machine, 2 OpenMP threads spin-wait and make a tiny step 50x slower
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("TRAIN_GPT2_NAN_STEPS", None)
+    env.update(extra)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def script_command(args, nproc=1):
+    if nproc == 1:
+        return [sys.executable, SCRIPT] + [str(a) for a in args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT] + [str(a) for a in args]
+
+
+def run_script(args, cwd, nproc=1, timeout=240, **env):
+    """The script in a subprocess (under torchrun when nproc > 1): the CompletedProcess."""
+    return subprocess.run(script_command(args, nproc), cwd=cwd, env=script_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def read_log(log_dir):
+    with open(os.path.join(log_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_records(records):
+    """{step: record} of the train lines; a step logged again after a resume keeps its last record."""
+    return {r["step"]: r for r in records if "train_loss" in r}
+
+
+def val_records(records):
+    return {r["step"]: r for r in records if "val_loss" in r}
+
+
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+
+
+def load_ckpt(path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_tensors_equal(a, b, exact=True, atol=1e-5):
+    """Two state dicts (nested dicts of tensors) hold the same keys and equal tensors."""
+    import torch
+
+    assert set(a) == set(b)
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            assert_tensors_equal(x, y, exact, atol)
+        elif isinstance(x, torch.Tensor):
+            if exact:
+                assert torch.equal(x, y), key
+            else:
+                assert torch.allclose(x, y, rtol=0, atol=atol), (key, (x - y).abs().max())
+        else:
+            assert x == y, key
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (and the same as in the subprocesses, which get OMP_NUM_THREADS=1)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    return write_shards(tmp_path / "data")

@@ -1,0 +1,178 @@
+"""The data side of train_gpt2.py: .npy and .bin shards, the TokenStream's coverage of an epoch across ranks,
+the same global batch for any split of processes and accumulation steps, shard reshuffling, exact state
+restore, and text files."""
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import train_gpt2
+from helpers import one_thread, save_tokens  # noqa: F401 (one_thread: autouse fixture)
+from train_gpt2 import TokenStream, TrainConfig
+
+BIG_VOCAB = 1 << 16  # unique token values as positions: the check of ids against the vocab lets all through
+
+
+@pytest.mark.parametrize("ext", ["npy", "bin"])
+def test_reads_npy_and_bin_shards(tmp_path, ext):
+    tokens = np.random.default_rng(0).integers(0, 65535, 1234, dtype=np.uint16)
+    path = str(tmp_path / f"x_train.{ext}")
+    save_tokens(path, tokens)
+    if ext == "bin":  # llm.c's layout, checked here by hand
+        raw = open(path, "rb").read()
+        assert len(raw) == 1024 + 2 * 1234
+        assert list(np.frombuffer(raw[:12], dtype=np.int32)) == [20240520, 1, 1234]
+    shard = train_gpt2.open_shard(path)
+    assert shard.dtype == np.uint16 and shard.shape == (1234,)
+    assert np.array_equal(np.asarray(shard), tokens)
+
+
+def test_load_data_mixes_formats_and_fixes_val(tmp_path):
+    """A directory of one .bin and one .npy train shard; the validation set is val_tokens rounded to whole
+    sequences (plus the last target), from the start of the val shards, whatever the rest of the config."""
+    d = tmp_path / "data"
+    d.mkdir()
+    a, b, v1, v2 = (np.arange(n, dtype=np.uint16) % 100 + k for n, k in ((700, 0), (500, 1), (300, 2), (300, 3)))
+    save_tokens(d / "s_train_0.bin", a)
+    save_tokens(d / "s_train_1.npy", b)
+    save_tokens(d / "s_val_0.npy", v1)
+    save_tokens(d / "s_val_1.bin", v2)
+    np.save(d / "notes.txt.npy.bak", a)  # neither .npy nor .bin at the end: ignored
+    cfg = TrainConfig(data=str(d), vocab_size=128, seq_len=32, total_batch_size=256, val_tokens=500)
+    stream, val, train_tokens = train_gpt2.load_data(cfg)
+    assert train_tokens == 1200 and sorted(len(s) for s in stream.shards) == [500, 700]
+    assert len(val) == (500 // 32) * 32 + 1  # 481
+    assert np.array_equal(val, np.concatenate([v1, v2])[:481])
+    cfg.val_tokens = 10_000  # more than there is: all of it, in whole sequences
+    _, val, _ = train_gpt2.load_data(cfg)
+    assert len(val) == (599 // 32) * 32 + 1
+
+
+def unique_shards(lengths):
+    """Shards whose tokens are their global positions 0, 1, 2, ...: every token can be traced."""
+    starts = np.cumsum([0, *lengths])
+    return [np.arange(starts[i], starts[i + 1], dtype=np.uint16) for i in range(len(lengths))]
+
+
+def test_one_epoch_covers_every_token_once_without_overlap():
+    lengths = [1000, 1500, 700, 800, 96]  # 4096 tokens, odd shard sizes: batches straddle shard ends
+    shards = unique_shards(lengths)
+    B, T, world, accum = 2, 8, 2, 2  # 64 tokens a step: 64 steps an epoch
+    streams = [TokenStream(shards, [f"s{i}" for i in range(5)], seed=5) for _ in range(world)]  # one per rank
+    per_step_chunks = []
+    for step in range(64):
+        chunks = {}
+        for rank in range(world):
+            for micro, (x, y) in enumerate(streams[rank].next_step(B, T, accum, rank, world, BIG_VOCAB)):
+                assert x.shape == y.shape == (B, T)
+                chunks[micro * world + rank] = (x.flatten().numpy(), y.flatten().numpy())
+        assert sorted(chunks) == list(range(world * accum))
+        seen = np.concatenate([chunks[c][0] for c in sorted(chunks)])
+        assert len(set(seen.tolist())) == len(seen)  # no two ranks or micro-steps share a token
+        per_step_chunks.append(chunks)
+    inputs = np.concatenate([chunks[c][0] for chunks in per_step_chunks for c in sorted(chunks)])
+    targets = np.concatenate([chunks[c][1] for chunks in per_step_chunks for c in sorted(chunks)])
+    assert Counter(inputs.tolist()) == Counter(range(4096))  # every token once, none wasted at shard ends
+    # the epoch is the shards end to end in some order: each shard appears whole, in one piece
+    order = []
+    position = 0
+    while position < 4096:
+        shard = next(i for i, s in enumerate(shards) if s[0] == inputs[position])
+        assert np.array_equal(inputs[position: position + lengths[shard]], shards[shard])
+        order.append(shard)
+        position += lengths[shard]
+    assert sorted(order) == list(range(5))
+    # targets are the inputs one token later, across shard ends too; the last one opens the next epoch
+    assert np.array_equal(targets[:-1], inputs[1:])
+    assert all(s.state_dict() == {"epoch": 1, "index": 0, "offset": 0} for s in streams)
+    next_epoch_first = streams[0].next_step(1, 1, 1, 0, 1, BIG_VOCAB)[0][0].item()
+    assert targets[-1] == next_epoch_first
+
+
+def global_batches(world, accum, B, T, steps, shards, seed=3):
+    """The tokens of each step, chunk by chunk in global order, from `world` ranks' streams."""
+    streams = [TokenStream(shards, ["a", "b", "c"], seed) for _ in range(world)]
+    out = []
+    for _ in range(steps):
+        chunks = {}
+        for rank, stream in enumerate(streams):
+            for micro, (x, y) in enumerate(stream.next_step(B, T, accum, rank, world, BIG_VOCAB)):
+                chunks[micro * world + rank] = (x, y)
+        out.append((np.concatenate([chunks[c][0].numpy().ravel() for c in sorted(chunks)]),
+                    np.concatenate([chunks[c][1].numpy().ravel() for c in sorted(chunks)])))
+    return out
+
+
+def test_same_global_batch_for_any_split():
+    shards = unique_shards([900, 1300, 500])
+    B, T = 2, 16  # 4 x 32 = 128 tokens a step: 1 process x 4 accumulation steps, 2 x 2, 4 x 1
+    steps = 40  # > 2 epochs of 2700 tokens
+    reference = global_batches(1, 4, B, T, steps, shards)
+    for world, accum in ((2, 2), (4, 1)):
+        other = global_batches(world, accum, B, T, steps, shards)
+        for step, ((x1, y1), (x2, y2)) in enumerate(zip(reference, other)):
+            assert np.array_equal(x1, x2) and np.array_equal(y1, y2), (world, accum, step)
+    # and a different micro-batch shape for the same 128 tokens: 1 x 32, 8 accumulation steps, 1 process
+    for (x1, _), (x2, _) in zip(reference, global_batches(1, 8, 1, 16, steps, shards)):
+        assert np.array_equal(x1, x2)
+    # consecutive steps follow each other in the stream
+    for (x1, y1), (x2, _) in zip(reference, reference[1:]):
+        assert np.array_equal(y1[:-1], x1[1:]) and y1[-1] == x2[0]
+
+
+def epoch_orders(seed, n_epochs, n_shards=6, length=50):
+    """The shard order of each epoch, read off the stream: shard i holds only the value i."""
+    shards = [np.full(length, i, dtype=np.uint16) for i in range(n_shards)]
+    stream = TokenStream(shards, [str(i) for i in range(n_shards)], seed)
+    orders = []
+    for _ in range(n_epochs):
+        x = np.concatenate([stream.next_step(1, length, 1, 0, 1, 128)[0][0].numpy().ravel() for _ in range(n_shards)])
+        orders.append(tuple(x[::length].tolist()))
+        assert np.array_equal(x, np.repeat(orders[-1], length))
+    return orders
+
+
+def test_shard_order_reshuffled_each_epoch_from_the_seed():
+    orders = epoch_orders(seed=1337, n_epochs=4)
+    for order in orders:
+        assert sorted(order) == list(range(6))
+    assert len(set(orders)) > 1  # not the same order every epoch
+    assert epoch_orders(seed=1337, n_epochs=4) == orders  # reproducible from the seed
+    assert epoch_orders(seed=1338, n_epochs=4) != orders  # and a different seed shuffles differently
+    assert len({epoch_orders(seed, 1)[0] for seed in range(10)}) > 3  # the first epoch is shuffled too
+
+
+def test_state_dict_restores_the_exact_position():
+    shards = unique_shards([333, 1000, 250])
+    stream = TokenStream(shards, ["a", "b", "c"], seed=9)
+    for _ in range(10):  # 1920 tokens: into the second epoch of 1583, mid-shard
+        stream.next_step(2, 16, 3, 1, 2, BIG_VOCAB)
+    state = json.loads(json.dumps(stream.state_dict()))  # plain numbers: safe for torch.load(weights_only=True)
+    assert state["epoch"] == 1
+    restored = TokenStream(shards, ["a", "b", "c"], seed=9)
+    restored.load_state_dict(state)
+    for _ in range(40):
+        for rank in range(2):  # both ranks, read from copies of the stream state
+            a = TokenStream(shards, ["a", "b", "c"], seed=9)
+            a.load_state_dict(stream.state_dict())
+            b = TokenStream(shards, ["a", "b", "c"], seed=9)
+            b.load_state_dict(restored.state_dict())
+            for (x1, y1), (x2, y2) in zip(a.next_step(2, 16, 3, rank, 2, BIG_VOCAB), b.next_step(2, 16, 3, rank, 2, BIG_VOCAB)):
+                assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+        stream.next_step(2, 16, 3, 0, 2, BIG_VOCAB)
+        restored.next_step(2, 16, 3, 0, 2, BIG_VOCAB)
+        assert stream.state_dict() == restored.state_dict()
+
+
+def test_text_file_is_tokenized_with_gpt2_bpe(tmp_path):
+    enc = train_gpt2.gpt2_tokenizer()
+    assert enc.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's known ids
+    path = tmp_path / "tiny.txt"
+    path.write_text("Hello world, " * 200)
+    cfg = TrainConfig(data=str(path), vocab_size=50304, seq_len=8, total_batch_size=64, val_tokens=40)
+    stream, val, train_tokens = train_gpt2.load_data(cfg)
+    tokens = enc.encode_ordinary("Hello world, " * 200)
+    split = int(0.9 * len(tokens))
+    assert train_tokens == split and np.array_equal(stream.shards[0], tokens[:split])
+    assert np.array_equal(val, tokens[split: split + 41])  # the last 10%: 5 sequences of 8, and one target more

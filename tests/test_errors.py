@@ -1,0 +1,135 @@
+"""Mistakes a user can make: each one is a single `error: ...` line on stderr naming the file or the flag,
+exit code 2, no traceback."""
+import os
+
+import numpy as np
+import pytest
+
+from helpers import TINY, expect_usage_error, one_thread, shards, write_shards  # noqa: F401 (fixtures)
+
+
+def args(data, log_dir, *extra):
+    return TINY + ["--data", str(data), "--log-dir", str(log_dir), "--max-steps", "1", *extra]
+
+
+def test_missing_data_path(tmp_path, capsys):
+    expect_usage_error(args(tmp_path / "nowhere", tmp_path / "log"), capsys, "--data", "nowhere", "python fineweb.py")
+    assert not os.path.exists(tmp_path / "log")
+
+
+@pytest.mark.parametrize("missing", ["train", "val"])
+def test_no_train_or_no_val_shards(tmp_path, capsys, missing):
+    d = tmp_path / "data"
+    write_shards(d)
+    for name in os.listdir(d):
+        if missing in name:
+            os.remove(d / name)
+    expect_usage_error(args(d, tmp_path / "log"), capsys, f"no *{missing}* shards", str(d), "fineweb.py")
+
+
+def test_empty_data_directory(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    expect_usage_error(args(tmp_path / "data", tmp_path / "log"), capsys, "no *train* shards")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "int32"])
+def test_bad_npy_shard(tmp_path, capsys, damage):
+    d = write_shards(tmp_path / "data")
+    path = os.path.join(d, "synth_train_000001.npy")
+    raw = open(path, "rb").read()
+    if damage == "truncated":
+        open(path, "wb").write(raw[: len(raw) // 2])
+    elif damage == "garbage":
+        open(path, "wb").write(os.urandom(len(raw)))
+    elif damage == "empty":
+        open(path, "wb").close()
+    else:
+        np.save(path, np.arange(3000, dtype=np.int32))
+    expect_usage_error(args(d, tmp_path / "log"), capsys, path)
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "short header", "truncated", "too long"])
+def test_bad_bin_shard(tmp_path, capsys, damage):
+    d = write_shards(tmp_path / "data", ext="bin")
+    path = os.path.join(d, "synth_train_000000.bin")
+    raw = bytearray(open(path, "rb").read())
+    header = np.frombuffer(bytes(raw[:1024]), dtype=np.int32).copy()
+    if damage == "magic":
+        header[0] = 20240519
+    elif damage == "version":
+        header[1] = 7
+    if damage in ("magic", "version"):
+        raw[:1024] = header.tobytes()
+    elif damage == "short header":
+        raw = raw[:500]
+    elif damage == "truncated":
+        raw = raw[:-100]
+    else:
+        raw += b"\0\0"
+    open(path, "wb").write(bytes(raw))
+    want = "header" if damage in ("magic", "version", "short header") else "truncated"
+    expect_usage_error(args(d, tmp_path / "log"), capsys, path, want)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_token_ids_beyond_the_vocab(tmp_path, capsys, split):
+    d = write_shards(tmp_path / "data")
+    path = os.path.join(d, f"synth_{split}_000000.npy")
+    tokens = np.load(path)
+    tokens[5] = 200
+    np.save(path, tokens)
+    fragment = path if split == "train" else "validation data"
+    # the train shards are read lazily: the run must still fail on the first step, with the file's name
+    expect_usage_error(args(d, tmp_path / "log", "--max-steps", "3"), capsys, fragment, "200", "--vocab-size 128")
+
+
+def test_text_file_too_small_for_one_batch(tmp_path, capsys):
+    path = tmp_path / "small.txt"
+    path.write_text("To be, or not to be, that is the question. " * 5)
+    expect_usage_error(args(path, tmp_path / "log", "--vocab-size", "50304"), capsys, str(path), "--total-batch-size 256")
+
+
+def test_text_file_not_utf8(tmp_path, capsys):
+    path = tmp_path / "binary.txt"
+    path.write_bytes(b"\xff\xfe\x00\x81" * 100)
+    expect_usage_error(args(path, tmp_path / "log"), capsys, str(path), "UTF-8")
+
+
+def test_total_batch_not_divisible(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--total-batch-size", "200"), capsys,
+                       "--total-batch-size 200", "4 x 32 x 1 = 128")
+
+
+def test_seq_len_longer_than_block_size(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--seq-len", "64", "--total-batch-size", "512"), capsys,
+                       "--seq-len 64", "--block-size 32")
+
+
+def test_cuda_asked_for_but_absent(shards, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    expect_usage_error(args(shards, tmp_path / "log", "--device", "cuda"), capsys, "--device cuda")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--max-steps", "-1"), ("--batch-size", "0"), ("--seq-len", "0"), ("--total-batch-size", "-256"),
+    ("--n-layer", "-1"), ("--warmup-steps", "-5"), ("--max-lr", "0"), ("--max-lr", "nan"), ("--grad-clip", "-1"),
+    ("--keep-checkpoints", "0"), ("--eval-every", "-1"), ("--val-tokens", "0"), ("--min-lr-ratio", "-0.5"),
+    ("--min-lr-ratio", "2"), ("--weight-decay", "-0.1"),
+])
+def test_nonsense_values(shards, tmp_path, capsys, flag, value):
+    expect_usage_error(args(shards, tmp_path / "log", flag, value), capsys, flag)
+
+
+def test_n_embd_not_multiple_of_n_head(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--n-head", "5"), capsys, "--n-embd 64", "--n-head 5")
+
+
+@pytest.mark.parametrize("what", ["--resume", "--sample"])
+def test_unreadable_checkpoint_path(shards, tmp_path, capsys, what):
+    bad = tmp_path / "ckpt_000002.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    expect_usage_error(args(shards, tmp_path / "log", what, bad), capsys, what, str(bad))
+    expect_usage_error(args(shards, tmp_path / "log", what, tmp_path / "missing.pt"), capsys, what, "missing.pt")

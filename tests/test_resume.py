@@ -1,0 +1,317 @@
+"""Checkpoints: SIGKILL and resume (bitwise, on CPU in fp32), SIGTERM, a damaged latest checkpoint, mismatched
+shapes, a different number of processes, non-finite steps, sampling from a checkpoint, --no-resume."""
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+import train_gpt2
+from helpers import (TINY, assert_tensors_equal, checkpoint_path, expect_usage_error, load_ckpt, one_thread,  # noqa: F401
+                     read_log, run_main, run_script, script_command, script_env, shards, train_records, val_records)
+
+
+def logged_train_steps(log_dir):
+    """The train steps in log.jsonl so far, reading only whole lines (the file may be mid-write)."""
+    try:
+        with open(os.path.join(log_dir, "log.jsonl")) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]
+    return [r["step"] for r in map(json.loads, lines) if "train_loss" in r]
+
+
+def start_script(args, cwd, stdout_path):
+    with open(stdout_path, "w") as out:
+        return subprocess.Popen(script_command(args), cwd=cwd, env=script_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for_step(proc, log_dir, step, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        steps = logged_train_steps(log_dir)
+        if steps and max(steps) >= step:
+            return max(steps)
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before step {step}"
+        time.sleep(0.005)
+    proc.kill()
+    pytest.fail(f"no step {step} within {timeout} s")
+
+
+def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys):
+    args = TINY + ["--data", shards, "--max-steps", "60", "--checkpoint-every", "4", "--warmup-steps", "2", "--max-lr", "1e-2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    code, _, err = run_main(args + ["--log-dir", ref], capsys)  # the uninterrupted run
+    assert code == 0, err
+
+    kill_at = random.randint(5, 12)  # any step after the first checkpoint (step 4)
+    proc = start_script(args + ["--log-dir", run], tmp_path, tmp_path / "killed.out")
+    wait_for_step(proc, run, kill_at)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    killed_log = open(run / "log.jsonl").read()
+    last = max(logged_train_steps(run))
+    assert kill_at <= last < 59, (kill_at, last)
+    assert not os.path.exists(checkpoint_path(run, 60))
+
+    resumed = run_script(args + ["--log-dir", run], cwd=tmp_path)  # the very same command
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    full_log = open(run / "log.jsonl").read()
+    assert full_log.startswith(killed_log)  # appended, never truncated
+    events = [r for r in read_log(run) if r.get("event") == "resume"]
+    assert len(events) == 1
+    start = events[0]["step"]
+    assert start % 4 == 0 and 4 <= start <= last + 1, (start, last)
+    assert f"resuming from the checkpoint of step {start}" in resumed.stdout
+    after = [r for r in read_log(run)[len(killed_log.splitlines()):] if "train_loss" in r]
+    assert [r["step"] for r in after] == list(range(start, 60))
+    reference = train_records(read_log(ref))
+    for r in after:  # the JSON floats, compared exactly
+        assert r["train_loss"] == reference[r["step"]]["train_loss"], r["step"]
+        assert r["grad_norm"] == reference[r["step"]]["grad_norm"], r["step"]
+    assert val_records(read_log(run))[60]["val_loss"] == val_records(read_log(ref))[60]["val_loss"]
+    a, b = load_ckpt(checkpoint_path(ref, 60)), load_ckpt(checkpoint_path(run, 60))
+    assert_tensors_equal(a["model"], b["model"])
+    assert_tensors_equal(a["optimizer"]["state"], b["optimizer"]["state"])
+    assert a["stream"] == b["stream"] and a["step"] == b["step"] == 60
+
+
+def tokens_consumed(stream_state, shard_lengths, seed):
+    """How many training tokens lie before a stream position, counted by hand from the shard order."""
+    stream = train_gpt2.TokenStream([torch.zeros(n) for n in shard_lengths], ["a"] * len(shard_lengths), seed)
+    order = stream.order(stream_state["epoch"])
+    before = sum(shard_lengths[i] for i in order[: stream_state["index"]])
+    return stream_state["epoch"] * sum(shard_lengths) + before + stream_state["offset"]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path):
+    run = tmp_path / "run"
+    args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
+    proc = start_script(args, tmp_path, tmp_path / "out.txt")
+    wait_for_step(proc, run, 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    out = open(tmp_path / "out.txt").read()
+    assert "Traceback" not in out
+    last = max(logged_train_steps(run))
+    stop = last + 1  # it finished the step it was in
+    assert f"stopped by signal at step {stop}" in out and "resume with the same command" in out
+    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(run))] == [f"ckpt_{stop:06d}.pt"]
+    ckpt = load_ckpt(checkpoint_path(run, stop))
+    assert ckpt["step"] == stop
+    assert tokens_consumed(ckpt["stream"], [3000, 2500], 1337) == stop * 256  # the loader's position matches
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--max-steps", "6", "--checkpoint-every", "2", "--warmup-steps", "2",
+                   "--max-lr", "1e-2", "--log-dir", log_dir]
+    code, _, err = run_main(args, capsys)
+    assert code == 0, err
+    first = train_records(read_log(log_dir))
+    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000004.pt", "ckpt_000006.pt"]
+    latest = checkpoint_path(log_dir, 6)
+    size = os.path.getsize(latest)
+    with open(latest, "r+b") as f:
+        f.truncate(size // 2)
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "ckpt_000006.pt" in warnings[0]
+    assert "resuming from the checkpoint of step 4" in out
+    records = read_log(log_dir)
+    assert [r["step"] for r in records if r.get("event") == "resume"] == [4]
+    again = [r for r in records[records.index({"step": 4, "event": "resume"}):] if "train_loss" in r]
+    assert [r["step"] for r in again] == [4, 5]
+    for r in again:  # the same steps again, bitwise
+        assert r["train_loss"] == first[r["step"]]["train_loss"]
+    assert load_ckpt(latest)["step"] == 6  # rewritten whole
+
+
+def test_mismatched_shapes_give_a_readable_error(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--max-steps", "2", "--log-dir", log_dir]
+    assert run_main(args, capsys)[0] == 0
+    line = expect_usage_error(args + ["--n-embd", "32", "--max-steps", "4"], capsys, "n_embd: checkpoint 64, flags 32", "--no-resume")
+    assert "n_layer" not in line
+    line = expect_usage_error(args + ["--n-embd", "32", "--n-layer", "3", "--max-steps", "4"], capsys,
+                              "n_embd: checkpoint 64, flags 32", "n_layer: checkpoint 2, flags 3")
+    assert os.path.exists(checkpoint_path(log_dir, 2))  # nothing was moved or overwritten
+
+
+def test_resume_with_another_number_of_processes(shards, tmp_path, capsys):
+    """Started with 1 process and 2 accumulation steps, resumed under torchrun with 2 processes of 1."""
+    args = TINY + ["--data", shards, "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "3",
+                   "--warmup-steps", "1", "--max-lr", "1e-2"]
+    ref, two = tmp_path / "ref", tmp_path / "two"
+    code, _, err = run_main(args + ["--log-dir", ref], capsys)
+    assert code == 0, err
+    two.mkdir()
+    shutil.copy(checkpoint_path(ref, 2), checkpoint_path(two, 2))
+    result = run_script(args + ["--log-dir", two], cwd=tmp_path, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from the checkpoint of step 2" in result.stdout
+    assert "4 x 32 x 1 accumulation steps x 2 process(es)" in result.stdout
+    reference, resumed = train_records(read_log(ref)), train_records(read_log(two))
+    assert sorted(resumed) == [2, 3]
+    for step in (2, 3):
+        assert resumed[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], abs=1e-5)
+    assert val_records(read_log(two))[4]["val_loss"] == pytest.approx(val_records(read_log(ref))[4]["val_loss"], abs=1e-5)
+    a, b = load_ckpt(checkpoint_path(ref, 4)), load_ckpt(checkpoint_path(two, 4))
+    assert_tensors_equal(a["model"], b["model"], exact=False, atol=1e-5)
+    assert a["stream"] == b["stream"]
+
+
+CONSTANT_LR = ["--warmup-steps", "0", "--min-lr-ratio", "1", "--max-lr", "1e-2"]  # the same lr whatever --max-steps
+
+
+def test_non_finite_step_is_skipped(shards, tmp_path, capsys, monkeypatch):
+    args = TINY + ["--data", shards, "--checkpoint-every", "4"] + CONSTANT_LR
+    monkeypatch.setenv("TRAIN_GPT2_NAN_STEPS", "3")
+    code, out, err = run_main(args + ["--max-steps", "6", "--log-dir", tmp_path / "nan"], capsys)
+    assert code == 0, err
+    assert "non-finite: update skipped (1 in a row)" in out
+    monkeypatch.delenv("TRAIN_GPT2_NAN_STEPS")
+    code, _, err = run_main(args + ["--max-steps", "3", "--log-dir", tmp_path / "ref"], capsys)
+    assert code == 0, err
+    nan, ref = train_records(read_log(tmp_path / "nan")), train_records(read_log(tmp_path / "ref"))
+    assert nan[3]["skipped"] is True and nan[3]["train_loss"] is None
+    for step in (0, 1, 2, 4, 5):
+        assert "skipped" not in nan[step] and nan[step]["train_loss"] is not None
+    for step in (0, 1, 2):
+        assert nan[step]["train_loss"] == ref[step]["train_loss"]
+    # ckpt 4 of the NaN run holds the weights after steps 0-3 with 3 skipped: those after steps 0-2, exactly
+    skipped, reference = load_ckpt(checkpoint_path(tmp_path / "nan", 4)), load_ckpt(checkpoint_path(tmp_path / "ref", 3))
+    assert_tensors_equal(skipped["model"], reference["model"])
+    assert_tensors_equal(skipped["optimizer"]["state"], reference["optimizer"]["state"])
+    assert all(torch.isfinite(t).all() for t in load_ckpt(checkpoint_path(tmp_path / "nan", 6))["model"].values())
+
+
+def test_too_many_bad_steps_stop_the_run(shards, tmp_path, capsys, monkeypatch):
+    log_dir = tmp_path / "log"
+    monkeypatch.setenv("TRAIN_GPT2_NAN_STEPS", "3,4,5,6")
+    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--max-bad-steps", "3", "--max-steps", "10",
+                   "--log-dir", log_dir] + CONSTANT_LR
+    line = expect_usage_error(args, capsys, "3 steps in a row", "non-finite", "step 5", "ckpt_000004.pt")
+    assert str(log_dir) in line
+    records = train_records(read_log(log_dir))
+    assert sorted(records) == [0, 1, 2, 3, 4, 5]  # stopped right after the third bad step
+    assert [s for s, r in records.items() if r.get("skipped")] == [3, 4, 5]
+    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    last_good = load_ckpt(checkpoint_path(log_dir, 4))
+    assert all(torch.isfinite(t).all() for t in last_good["model"].values())
+
+
+def test_sample_from_a_checkpoint(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--max-steps", "2", "--vocab-size", "50304", "--log-dir", log_dir]
+    assert run_main(args, capsys)[0] == 0
+    sample = ["--sample", checkpoint_path(log_dir, 2), "--prompt", "Hello, I'm", "--num-samples", "2",
+              "--max-new-tokens", "8", "--device", "cpu"]
+    code, out, err = run_main(sample, capsys)
+    assert code == 0 and err == "", err
+    lines = out.splitlines()
+    assert lines[0].startswith("checkpoint of step 2") and repr("Hello, I'm") in lines[0]
+    samples = [line for line in lines if line.startswith("sample ")]
+    assert [s[:10] for s in samples] == ["sample 0: ", "sample 1: "]
+    for s in samples:
+        text = eval(s[len("sample 0: "):])  # the repr of the decoded tokens
+        assert text.startswith("Hello, I'm") and len(text) > len("Hello, I'm")
+    assert run_main(sample, capsys)[1] == out  # seeded: the same samples again
+    # a tiny-vocab checkpoint cannot embed the prompt: a message, no crash
+    small = tmp_path / "small"
+    assert run_main(args[:-4] + ["--log-dir", small, "--max-steps", "1"], capsys)[0] == 0
+    code, out, err = run_main(["--sample", checkpoint_path(small, 1), "--prompt", "Hello", "--device", "cpu"], capsys)
+    assert code == 0 and "no samples" in out and "Traceback" not in err
+
+
+def test_no_resume_moves_the_old_log_dir_aside(shards, tmp_path, capsys, monkeypatch):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    first = open(log_dir / "log.jsonl").read()
+    code, out, _ = run_main(args + ["--max-steps", "3"], capsys)  # resumes: appends
+    assert code == 0 and "resuming from the checkpoint of step 2" in out
+    second = open(log_dir / "log.jsonl").read()
+    assert second.startswith(first) and len(second) > len(first)
+    code, out, _ = run_main(args + ["--max-steps", "1", "--no-resume"], capsys)
+    assert code == 0
+    moved = re.search(r"moved the old (\S+) aside to (\S+)", out)
+    assert moved and moved.group(1) == str(log_dir)
+    aside = moved.group(2)
+    assert os.path.dirname(aside) == str(tmp_path)
+    assert open(os.path.join(aside, "log.jsonl")).read() == second  # kept whole, not deleted
+    assert sorted(os.listdir(aside)) == ["ckpt_000002.pt", "ckpt_000003.pt", "log.jsonl"]
+    fresh = read_log(log_dir)
+    assert not any(r.get("event") == "resume" for r in fresh) and sorted(train_records(fresh)) == [0]
+    # once more within the same second (the clock is frozen here): a second, distinct place aside
+    stamp = aside.rsplit(".", 1)[1]
+    monkeypatch.setattr(train_gpt2.time, "strftime", lambda *a: stamp)
+    code, out, err = run_main(args + ["--max-steps", "1", "--no-resume"], capsys)
+    assert code == 0, err
+    second_aside = re.search(r"aside to (\S+)", out).group(1)
+    assert second_aside != aside and os.path.isdir(aside) and os.path.isdir(second_aside)
+    assert sorted(os.listdir(second_aside)) == ["ckpt_000001.pt", "log.jsonl"]
+
+
+def worker_pids(agent_pid):
+    """{rank: pid} of torchrun's worker processes, read from /proc."""
+    workers = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"RANK" in env:
+            workers[int(env[b"RANK"])] = int(pid)
+    return workers
+
+
+def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
+    """Preemption may reach the ranks at different moments: a signal to rank 1 alone must stop both ranks at the
+    same step, with one checkpoint and exit code 0 (no hang, no mismatched collectives)."""
+    run = tmp_path / "run"
+    args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(script_command(args, nproc=2), cwd=tmp_path, env=script_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_step(proc, run, 3)
+        workers = worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGTERM)
+        assert proc.wait(60) == 0, open(tmp_path / "out.txt").read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = open(tmp_path / "out.txt").read()
+    stop = max(logged_train_steps(run)) + 1
+    assert f"stopped by signal at step {stop}" in out, out[-3000:]
+    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(run))] == [f"ckpt_{stop:06d}.pt"]
+    assert tokens_consumed(load_ckpt(checkpoint_path(run, stop))["stream"], [3000, 2500], 1337) == stop * 256
+
+
+@pytest.mark.xfail(strict=True, reason="design: --resume PATH of an older checkpoint into the same --log-dir leaves the "
+                   "abandoned run's newer checkpoints there; rotation (by name) then deletes the new run's own checkpoints "
+                   "and the next automatic resume picks the abandoned timeline")
+def test_resume_from_an_older_checkpoint_then_auto_resume_continues_it(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "6"], capsys)[0] == 0  # ckpt 4 and 6
+    code, out, _ = run_main(args + ["--max-steps", "5", "--resume", checkpoint_path(log_dir, 4)], capsys)  # roll back
+    assert code == 0 and "resuming from the checkpoint of step 4" in out
+    code, out, _ = run_main(args + ["--max-steps", "7"], capsys)
+    assert "resuming from the checkpoint of step 5" in out  # the run just made, not the one rolled back from

@@ -1,0 +1,109 @@
+"""Training: the learning-rate schedule, an end-to-end run and its log.jsonl, 2 processes under torchrun against
+1 process with 2 accumulation steps, and the default run on tiny Shakespeare."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt2
+from helpers import (REPO, TINY, VOCAB, one_thread, read_log, run_main, run_script, shards, train_records,  # noqa: F401
+                     val_records)
+from train_gpt2 import TrainConfig, get_lr
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(max_lr=6e-4, min_lr_ratio=0.1, warmup_steps=10, max_steps=101)
+    assert get_lr(0, cfg) == pytest.approx(6e-5)  # warmup: 1/10 of the peak at the first step
+    assert get_lr(4, cfg) == pytest.approx(3e-4)
+    assert get_lr(9, cfg) == pytest.approx(6e-4)  # warmup ends at the peak
+    assert get_lr(10, cfg) == pytest.approx(6e-4)  # the cosine starts at the peak
+    assert get_lr(55, cfg) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))  # half-way down the 90 decay steps: the mean
+    assert get_lr(32.5, cfg) == pytest.approx(6e-5 + 0.5 * (1 + math.cos(math.pi / 4)) * 5.4e-4)
+    assert get_lr(100, cfg) == pytest.approx(6e-5, rel=1e-12)  # the last step is min_lr_ratio * max_lr exactly
+    lrs = [get_lr(s, cfg) for s in range(101)]
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10])) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    no_warmup = TrainConfig(max_lr=1e-3, min_lr_ratio=0.0, warmup_steps=0, max_steps=5)
+    assert [get_lr(s, no_warmup) for s in range(5)] == pytest.approx([1e-3, 0.5 * (1 + math.cos(math.pi / 4)) * 1e-3, 5e-4,
+                                                                      0.5 * (1 + math.cos(3 * math.pi / 4)) * 1e-3, 0.0], abs=1e-15)
+
+
+def test_end_to_end_run_writes_log(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    code, out, err = run_main(TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "4", "--eval-every", "2",
+                                      "--warmup-steps", "2", "--max-lr", "1e-2"], capsys)
+    assert code == 0 and err == "", err
+    records = read_log(log_dir)
+    train, val = train_records(records), val_records(records)
+    assert sorted(train) == [0, 1, 2, 3] and sorted(val) == [0, 2, 4]
+    cfg = TrainConfig(max_lr=1e-2, warmup_steps=2, max_steps=4)
+    for step, r in train.items():
+        assert {"step", "train_loss", "lr", "grad_norm", "dt_ms", "tok_per_sec"} <= set(r)
+        assert r["tokens"] == (step + 1) * 256 and r["lr"] == pytest.approx(get_lr(step, cfg))
+        assert r["grad_norm"] > 0 and r["dt_ms"] > 0 and r["tok_per_sec"] == pytest.approx(256 / (r["dt_ms"] / 1000))
+        assert "skipped" not in r
+    for step, r in val.items():
+        assert set(r) >= {"step", "val_loss"} and math.isfinite(r["val_loss"])
+    assert abs(val[0]["val_loss"] - math.log(VOCAB)) < 0.05
+    assert f"step     3 | loss {train[3]['train_loss']:.6f}" in out
+    # the logged first loss is the mean over the whole global batch (2 micro-batches) of the initial model
+    torch.manual_seed(1337)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(32, VOCAB, 2, 4, 64))
+    stream, val_tokens, _ = train_gpt2.load_data(TrainConfig(data=shards, vocab_size=VOCAB, seq_len=32, total_batch_size=256, val_tokens=256))
+    with torch.no_grad():
+        losses = [model(x, y)[1].item() for x, y in stream.next_step(4, 32, 2, 0, 1, VOCAB)]
+        assert train[0]["train_loss"] == pytest.approx(np.mean(losses), abs=1e-6)
+        # and the validation loss at step 0 is the mean over the fixed 256 tokens (8 sequences of 32)
+        v = torch.from_numpy(val_tokens.astype(np.int64))
+        assert val[0]["val_loss"] == pytest.approx(model(v[:-1].view(8, 32), v[1:].view(8, 32))[1].item(), abs=1e-6)
+    # trained with a real learning rate, the loss went down over the run
+    assert val[4]["val_loss"] < val[0]["val_loss"]
+
+
+def test_samples_with_a_small_vocab(shards, tmp_path, capsys):
+    """The default --num-samples 4 at each evaluation, with --vocab-size 128: the GPT-2 prompt's ids do not fit the
+    embedding, which must not crash the run."""
+    i = TINY.index("--num-samples")
+    args = TINY[:i] + TINY[i + 2:]  # the default number of samples
+    code, out, err = run_main(args + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "1", "--eval-every", "1"], capsys)
+    assert code == 0, err
+    assert "Traceback" not in err and "no samples: the prompt needs token ids" in out
+    assert sorted(val_records(read_log(tmp_path / "log"))) == [0, 1]  # evaluated at the start and the end
+
+
+def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, capsys):
+    """torchrun --nproc_per_node=2 (gloo, 1 micro-step each) against 1 process with 2 accumulation steps: the same
+    global batch of 256 tokens, so the same losses and validation losses to ~1e-5."""
+    args = TINY + ["--data", shards, "--max-steps", "4", "--eval-every", "2", "--warmup-steps", "1", "--max-lr", "1e-2"]
+    code, out, err = run_main(args + ["--log-dir", tmp_path / "one"], capsys)
+    assert code == 0, err
+    assert "4 x 32 x 2 accumulation steps x 1 process(es)" in out
+    two = run_script(args + ["--log-dir", tmp_path / "two"], cwd=tmp_path, nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "4 x 32 x 1 accumulation steps x 2 process(es)" in two.stdout
+    one_log, two_log = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    one_train, two_train = train_records(one_log), train_records(two_log)
+    assert sorted(two_train) == [0, 1, 2, 3] and len([r for r in two_log if "train_loss" in r]) == 4  # rank 0 logs alone
+    for step in range(4):
+        assert two_train[step]["train_loss"] == pytest.approx(one_train[step]["train_loss"], abs=1e-5), step
+        assert two_train[step]["grad_norm"] == pytest.approx(one_train[step]["grad_norm"], rel=1e-4), step
+    assert val_records(one_log)[4]["val_loss"] < val_records(one_log)[0]["val_loss"] - 0.01  # the weights really moved
+    for step, r in val_records(one_log).items():
+        assert val_records(two_log)[step]["val_loss"] == pytest.approx(r["val_loss"], abs=1e-5)
+
+
+def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
+    """`python train_gpt2.py` where there are no shards: one line naming `python fineweb.py`, then the Shakespeare
+    preset on input.txt. Only the flags given here change the preset (to make the run short)."""
+    monkeypatch.chdir(tmp_path)  # no edu_fineweb10B/ here
+    code, out, err = run_main(["--max-steps", "1", "--eval-every", "0", "--val-tokens", "128", "--num-samples", "0",
+                               "--batch-size", "1", "--total-batch-size", "128", "--device", "cpu"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert sum("python fineweb.py" in line for line in lines) == 1
+    assert "no FineWeb shards in edu_fineweb10B" in lines[0] and "Shakespeare" in lines[0]
+    assert "model: 4 layers, 4 heads, width 128" in out  # the preset's model, not GPT-2 124M
+    assert f"data: {REPO}/input.txt" in out and "1 x 128 x 1 accumulation steps" in out  # its seq_len 128, our batch
+    records = read_log(tmp_path / "log")
+    assert abs(train_records(records)[0]["train_loss"] - math.log(50257)) < 0.3
+    assert train_records(records)[0]["lr"] == pytest.approx(2e-3 / 25)  # the preset's max_lr and warmup
