@@ -83,7 +83,8 @@ def unit_texts(job):
     if kind == "parquet":
         _, _, row_group, field = job
         try:
-            column = parquet_file(path).read_row_group(row_group, columns=[field]).column(0)
+            # one thread: the other cores are busy with their own row groups
+            column = parquet_file(path).read_row_group(row_group, columns=[field], use_threads=False).column(0)
         except pa.ArrowException as e:
             raise PrepareError(f"{path}: cannot read row group {row_group} ({e})")
         return [text for text in column.to_pylist() if text is not None]
