@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
+import hellaswag
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT2_VOCAB = 50257  # tokens of the GPT-2 tokenizer; a larger --vocab-size only pads the embedding table
 EOT = 50256  # <|endoftext|>, which separates documents
@@ -249,6 +251,7 @@ def flops_per_token(config, seq_len):
 def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k=50):
     """Samples continuations, top-k from the softmax, with a KV cache so each new token costs one position."""
     device = model.lm_head.weight.device
+    prompt_tokens = prompt_tokens[-(model.config.block_size - 1):]  # keep the end of a prompt that does not fit
     idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (N, P)
     max_new_tokens = min(max_new_tokens, model.config.block_size - idx.size(1))
     kv_cache = [[] for _ in model.transformer.h]
@@ -506,6 +509,12 @@ def resolve_dtype(dtype, device_type):
     return dtype
 
 
+def set_tf32(enabled):
+    """TF32 matmuls on Ampere and newer: float32's range with a 10-bit mantissa, several times faster."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def autocast_context(device_type, dtype):
     """Matmuls in bf16/fp16 with float32 master weights; a no-op for fp32 and tf32."""
     if dtype in DTYPES:
@@ -708,6 +717,41 @@ def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, e
         dist.barrier()
 
 
+def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr, grad_clip, stop_vote=False, poison=False):
+    """One optimizer step over this rank's micro-batches, skipped if the loss or gradient norm is not finite.
+    Returns the mean loss over all ranks, the gradient norm, how many ranks voted to stop, and whether it stepped."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    optimizer.zero_grad(set_to_none=True)
+    loss_accum = torch.zeros((), device=device)
+    for micro, (x, y) in enumerate(batches):
+        if x.device.type == "cpu" and torch.device(device).type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()  # lets the copy overlap with the GPU's work
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last_micro = micro == len(batches) - 1
+        sync_context = train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
+        with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
+            with autocast_ctx:
+                _, loss = train_model(x, y)
+            if poison:  # a test hook: TRAIN_GPT2_NAN_STEPS
+                loss = loss * float("nan")
+            loss = loss / len(batches)  # the gradients add up to those of the mean over the whole batch
+            loss_accum += loss.detach()
+            scaler.scale(loss).backward()
+    stats = torch.stack([loss_accum, torch.tensor(float(stop_vote), device=device)])
+    if world_size > 1:  # the loss summed over ranks, and how many ranks got a stop signal
+        dist.all_reduce(stats)
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(train_model.parameters(), grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_value, stop_votes, norm_value = stats[0].item() / world_size, stats[1].item(), norm.item()
+    finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
+    if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
+        scaler.step(optimizer)
+    scaler.update()
+    return loss_value, norm_value, stop_votes, finite
+
+
 # -----------------------------------------------------------------------------
 # The training run.
 
@@ -717,8 +761,7 @@ def train(cfg, given):
     cfg = resolve_config(cfg, given, env)
     master = env.rank == 0  # only rank 0 prints and writes files
     device, device_type = env.device, env.device_type
-    torch.set_float32_matmul_precision("highest" if cfg.dtype == "fp32" else "high")  # "high": TF32 matmuls
-    torch.backends.cudnn.allow_tf32 = cfg.dtype != "fp32"
+    set_tf32(cfg.dtype != "fp32")
     autocast_ctx = autocast_context(device_type, cfg.dtype)
     enc = gpt2_tokenizer()
     stream, val, train_tokens = load_data(cfg)
@@ -752,8 +795,15 @@ def train(cfg, given):
             if device_type == "cuda" and ckpt["rng"][env.rank]["cuda"] is not None:
                 torch.cuda.set_rng_state(ckpt["rng"][env.rank]["cuda"])
         start_step, val_loss = ckpt["step"], ckpt["val_loss"]
+    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
+        dist.barrier()
     if master:
         fresh_run = ckpt is None and not cfg.eval_only
+        if ckpt is not None and not cfg.eval_only:
+            for path in checkpoint_paths(cfg.log_dir):  # newer ones (abandoned, or unreadable) must not be resumed later
+                if int(os.path.basename(path)[5:-3]) > start_step:
+                    os.replace(path, path + ".abandoned")
+                    print(f"moved {path} aside to {path}.abandoned: this run continues from step {start_step}")
         if fresh_run and os.path.isdir(cfg.log_dir) and os.listdir(cfg.log_dir):
             aside = stamped = f"{cfg.log_dir.rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S')}"
             for n in range(1, 1000):  # two fresh starts within a second must not collide
@@ -782,27 +832,28 @@ def train(cfg, given):
             print(f"resuming from the checkpoint of step {start_step} in {cfg.log_dir}")
             log({"step": start_step, "event": "resume"})
 
-    model = torch.compile(raw_model) if cfg.compile else raw_model  # fuses kernels; evaluation uses the same compiled model
+    # fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one dynamic graph for all
+    model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     train_model = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if device_type == "cuda" else None) if env.world_size > 1 else model
 
     hellaswag_data = None
     if cfg.hellaswag_every > 0:
-        import hellaswag
-
         hellaswag_data = hellaswag.prepare(hellaswag.load_examples(cfg.hellaswag_file or None), enc, cfg.block_size)
 
     def evaluate(step):
         nonlocal val_loss
         tokens = step * cfg.total_batch_size
-        val_loss = evaluate_val(model, val, cfg.batch_size, cfg.seq_len, device, autocast_ctx, env.rank, env.world_size)
+        last = cfg.eval_only or step == cfg.max_steps
         extra = {"eval_only": True, "init_from": cfg.init_from if ckpt is None else cfg.resume} if cfg.eval_only else {}
-        log({"step": step, "tokens": tokens, "val_loss": val_loss, **extra}, f"step {step:5d} | val loss {val_loss:.4f}")
-        if hellaswag_data is not None and (cfg.eval_only or step % cfg.hellaswag_every == 0 or step == cfg.max_steps):
+        if last or (cfg.eval_every and step % cfg.eval_every == 0):
+            val_loss = evaluate_val(model, val, cfg.batch_size, cfg.seq_len, device, autocast_ctx, env.rank, env.world_size)
+            log({"step": step, "tokens": tokens, "val_loss": val_loss, **extra}, f"step {step:5d} | val loss {val_loss:.4f}")
+            if master and cfg.num_samples > 0:
+                print_samples(raw_model, cfg, enc, device, autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
+        if hellaswag_data is not None and (last or step % cfg.hellaswag_every == 0):
             acc_norm, acc, n = hellaswag.evaluate(model, hellaswag_data, device, autocast_ctx, env.rank, env.world_size)
             log({"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
                 f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
-        if master and cfg.num_samples > 0:
-            print_samples(raw_model, cfg, enc, device, autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
 
     if cfg.eval_only:
         evaluate(start_step)
@@ -818,8 +869,7 @@ def train(cfg, given):
     stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
     step = start_step
     while True:
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            evaluate(step)
+        evaluate(step)
         stopping = step == cfg.max_steps or stop_agreed
         if step > start_step and (stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
             save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env)
@@ -827,37 +877,13 @@ def train(cfg, given):
             break
 
         t0 = time.time()
-        optimizer.zero_grad(set_to_none=True)
-        loss_accum = torch.zeros((), device=device)
         batches = stream.next_step(cfg.batch_size, cfg.seq_len, accum_steps, env.rank, env.world_size, cfg.vocab_size)
-        for micro, (x, y) in enumerate(batches):
-            if device_type == "cuda":
-                x, y = x.pin_memory(), y.pin_memory()  # lets the copy overlap with the GPU's work
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last_micro = micro == accum_steps - 1
-            sync_context = train_model.no_sync() if env.world_size > 1 and not last_micro else contextlib.nullcontext()
-            with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
-                with autocast_ctx:
-                    _, loss = train_model(x, y)
-                if step in inject_nan:
-                    loss = loss * float("nan")
-                loss = loss / accum_steps  # the gradients add up to those of the mean over the whole batch
-                loss_accum += loss.detach()
-                scaler.scale(loss).backward()
-        stats = torch.stack([loss_accum, torch.tensor(float(bool(stop_signal)), device=device)])
-        if env.world_size > 1:  # the mean loss, and whether any rank got a stop signal
-            dist.all_reduce(stats)
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
         lr = get_lr(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_value, stop_votes, norm_value = stats[0].item() / env.world_size, stats[1].item(), norm.item()
+        loss_value, norm_value, stop_votes, finite = train_step(
+            train_model, optimizer, scaler, batches, autocast_ctx, device, lr, cfg.grad_clip, bool(stop_signal), step in inject_nan)
         stop_agreed = stop_votes > 0  # a signal that lands after this vote is counted at the next step
-        finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
-        if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
-            scaler.step(optimizer)
-        scaler.update()
+        if device_type == "cuda":
+            torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
         dt = time.time() - t0
         tok_per_sec = cfg.total_batch_size / dt
         record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size, "train_loss": loss_value if finite else None,
@@ -906,7 +932,7 @@ def main(argv=None):
             sample_from_checkpoint(cfg)
         else:
             train(cfg, given)
-    except UsageError as e:
+    except (UsageError, hellaswag.HellaSwagError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -46,7 +46,7 @@ def main(argv=None):
     except UsageError as e:
         sys.exit(f"error: {e}")
     device, device_type = env.device, env.device_type
-    torch.set_float32_matmul_precision("highest" if cfg.dtype == "fp32" else "high")  # as the trainer does: "high" is TF32
+    train_gpt2.set_tf32(cfg.dtype != "fp32")
     torch.manual_seed(cfg.seed)
     raw_model = GPT(GPTConfig(cfg.block_size, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.attn)).to(device)
     model = torch.compile(raw_model) if cfg.compile else raw_model
@@ -57,14 +57,7 @@ def main(argv=None):
     x, y = tokens[:, :-1], tokens[:, 1:]
 
     def train_step():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast_ctx:
-            _, loss = model(x, y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
+        train_gpt2.train_step(model, optimizer, scaler, [(x, y)], autocast_ctx, device, cfg.max_lr, cfg.grad_clip)
 
     def wait_for_device():
         if device_type == "cuda":

@@ -304,14 +304,12 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     assert tokens_consumed(load_ckpt(checkpoint_path(run, stop))["stream"], [3000, 2500], 1337) == stop * 256
 
 
-@pytest.mark.xfail(strict=True, reason="design: --resume PATH of an older checkpoint into the same --log-dir leaves the "
-                   "abandoned run's newer checkpoints there; rotation (by name) then deletes the new run's own checkpoints "
-                   "and the next automatic resume picks the abandoned timeline")
 def test_resume_from_an_older_checkpoint_then_auto_resume_continues_it(shards, tmp_path, capsys):
     log_dir = tmp_path / "log"
     args = TINY + ["--data", shards, "--checkpoint-every", "2", "--log-dir", log_dir]
     assert run_main(args + ["--max-steps", "6"], capsys)[0] == 0  # ckpt 4 and 6
     code, out, _ = run_main(args + ["--max-steps", "5", "--resume", checkpoint_path(log_dir, 4)], capsys)  # roll back
     assert code == 0 and "resuming from the checkpoint of step 4" in out
+    assert os.path.exists(str(checkpoint_path(log_dir, 6)) + ".abandoned")  # moved aside, not deleted
     code, out, _ = run_main(args + ["--max-steps", "7"], capsys)
     assert "resuming from the checkpoint of step 5" in out  # the run just made, not the one rolled back from
