@@ -219,6 +219,16 @@ def test_hub_pipeline_matches_tiktoken_per_document(hub, tmp_path):
     assert not (output / "downloads").exists()  # each parquet is deleted once tokenized
     assert f"{len(expected)} shards" in result.stdout and "documents" in result.stdout
 
+    # the same parquet files fetched some other way and prepared locally give the same shards
+    fetched = tmp_path / "fetched" / "sample" / "10BT"
+    fetched.mkdir(parents=True)
+    for path in paths:
+        (fetched / os.path.basename(path)).write_bytes(hub.files[path])
+    local = run_fineweb("--input", tmp_path / "fetched", "--output", tmp_path / "local", "--prefix", "edufineweb",
+                        "--shard-size", 5000)
+    assert local.returncode == 0, local.stderr
+    assert shards_in(tmp_path / "local") == expected
+
     requests_so_far = len(hub.log)
     again = run_fineweb("--output", output, "--shard-size", 5000, env={"HF_ENDPOINT": hub.url})
     assert again.returncode == 0 and "already complete" in again.stdout
