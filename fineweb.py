@@ -214,6 +214,7 @@ def download(source, args, stop):
     path = os.path.join(args.output, "downloads", os.path.basename(source["path"]))
     if os.path.exists(path):
         return path  # only ever renamed into place once verified
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     part = path + ".part"
     url = f"{args.endpoint}/datasets/{args.dataset}/resolve/main/{quote(source['path'])}"
     session, started = requests.Session(), time.time()
@@ -340,7 +341,7 @@ def prepare(args):
         raise PrepareError(f"tiktoken {version} is too old; pip install 'tiktoken>=0.11'")
     hub = not args.input
     downloads_dir = os.path.join(args.output, "downloads")
-    os.makedirs(downloads_dir if hub else args.output, exist_ok=True)
+    os.makedirs(args.output, exist_ok=True)
     config = {"--input": [os.path.abspath(p) for p in args.input]} if args.input else \
              {"--dataset": args.dataset, "--subset": args.subset}
     config.update({"--text-field": args.text_field, "--shard-size": args.shard_size,

@@ -233,6 +233,7 @@ def test_hub_pipeline_matches_tiktoken_per_document(hub, tmp_path):
     again = run_fineweb("--output", output, "--shard-size", 5000, env={"HF_ENDPOINT": hub.url})
     assert again.returncode == 0 and "already complete" in again.stdout
     assert len(hub.log) == requests_so_far  # a finished run re-run touches nothing
+    assert not (output / "downloads").exists()
     assert shards_in(output) == expected
 
 
