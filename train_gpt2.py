@@ -706,11 +706,13 @@ def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, e
             "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
         }
         path = os.path.join(cfg.log_dir, f"ckpt_{step:06d}.pt")
+        t0 = time.time()
         with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
             torch.save(ckpt, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
+        print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.time() - t0:.1f} s)")
         for old in checkpoint_paths(cfg.log_dir)[: -cfg.keep_checkpoints]:
             os.remove(old)
     if env.world_size > 1:
@@ -782,8 +784,8 @@ def train(cfg, given):
     raw_model.to(device)
     optimizer = make_optimizer(raw_model, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")  # fp16 gradients underflow unless scaled
-    start_step, val_loss = 0, None
-    if ckpt is not None:
+    start_step, val_loss, resumed = 0, None, ckpt is not None
+    if resumed:
         check_same_shapes(ckpt, model_config, f"checkpoint of step {ckpt['step']}")
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -795,11 +797,12 @@ def train(cfg, given):
             if device_type == "cuda" and ckpt["rng"][env.rank]["cuda"] is not None:
                 torch.cuda.set_rng_state(ckpt["rng"][env.rank]["cuda"])
         start_step, val_loss = ckpt["step"], ckpt["val_loss"]
+        del ckpt  # its CPU copy of the weights and optimizer state would otherwise live as long as the run
     if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
         dist.barrier()
     if master:
-        fresh_run = ckpt is None and not cfg.eval_only
-        if ckpt is not None and not cfg.eval_only:
+        fresh_run = not resumed and not cfg.eval_only
+        if resumed and not cfg.eval_only:
             for path in checkpoint_paths(cfg.log_dir):  # newer ones (abandoned, or unreadable) must not be resumed later
                 if int(os.path.basename(path)[5:-3]) > start_step:
                     os.replace(path, path + ".abandoned")
@@ -828,7 +831,7 @@ def train(cfg, given):
               f"{env.world_size} process(es) on {device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
         print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
               f"{cfg.batch_size} x {cfg.seq_len} x {accum_steps} accumulation steps x {env.world_size} process(es)")
-        if ckpt is not None:
+        if resumed:
             print(f"resuming from the checkpoint of step {start_step} in {cfg.log_dir}")
             log({"step": start_step, "event": "resume"})
 
@@ -844,7 +847,7 @@ def train(cfg, given):
         nonlocal val_loss
         tokens = step * cfg.total_batch_size
         last = cfg.eval_only or step == cfg.max_steps
-        extra = {"eval_only": True, "init_from": cfg.init_from if ckpt is None else cfg.resume} if cfg.eval_only else {}
+        extra = {"eval_only": True, "init_from": cfg.resume if resumed else cfg.init_from} if cfg.eval_only else {}
         if last or (cfg.eval_every and step % cfg.eval_every == 0):
             val_loss = evaluate_val(model, val, cfg.batch_size, cfg.seq_len, device, autocast_ctx, env.rank, env.world_size)
             log({"step": step, "tokens": tokens, "val_loss": val_loss, **extra}, f"step {step:5d} | val loss {val_loss:.4f}")
