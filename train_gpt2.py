@@ -10,6 +10,7 @@ Without FineWeb shards (make them with `python fineweb.py`) it trains a small mo
 
 import argparse
 import contextlib
+import datetime
 import glob
 import json
 import math
@@ -79,7 +80,7 @@ class TrainConfig:
     # evaluation, samples, checkpoints
     eval_every: int = setting(250, "steps between validation and samples (0: only at the end)")
     val_tokens: int = setting(10485760, "validation tokens: a fixed set, the same for any number of processes")
-    hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; off by default off CUDA)")
+    hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)")
     hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
     eval_only: bool = setting(False, "evaluate the initial or resumed model, log it, and stop")
     prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
@@ -358,8 +359,10 @@ def open_shard(path):
 
 
 def check_token_ids(tokens, vocab_size, source):
-    if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise UsageError(f"{source} holds token id {int(tokens.max())}, which --vocab-size {vocab_size} cannot embed; raise --vocab-size")
+    n_tokens = min(vocab_size, GPT2_VOCAB)  # the ids the model scores: padding rows are not tokens
+    if len(tokens) and int(tokens.max()) >= n_tokens:
+        raise UsageError(f"{source} holds token id {int(tokens.max())}, but the model scores ids below {n_tokens} only "
+                         f"(--vocab-size {vocab_size}, capped at GPT-2's {GPT2_VOCAB}); re-create the data with the GPT-2 tokenizer")
 
 
 class TokenStream:
@@ -411,9 +414,12 @@ class TokenStream:
         return batches
 
     def state_dict(self):
-        return {"epoch": self.epoch, "index": self.index, "offset": self.offset}
+        return {"epoch": self.epoch, "index": self.index, "offset": self.offset, "seed": self.seed, "n_shards": len(self.shards)}
 
     def load_state_dict(self, state):
+        if (state["seed"], state["n_shards"]) != (self.seed, len(self.shards)):
+            raise UsageError(f"the checkpoint's data position is for --seed {state['seed']} and {state['n_shards']} training shard(s), "
+                             f"not --seed {self.seed} and {len(self.shards)}: the shard order depends on both; pass the same --data and --seed")
         self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
 
 
@@ -487,7 +493,9 @@ def setup_distributed(device="auto"):
     if world_size > 1:
         if device_type == "mps":
             raise UsageError("several processes need CUDA or the CPU; run one process on mps")
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # an hour, not 10 minutes: rank 0 alone may download GPT-2 XL or write a large checkpoint while the others wait
+        backend, device_id = ("nccl", torch.device(device)) if device_type == "cuda" else ("gloo", None)
+        dist.init_process_group(backend=backend, device_id=device_id, timeout=datetime.timedelta(hours=1))
     return Dist(rank, local_rank, world_size, device, device_type)
 
 
@@ -524,7 +532,7 @@ def autocast_context(device_type, dtype):
 
 PEAK_FLOPS = {  # dense bf16/fp16 tensor-core peak, by a part of the GPU's name, for MFU
     "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-    "A10G": 70e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+    "A10G": 70e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
 }
 
 
@@ -541,6 +549,8 @@ def resolve_config(cfg, given, env):
         if env.rank == 0:
             print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): training a small model on tiny Shakespeare instead")
         cfg.__dict__.update({k: v for k, v in SHAKESPEARE.items() if k not in given})
+        if "batch_size" not in given:  # one micro-batch a step, split over the processes
+            cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
     if cfg.init_from != "scratch":  # OpenAI's shapes, whatever a preset said
         pretrained = dict(MODEL_SIZES[cfg.init_from], block_size=1024, vocab_size=50304)
         clash = [f"--{k.replace('_', '-')}" for k, v in pretrained.items() if k in given and getattr(cfg, k) != v]
@@ -653,7 +663,7 @@ def checkpoint_paths(log_dir):
 def load_checkpoint(path):
     # weights_only: a checkpoint is data, and loading one can never run code
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no private copy per rank
     except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
         raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
@@ -667,22 +677,30 @@ def model_from_checkpoint(ckpt):
     return model
 
 
-def find_resume_checkpoint(cfg, rank):
-    """The checkpoint to resume from (None: start fresh), falling back past unreadable ones."""
+def find_resume_checkpoint(cfg, env):
+    """The checkpoint to resume from (None: start fresh). Rank 0 picks it, falling back past unreadable ones,
+    and every rank loads that same one."""
     if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto"):
         return None
-    if cfg.resume != "auto":
-        try:
-            return load_checkpoint(cfg.resume)
-        except Exception as e:
-            raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
-    for path in reversed(checkpoint_paths(cfg.log_dir)):
-        try:
-            return load_checkpoint(path)
-        except Exception as e:
-            if rank == 0:
-                print(f"warning: skipping unreadable checkpoint {path} ({type(e).__name__}: {e})")
-    return None
+    ckpt, chosen = None, [None]
+    if env.rank == 0:
+        for path in [cfg.resume] if cfg.resume != "auto" else reversed(checkpoint_paths(cfg.log_dir)):
+            try:
+                ckpt, chosen = load_checkpoint(path), [path]
+                break
+            except Exception as e:
+                if cfg.resume != "auto":
+                    raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
+                print(f"warning: skipping unreadable checkpoint {path} ({e})")
+    if env.world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+        if env.rank != 0 and chosen[0] is not None:
+            try:
+                ckpt = load_checkpoint(chosen[0])
+            except Exception as e:
+                raise UsageError(f"rank {env.rank} cannot read {chosen[0]}, which rank 0 resumes from ({e}); "
+                                 f"--log-dir must be on a file system every node shares")
+    return ckpt
 
 
 def check_same_shapes(ckpt, model_config, path_hint):
@@ -691,6 +709,33 @@ def check_same_shapes(ckpt, model_config, path_hint):
     differ = [f"{k}: checkpoint {saved.get(k)}, flags {ours[k]}" for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if saved.get(k) != ours[k]]
     if differ:
         raise UsageError(f"{path_hint} does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
+
+
+RUN_FILES = re.compile(r"log\.jsonl|curves\.png|ckpt_\d+\.pt(\.tmp|\.abandoned)?")
+
+
+def prepare_log_dir(log_dir, resumed_step):
+    """A fresh run (resumed_step None) moves an old run's directory aside; a resumed run moves aside the
+    checkpoints newer than its own (abandoned, or unreadable), so that they are never resumed later."""
+    if resumed_step is not None:
+        for path in checkpoint_paths(log_dir):
+            if int(os.path.basename(path)[5:-3]) > resumed_step:
+                os.replace(path, path + ".abandoned")
+                print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
+    elif os.path.isdir(log_dir) and os.listdir(log_dir):
+        foreign = [name for name in os.listdir(log_dir) if not RUN_FILES.fullmatch(name)]
+        aside = stamped = f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in range(1, 1000):  # two fresh starts within a second must not collide
+            if not os.path.exists(aside):
+                break
+            aside = f"{stamped}.{n}"
+        try:
+            if foreign:
+                raise OSError(f"it holds files no run wrote, such as {foreign[0]}")
+            os.rename(log_dir, aside)
+        except OSError as e:
+            raise UsageError(f"--log-dir {log_dir}: cannot move the old run aside ({e}); give this run a directory of its own")
+        print(f"starting fresh: moved the old {log_dir} aside to {aside}")
 
 
 def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env):
@@ -767,11 +812,14 @@ def train(cfg, given):
     autocast_ctx = autocast_context(device_type, cfg.dtype)
     enc = gpt2_tokenizer()
     stream, val, train_tokens = load_data(cfg)
+    hellaswag_data = None
+    if cfg.hellaswag_every > 0:
+        hellaswag_data = hellaswag.prepare(hellaswag.load_examples(cfg.hellaswag_file or None), enc, cfg.block_size)
     accum_steps = cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model_config = GPTConfig(cfg.block_size, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.attn)
-    ckpt = find_resume_checkpoint(cfg, env.rank)
+    model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+    ckpt = find_resume_checkpoint(cfg, env)
     if ckpt is None and cfg.init_from != "scratch":
         if master:
             raw_model = load_pretrained(cfg.init_from, attn=cfg.attn)
@@ -788,7 +836,10 @@ def train(cfg, given):
     if resumed:
         check_same_shapes(ckpt, model_config, f"checkpoint of step {ckpt['step']}")
         raw_model.load_state_dict(ckpt["model"])
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
+        for group, flags in zip(optimizer.param_groups, settings):  # the flags win: --weight-decay, fused, ...
+            group.update(flags)
         if ckpt["scaler"]:  # empty unless the run used fp16
             scaler.load_state_dict(ckpt["scaler"])
         stream.load_state_dict(ckpt["stream"])
@@ -801,27 +852,14 @@ def train(cfg, given):
     if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
         dist.barrier()
     if master:
-        fresh_run = not resumed and not cfg.eval_only
-        if resumed and not cfg.eval_only:
-            for path in checkpoint_paths(cfg.log_dir):  # newer ones (abandoned, or unreadable) must not be resumed later
-                if int(os.path.basename(path)[5:-3]) > start_step:
-                    os.replace(path, path + ".abandoned")
-                    print(f"moved {path} aside to {path}.abandoned: this run continues from step {start_step}")
-        if fresh_run and os.path.isdir(cfg.log_dir) and os.listdir(cfg.log_dir):
-            aside = stamped = f"{cfg.log_dir.rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S')}"
-            for n in range(1, 1000):  # two fresh starts within a second must not collide
-                if not os.path.exists(aside):
-                    break
-                aside = f"{stamped}.{n}"
-            os.rename(cfg.log_dir, aside)
-            print(f"starting fresh: moved the old {cfg.log_dir} aside to {aside}")
+        if not cfg.eval_only:
+            prepare_log_dir(cfg.log_dir, start_step if resumed else None)
         os.makedirs(cfg.log_dir, exist_ok=True)
-        log_file = open(os.path.join(cfg.log_dir, "log.jsonl"), "a")  # appended, never truncated
 
     def log(record, line=None):
         if master:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
+            with open(os.path.join(cfg.log_dir, "log.jsonl"), "a") as f:  # appended, never truncated
+                f.write(json.dumps(record) + "\n")
             if line:
                 print(line, flush=True)
 
@@ -832,28 +870,25 @@ def train(cfg, given):
         print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
               f"{cfg.batch_size} x {cfg.seq_len} x {accum_steps} accumulation steps x {env.world_size} process(es)")
         if resumed:
-            print(f"resuming from the checkpoint of step {start_step} in {cfg.log_dir}")
-            log({"step": start_step, "event": "resume"})
+            print(f"resuming from the checkpoint of step {start_step}")
+            if not cfg.eval_only:  # plot.py drops the points logged after it: they are being trained again
+                log({"step": start_step, "event": "resume"})
 
     # fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one dynamic graph for all
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     train_model = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if device_type == "cuda" else None) if env.world_size > 1 else model
 
-    hellaswag_data = None
-    if cfg.hellaswag_every > 0:
-        hellaswag_data = hellaswag.prepare(hellaswag.load_examples(cfg.hellaswag_file or None), enc, cfg.block_size)
-
     def evaluate(step):
         nonlocal val_loss
         tokens = step * cfg.total_batch_size
-        last = cfg.eval_only or step == cfg.max_steps
+        final = cfg.eval_only or step == cfg.max_steps
         extra = {"eval_only": True, "init_from": cfg.resume if resumed else cfg.init_from} if cfg.eval_only else {}
-        if last or (cfg.eval_every and step % cfg.eval_every == 0):
+        if final or (cfg.eval_every and step % cfg.eval_every == 0):
             val_loss = evaluate_val(model, val, cfg.batch_size, cfg.seq_len, device, autocast_ctx, env.rank, env.world_size)
             log({"step": step, "tokens": tokens, "val_loss": val_loss, **extra}, f"step {step:5d} | val loss {val_loss:.4f}")
             if master and cfg.num_samples > 0:
                 print_samples(raw_model, cfg, enc, device, autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
-        if hellaswag_data is not None and (last or step % cfg.hellaswag_every == 0):
+        if hellaswag_data is not None and (final or step % cfg.hellaswag_every == 0):
             acc_norm, acc, n = hellaswag.evaluate(model, hellaswag_data, device, autocast_ctx, env.rank, env.world_size)
             log({"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
                 f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
@@ -863,8 +898,13 @@ def train(cfg, given):
         return
 
     stop_signal = []
-    for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the step, checkpoint, exit cleanly
-        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    def on_signal(signum, frame):  # preemption: finish the step, checkpoint, exit cleanly; a second signal kills
+        stop_signal.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     inject_nan = {int(s) for s in os.environ.get("TRAIN_GPT2_NAN_STEPS", "").split(",") if s}  # test hook
     mfu_peak = peak_flops(device_type)
     flops_per_step = flops_per_token(model_config, cfg.seq_len) * cfg.total_batch_size
@@ -872,8 +912,9 @@ def train(cfg, given):
     stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
     step = start_step
     while True:
-        evaluate(step)
         stopping = step == cfg.max_steps or stop_agreed
+        if not stop_agreed:  # a preempted run saves first: the grace period before SIGKILL is short
+            evaluate(step)
         if step > start_step and (stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
             save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env)
         if stopping:

@@ -83,6 +83,16 @@ def test_token_ids_beyond_the_vocab(tmp_path, capsys, split):
     expect_usage_error(args(d, tmp_path / "log", "--max-steps", "3"), capsys, fragment, "200", "--vocab-size 128")
 
 
+def test_padding_ids_are_not_tokens(tmp_path, capsys):
+    """With the table padded to 50304, ids 50257..50303 have rows but are no GPT-2 token: an error, not a crash."""
+    d = write_shards(tmp_path / "data")
+    path = os.path.join(d, "synth_train_000000.npy")
+    tokens = np.load(path)
+    tokens[5] = 50300
+    np.save(path, tokens)
+    expect_usage_error(args(d, tmp_path / "log", "--vocab-size", "50304"), capsys, path, "50300", "below 50257")
+
+
 def test_text_file_too_small_for_one_batch(tmp_path, capsys):
     path = tmp_path / "small.txt"
     path.write_text("To be, or not to be, that is the question. " * 5)
@@ -133,3 +143,13 @@ def test_unreadable_checkpoint_path(shards, tmp_path, capsys, what):
     bad.write_bytes(b"not a checkpoint at all")
     expect_usage_error(args(shards, tmp_path / "log", what, bad), capsys, what, str(bad))
     expect_usage_error(args(shards, tmp_path / "log", what, tmp_path / "missing.pt"), capsys, what, "missing.pt")
+
+
+def test_fresh_start_never_moves_a_directory_it_did_not_make(tmp_path, capsys):
+    """--log-dir pointing at a folder of other things (a project, a parent of runs) is refused, not renamed."""
+    d = write_shards(tmp_path / "data")
+    log_dir = tmp_path / "runs"
+    log_dir.mkdir()
+    (log_dir / "notes.txt").write_text("mine")
+    expect_usage_error(args(d, log_dir, "--no-resume"), capsys, "--log-dir", "notes.txt")
+    assert (log_dir / "notes.txt").read_text() == "mine" and not os.path.exists(log_dir / "log.jsonl")
