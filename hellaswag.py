@@ -10,8 +10,8 @@ Each example is a context and 4 possible endings, one of them right. The model
 
 Used by train_gpt2.py (--hellaswag-every) and on its own:
     python hellaswag.py --init-from gpt2
-    python hellaswag.py --checkpoint log/model_19072.pt
-    torchrun --standalone --nproc_per_node=8 hellaswag.py --checkpoint log/model_19072.pt
+    python hellaswag.py --checkpoint log/ckpt_019073.pt
+    torchrun --standalone --nproc_per_node=8 hellaswag.py --checkpoint log/ckpt_019073.pt
 """
 
 import argparse
@@ -101,9 +101,8 @@ def load_examples(path=None, cache_dir=None):
     # only the canonical file is held to its known size: a mirror (HELLASWAG_URL) may serve a subset
     expected_count = HELLASWAG_VAL_EXAMPLES if base_url == HELLASWAG_URL else None
     cached_path = os.path.join(cache_dir or default_cache_dir(), HELLASWAG_FILE)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    # rank 0 downloads, the others wait for it: no race of all ranks on one file
-    if rank == 0 and not os.path.exists(cached_path):
+    # one process per node downloads (the cache may be node-local), the others wait for it: no race on one file
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(cached_path):
         print(f"downloading {base_url}/{HELLASWAG_FILE} to {cached_path}")
         download(f"{base_url}/{HELLASWAG_FILE}", cached_path, expected_count)
     if dist.is_initialized():
@@ -217,8 +216,8 @@ def main():
                             model_from_checkpoint, resolve_dtype, setup_distributed, teardown_distributed)
     try:
         ddp = setup_distributed(args.device)
-        if ddp.world_size > 1 and ddp.rank != 0:
-            dist.barrier()  # rank 0 downloads the weights first, the others then read them from the cache
+        if ddp.world_size > 1 and ddp.local_rank != 0:
+            dist.barrier()  # one process per node downloads the weights first, the others then read them from the cache
         if args.checkpoint:
             try:
                 model = model_from_checkpoint(load_checkpoint(args.checkpoint))
@@ -226,7 +225,7 @@ def main():
                 raise UsageError(f"--checkpoint {args.checkpoint}: cannot load it as a train_gpt2.py checkpoint ({e})")
         else:
             model = load_pretrained(args.init_from, cache_dir=args.cache_dir)
-        if ddp.world_size > 1 and ddp.rank == 0:
+        if ddp.world_size > 1 and ddp.local_rank == 0:
             dist.barrier()
         model.to(ddp.device)
         examples = load_examples(args.hellaswag_file, args.cache_dir)

@@ -284,15 +284,16 @@ def download(url, path):
 
     headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"  # several nodes may fetch into one shared cache at once
     try:
         with requests.get(url, headers=headers, stream=True, timeout=60) as response:
             response.raise_for_status()
-            with open(path + ".tmp", "wb") as f:
+            with open(tmp, "wb") as f:
                 for chunk in response.iter_content(chunk_size=1 << 20):
                     f.write(chunk)
     except requests.RequestException as e:
         raise UsageError(f"could not download {url} ({e}); set HF_ENDPOINT to a mirror, or HF_TOKEN if it needs a login")
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def load_pretrained(name, endpoint=None, cache_dir=None, attn="sdpa"):
@@ -821,11 +822,11 @@ def train(cfg, given):
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
     ckpt = find_resume_checkpoint(cfg, env)
     if ckpt is None and cfg.init_from != "scratch":
-        if master:
+        if env.local_rank == 0:  # one download per node (caches may be node-local); the others then read it
             raw_model = load_pretrained(cfg.init_from, attn=cfg.attn)
-        if env.world_size > 1:  # rank 0 downloads, the others then read its cached copy
+        if env.world_size > 1:
             dist.barrier()
-        if not master:
+        if env.local_rank != 0:
             raw_model = load_pretrained(cfg.init_from, attn=cfg.attn)
     else:
         raw_model = GPT(model_config)
