@@ -67,17 +67,22 @@ def points(curve, x_axis):
 
 
 def plot_curves(curves, gpt2_val_loss, title):
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9), sharey="row")
+    rows = 2 if curves["hellaswag_acc_norm"] else 1  # a run without HellaSwag (the CPU default) gets the loss row only
+    fig, axes = plt.subplots(rows, 2, figsize=(14, 4.5 * rows), sharex="col", sharey="row", squeeze=False)
     for column, x_axis in enumerate(["step", "tokens"]):
-        loss_ax, hellaswag_ax = axes[0][column], axes[1][column]
+        loss_ax = axes[0][column]
         loss_ax.plot(*points(curves["train_loss"], x_axis), lw=0.8, alpha=0.7, label="train loss")
         loss_ax.plot(*points(curves["val_loss"], x_axis), lw=2, marker=".", label="val loss")
         if gpt2_val_loss is not None:
             loss_ax.axhline(gpt2_val_loss, color="red", ls="--", label=f"OpenAI GPT-2 124M val loss ({gpt2_val_loss:.4f})")
-        hellaswag_ax.plot(*points(curves["hellaswag_acc_norm"], x_axis), lw=2, marker=".", color="green", label="HellaSwag acc_norm")
-        hellaswag_ax.axhline(GPT2_124M_HELLASWAG, color="red", ls="--", label=f"OpenAI GPT-2 124M ({GPT2_124M_HELLASWAG})")
-        hellaswag_ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--", label=f"OpenAI GPT-3 124M ({GPT3_124M_HELLASWAG})")
-        for ax, y_label in ((loss_ax, "loss"), (hellaswag_ax, "HellaSwag acc_norm")):
+        panels = [(loss_ax, "loss")]
+        if rows == 2:
+            hellaswag_ax = axes[1][column]
+            hellaswag_ax.plot(*points(curves["hellaswag_acc_norm"], x_axis), lw=2, marker=".", color="green", label="HellaSwag acc_norm")
+            hellaswag_ax.axhline(GPT2_124M_HELLASWAG, color="red", ls="--", label=f"OpenAI GPT-2 124M ({GPT2_124M_HELLASWAG})")
+            hellaswag_ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--", label=f"OpenAI GPT-3 124M ({GPT3_124M_HELLASWAG})")
+            panels.append((hellaswag_ax, "HellaSwag acc_norm"))
+        for ax, y_label in panels:
             ax.set_xlabel(x_axis)
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
@@ -110,6 +115,7 @@ def main():
     # a temp file and a rename: whoever is looking at curves.png never sees half a picture
     with tempfile.NamedTemporaryFile(dir=args.log_dir, prefix="curves.", suffix=".png.tmp", delete=False) as f:
         fig.savefig(f, format="png", dpi=100)
+    os.chmod(f.name, 0o644)  # NamedTemporaryFile makes it private; a plot is for sharing
     os.replace(f.name, out_path)
     counts = ", ".join(f"{len(curves[name])} {name}" for name in CURVES)
     print(f"wrote {out_path} ({counts}{'' if gpt2_val_loss is None else f', GPT-2 val loss {gpt2_val_loss:.4f}'})")
