@@ -313,3 +313,13 @@ def test_resume_from_an_older_checkpoint_then_auto_resume_continues_it(shards, t
     assert os.path.exists(str(checkpoint_path(log_dir, 6)) + ".abandoned")  # moved aside, not deleted
     code, out, _ = run_main(args + ["--max-steps", "7"], capsys)
     assert "resuming from the checkpoint of step 5" in out  # the run just made, not the one rolled back from
+
+
+def test_flags_win_over_the_checkpoints_optimizer_settings(shards, tmp_path, capsys):
+    """Resuming with a new --weight-decay uses it: load_state_dict alone would bring back the saved one."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "2", "--weight-decay", "0.1"], capsys)[0] == 0
+    assert run_main(args + ["--max-steps", "3", "--weight-decay", "0.0"], capsys)[0] == 0
+    groups = load_ckpt(checkpoint_path(log_dir, 3))["optimizer"]["param_groups"]
+    assert [group["weight_decay"] for group in groups] == [0.0, 0.0]
