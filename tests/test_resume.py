@@ -323,3 +323,11 @@ def test_flags_win_over_the_checkpoints_optimizer_settings(shards, tmp_path, cap
     assert run_main(args + ["--max-steps", "3", "--weight-decay", "0.0"], capsys)[0] == 0
     groups = load_ckpt(checkpoint_path(log_dir, 3))["optimizer"]["param_groups"]
     assert [group["weight_decay"] for group in groups] == [0.0, 0.0]
+
+
+def test_resuming_under_another_seed_is_refused(shards, tmp_path, capsys):
+    """The shard order depends on --seed: the saved position means nothing under another one."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    expect_usage_error(args + ["--max-steps", "3", "--seed", "7"], capsys, "--seed 1337", "--seed 7")
