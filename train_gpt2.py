@@ -385,8 +385,8 @@ class TokenStream:
     def seek(self, epoch, index, offset, n):
         """The position n tokens on from (epoch, index, offset)."""
         offset += n
-        while offset >= len(self.shards[self.order(epoch)[index]]):
-            offset -= len(self.shards[self.order(epoch)[index]])
+        while offset >= (length := len(self.shards[self.order(epoch)[index]])):
+            offset -= length
             index += 1
             if index == len(self.shards):
                 epoch, index = epoch + 1, 0
