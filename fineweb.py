@@ -18,6 +18,7 @@ output directory and produces the same bytes as an uninterrupted run.
 """
 
 import argparse
+import ctypes
 import errno
 import hashlib
 import json
@@ -46,6 +47,7 @@ EOT = 50256  # <|endoftext|>, the document delimiter GPT-2 was trained with
 JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
 DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class PrepareError(Exception):
@@ -64,9 +66,13 @@ def load_gpt2_encoding():
         special_tokens={"<|endoftext|>": EOT},
     )
 
-def init_worker():
+def init_worker(parent_pid):
     global encoding, open_parquet
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    if sys.platform == "linux":  # a `kill -9` of the main process takes the workers with it, not left to finish alone
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # it died before prctl
+            os._exit(1)
     encoding = load_gpt2_encoding()
     open_parquet = (None, None)  # (path, ParquetFile): footers of big files take ms to parse
 
@@ -391,7 +397,7 @@ def prepare(args):
         write_atomically(os.path.join(args.output, name), lambda f: np.save(f, tokens_in_shard))
         shards.append({"name": name, "tokens": len(tokens_in_shard)})
 
-    with Pool(args.workers, initializer=init_worker) as pool, ThreadPoolExecutor(1) as downloader:
+    with Pool(args.workers, init_worker, (os.getpid(),)) as pool, ThreadPoolExecutor(1) as downloader:
         downloads = {}
 
         def source_path(i):

@@ -237,6 +237,43 @@ def test_hub_pipeline_matches_tiktoken_per_document(hub, tmp_path):
     assert shards_in(output) == expected
 
 
+def process_stat(pid):
+    """(state, parent pid, cpu seconds) from /proc, or None once the process is gone or a zombie."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_workers_die_with_a_killed_main_process(tmp_path):
+    # one big .txt file is one unit: its worker is busy for seconds, the case where an orphan
+    # would tokenize on alone and then crash with a BrokenPipeError traceback
+    text = tmp_path / "big.txt"
+    text.write_text((" ".join(WORDS) + "\n") * 200_000)  # 68 MB, ~4 s of tokenizing
+    process = subprocess.Popen([sys.executable, FINEWEB, "--input", text, "--output", tmp_path / "out",
+                                "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    worker = None
+    while worker is None and time.time() < deadline and process.poll() is None:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            stat = process_stat(int(entry))
+            if stat and stat[1] == process.pid and stat[2] > 0.3:  # a child, tokenizing
+                worker = int(entry)
+        time.sleep(0.01)
+    assert worker is not None, "no busy worker seen"
+    process.kill()
+    process.wait()
+    deadline = time.time() + 2
+    while process_stat(worker) and time.time() < deadline:
+        time.sleep(0.01)
+    assert process_stat(worker) is None, "the worker outlived the main process"
+    _, stderr = process.communicate(timeout=60)
+    assert "Traceback" not in stderr, stderr
+
+
 def test_killed_and_interrupted_runs_resume_to_identical_shards(hub, tmp_path):
     paths = add_hub_files(hub)
     clean = hub_run(hub, tmp_path / "clean", "--workers", 1)
