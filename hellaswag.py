@@ -1,5 +1,6 @@
 """
 HellaSwag evaluation for GPT-2 style models: https://github.com/rowanz/hellaswag
+and OpenAI's GPT-2 weights, the baselines to compare with (also train_gpt2.py's --init-from).
 
 Each example is a context and 4 possible endings, one of them right. The model
 "picks" the ending it finds least surprising: we render context + ending for all
@@ -25,6 +26,8 @@ import requests
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 # the validation split is the one everybody reports (the test split has no labels)
 HELLASWAG_FILE = "hellaswag_val.jsonl"
@@ -33,8 +36,8 @@ HELLASWAG_VAL_EXAMPLES = 10042
 EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
 
 
-class HellaSwagError(Exception):
-    """A one-line, user-facing problem with the HellaSwag data (download, file format)."""
+class EvalError(Exception):
+    """A one-line, user-facing problem with a download, the HellaSwag file or OpenAI's weights."""
 
 
 def default_cache_dir():
@@ -48,7 +51,7 @@ def default_cache_dir():
 def read_examples(path, expected_count=None):
     """Reads and checks a HellaSwag jsonl file: one JSON object per line with ctx, 4 endings, label."""
     if not os.path.isfile(path):
-        raise HellaSwagError(f"HellaSwag file {path} not found: pass --hellaswag-file PATH to a copy of {HELLASWAG_FILE}")
+        raise EvalError(f"HellaSwag file {path} not found: pass --hellaswag-file PATH to a copy of {HELLASWAG_FILE}")
     examples = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
@@ -57,40 +60,48 @@ def read_examples(path, expected_count=None):
             try:
                 example = json.loads(line)
             except json.JSONDecodeError as e:
-                raise HellaSwagError(f"{path}:{line_number} is not valid JSON ({e}): re-download it or fix the file")
+                raise EvalError(f"{path}:{line_number} is not valid JSON ({e}): re-download it or fix the file")
             if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
                     and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
                     and all(isinstance(ending, str) for ending in example["endings"])
                     and example.get("label") in (0, 1, 2, 3)):
-                raise HellaSwagError(f"{path}:{line_number} is not a HellaSwag example: it needs a string 'ctx', "
+                raise EvalError(f"{path}:{line_number} is not a HellaSwag example: it needs a string 'ctx', "
                                      f"a list of 4 string 'endings' and a 'label' in 0..3")
             examples.append(example)
     if not examples:
-        raise HellaSwagError(f"HellaSwag file {path} has no examples")
+        raise EvalError(f"HellaSwag file {path} has no examples")
     if expected_count is not None and len(examples) != expected_count:
-        raise HellaSwagError(f"HellaSwag file {path} has {len(examples)} examples, expected {expected_count}: "
+        raise EvalError(f"HellaSwag file {path} has {len(examples)} examples, expected {expected_count}: "
                              f"delete it to download it again")
     return examples
 
 
-def download(url, path, expected_count):
-    """Downloads url to path atomically: the file appears whole and checked, or not at all."""
+def download(url, path, check, hint, headers=None):
+    """Fetches url to path: the file appears whole and checked by check(temp_path), or not at all."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # a unique temp file in the same directory, so that the rename is atomic and concurrent downloads don't mix
     fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            response = requests.get(url, stream=True, timeout=60)
+        with os.fdopen(fd, "wb") as f, requests.get(url, headers=headers, stream=True, timeout=60) as response:
             response.raise_for_status()
             for chunk in response.iter_content(chunk_size=1 << 20):
                 f.write(chunk)
-        read_examples(tmp_path, expected_count)  # never cache a truncated or wrong file
+        check(tmp_path)  # never cache a truncated or wrong file
         os.replace(tmp_path, path)
     except requests.RequestException as e:
-        raise HellaSwagError(f"could not download {url} ({e}): on an offline machine pass --hellaswag-file PATH")
+        raise EvalError(f"could not download {url} ({e}); {hint}")
     finally:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
+
+
+def download_once_per_node(url, path, check, hint, headers=None):
+    """One process per node downloads (the cache may be node-local); the others wait for it, then all read it."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(path):
+        print(f"downloading {url} to {path}")
+        download(url, path, check, hint, headers)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load_examples(path=None, cache_dir=None):
@@ -101,13 +112,56 @@ def load_examples(path=None, cache_dir=None):
     # only the canonical file is held to its known size: a mirror (HELLASWAG_URL) may serve a subset
     expected_count = HELLASWAG_VAL_EXAMPLES if base_url == HELLASWAG_URL else None
     cached_path = os.path.join(cache_dir or default_cache_dir(), HELLASWAG_FILE)
-    # one process per node downloads (the cache may be node-local), the others wait for it: no race on one file
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(cached_path):
-        print(f"downloading {base_url}/{HELLASWAG_FILE} to {cached_path}")
-        download(f"{base_url}/{HELLASWAG_FILE}", cached_path, expected_count)
-    if dist.is_initialized():
-        dist.barrier()
+    download_once_per_node(f"{base_url}/{HELLASWAG_FILE}", cached_path, lambda p: read_examples(p, expected_count),
+                           "on an offline machine pass --hellaswag-file PATH")
     return read_examples(cached_path, expected_count)
+
+# -----------------------------------------------------------------------------
+# OpenAI's GPT-2 weights: the baselines to compare with, and a starting point for --init-from
+
+
+def check_safetensors(path):
+    try:
+        with safe_open(path, "pt") as f:  # parses the header, which must cover the whole file
+            f.keys()
+    except Exception as e:
+        raise EvalError(f"{path} is not a whole safetensors file ({e})")
+
+
+def load_openai_weights(model, name, endpoint=None, cache_dir=None):
+    """Fills model, a train_gpt2.GPT of the --model preset name, with OpenAI's weights from the Hugging Face hub
+    (or HF_ENDPOINT's mirror), downloaded once into the cache."""
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    path = os.path.join(cache_dir or default_cache_dir(), name, "model.safetensors")
+    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
+    download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path, check_safetensors,
+                           "set HF_ENDPOINT to a mirror, or HF_TOKEN if it needs a login", headers)
+    try:
+        weights = load_file(path)
+    except Exception as e:
+        raise EvalError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
+    ours = model.state_dict()
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    loaded = set()
+    with torch.no_grad():
+        ours["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never looked up or scored
+        for key, tensor in weights.items():
+            key = "transformer." + key.removeprefix("transformer.")
+            if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                continue
+            if key not in ours:
+                raise EvalError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
+            if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
+                tensor = tensor.t()
+            target = ours[key][: tensor.size(0)] if key == "transformer.wte.weight" else ours[key]
+            if target.shape != tensor.shape:
+                raise EvalError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for {name}")
+            target.copy_(tensor)
+            loaded.add(key)
+    missing = set(ours) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
+    if missing:
+        raise EvalError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
+    return model
 
 # -----------------------------------------------------------------------------
 # tokenize once, into fixed-shape tensors
@@ -212,27 +266,23 @@ def main():
     args = parser.parse_args()
 
     # imported here, not at the top: train_gpt2.py imports this module
-    from train_gpt2 import (UsageError, autocast_context, gpt2_tokenizer, load_checkpoint, load_pretrained,
+    from train_gpt2 import (GPT, MODEL_SIZES, GPTConfig, UsageError, autocast_context, gpt2_tokenizer, load_checkpoint,
                             model_from_checkpoint, resolve_dtype, setup_distributed, teardown_distributed)
     try:
         ddp = setup_distributed(args.device)
-        if ddp.world_size > 1 and ddp.local_rank != 0:
-            dist.barrier()  # one process per node downloads the weights first, the others then read them from the cache
         if args.checkpoint:
             try:
                 model = model_from_checkpoint(load_checkpoint(args.checkpoint))
             except Exception as e:  # a missing, truncated or foreign file: torch and pickle raise many kinds
                 raise UsageError(f"--checkpoint {args.checkpoint}: cannot load it as a train_gpt2.py checkpoint ({e})")
         else:
-            model = load_pretrained(args.init_from, cache_dir=args.cache_dir)
-        if ddp.world_size > 1 and ddp.local_rank == 0:
-            dist.barrier()
+            model = load_openai_weights(GPT(GPTConfig(**MODEL_SIZES[args.init_from])), args.init_from, cache_dir=args.cache_dir)
         model.to(ddp.device)
         examples = load_examples(args.hellaswag_file, args.cache_dir)
         prepared = prepare(examples, gpt2_tokenizer(), model.config.block_size)
         autocast_ctx = autocast_context(ddp.device_type, resolve_dtype("auto", ddp.device_type))
         acc_norm, acc, n = evaluate(model, prepared, ddp.device, autocast_ctx, ddp.rank, ddp.world_size)
-    except (UsageError, HellaSwagError) as e:
+    except (UsageError, EvalError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

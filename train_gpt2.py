@@ -278,62 +278,6 @@ def gpt2_tokenizer():
     return tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT})
 
 
-def download(url, path):
-    """Fetches url to path through a temporary file, so path only ever holds a whole download."""
-    import requests
-
-    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"  # several nodes may fetch into one shared cache at once
-    try:
-        with requests.get(url, headers=headers, stream=True, timeout=60) as response:
-            response.raise_for_status()
-            with open(tmp, "wb") as f:
-                for chunk in response.iter_content(chunk_size=1 << 20):
-                    f.write(chunk)
-    except requests.RequestException as e:
-        raise UsageError(f"could not download {url} ({e}); set HF_ENDPOINT to a mirror, or HF_TOKEN if it needs a login")
-    os.replace(tmp, path)
-
-
-def load_pretrained(name, endpoint=None, cache_dir=None, attn="sdpa"):
-    """OpenAI's GPT-2 weights from the Hugging Face hub (or HF_ENDPOINT's mirror), cached on disk."""
-    from safetensors.torch import load_file
-
-    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-    cache_dir = cache_dir or os.environ.get("GPT2_CACHE_DIR") or os.path.expanduser("~/.cache/train_gpt2")
-    path = os.path.join(cache_dir, name, "model.safetensors")
-    if not os.path.exists(path):
-        download(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path)
-    try:
-        weights = load_file(path)
-    except Exception as e:
-        raise UsageError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
-    model = GPT(GPTConfig(**MODEL_SIZES[name], attn=attn))
-    ours = model.state_dict()
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    loaded = set()
-    with torch.no_grad():
-        for key, tensor in weights.items():
-            key = "transformer." + key.removeprefix("transformer.")
-            if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                continue
-            if key not in ours:
-                raise UsageError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
-            if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
-                tensor = tensor.t()
-            target = ours[key][: tensor.size(0)] if key == "transformer.wte.weight" else ours[key]
-            if target.shape != tensor.shape:
-                raise UsageError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for {name}")
-            target.copy_(tensor)
-            loaded.add(key)
-        ours["transformer.wte.weight"][GPT2_VOCAB:].zero_()  # padding rows: never looked up or scored
-    missing = set(ours) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
-    if missing:
-        raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
-    return model
-
-
 # -----------------------------------------------------------------------------
 # Data: token shards read through memory maps, or a text file tokenized in memory.
 
@@ -821,15 +765,9 @@ def train(cfg, given):
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
     ckpt = find_resume_checkpoint(cfg, env)
+    raw_model = GPT(model_config)
     if ckpt is None and cfg.init_from != "scratch":
-        if env.local_rank == 0:  # one download per node (caches may be node-local); the others then read it
-            raw_model = load_pretrained(cfg.init_from, attn=cfg.attn)
-        if env.world_size > 1:
-            dist.barrier()
-        if env.local_rank != 0:
-            raw_model = load_pretrained(cfg.init_from, attn=cfg.attn)
-    else:
-        raw_model = GPT(model_config)
+        hellaswag.load_openai_weights(raw_model, cfg.init_from)
     raw_model.to(device)
     optimizer = make_optimizer(raw_model, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")  # fp16 gradients underflow unless scaled
@@ -977,7 +915,7 @@ def main(argv=None):
             sample_from_checkpoint(cfg)
         else:
             train(cfg, given)
-    except (UsageError, hellaswag.HellaSwagError) as e:
+    except (UsageError, hellaswag.EvalError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -157,7 +157,7 @@ def test_cached_file_is_reused(static_server, tmp_path, monkeypatch):
 def test_failed_download_leaves_no_cache(static_server, tmp_path, monkeypatch):
     _, base_url = static_server  # serves nothing: 404
     monkeypatch.setenv("HELLASWAG_URL", base_url)
-    with pytest.raises(hellaswag.HellaSwagError, match="--hellaswag-file"):
+    with pytest.raises(hellaswag.EvalError, match="--hellaswag-file"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
     assert os.listdir(tmp_path / "cache") == []
 
@@ -166,7 +166,7 @@ def test_bad_download_is_not_cached(static_server, tmp_path, monkeypatch):
     www, base_url = static_server
     (www / "hellaswag_val.jsonl").write_text('{"ctx": "truncated", "endi')
     monkeypatch.setenv("HELLASWAG_URL", base_url)
-    with pytest.raises(hellaswag.HellaSwagError, match="not valid JSON"):
+    with pytest.raises(hellaswag.EvalError, match="not valid JSON"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
     assert os.listdir(tmp_path / "cache") == []
 
@@ -179,14 +179,14 @@ def test_bad_download_is_not_cached(static_server, tmp_path, monkeypatch):
 def test_bad_file_is_refused_with_its_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(synthetic_examples([0])[0]) + "\n" + line + "\n")
-    with pytest.raises(hellaswag.HellaSwagError, match=message):
+    with pytest.raises(hellaswag.EvalError, match=message):
         hellaswag.load_examples(str(path))
 
 
 def test_canonical_file_is_held_to_its_size(tmp_path):
     path = tmp_path / "hellaswag_val.jsonl"
     write_jsonl(path, synthetic_examples([0, 1]))
-    with pytest.raises(hellaswag.HellaSwagError, match="has 2 examples, expected 10042"):
+    with pytest.raises(hellaswag.EvalError, match="has 2 examples, expected 10042"):
         hellaswag.read_examples(str(path), expected_count=hellaswag.HELLASWAG_VAL_EXAMPLES)
 
 

@@ -72,6 +72,11 @@ def reference_logits(w, idx):
     return layer_norm(x, "ln_f") @ w["wte.weight"].T  # (B, T, 50257): the output layer is the token embedding
 
 
+def openai_gpt2(**kwargs):
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(**train_gpt2.MODEL_SIZES["gpt2"]))
+    return hellaswag.load_openai_weights(model, "gpt2", **kwargs)
+
+
 @pytest.fixture
 def gpt2_server(static_server, monkeypatch):
     """Serves the tiny weights as openai-community/gpt2, whose size preset is shrunk to match."""
@@ -82,12 +87,12 @@ def gpt2_server(static_server, monkeypatch):
     save_file(weights, str(path), metadata={"format": "pt"})
     monkeypatch.setitem(train_gpt2.MODEL_SIZES, "gpt2", dict(n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD))
     monkeypatch.setenv("HF_ENDPOINT", base_url)
-    return weights, path
+    return weights, path, static_server.log
 
 
 def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
-    weights, served = gpt2_server
-    model = train_gpt2.load_pretrained("gpt2", cache_dir=str(tmp_path / "cache")).eval()
+    weights, served, _ = gpt2_server
+    model = openai_gpt2(cache_dir=str(tmp_path / "cache")).eval()
     idx = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, _ = model(idx)
@@ -96,22 +101,41 @@ def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
     torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-4)
 
     served.unlink()  # the second load reads the cached copy
-    cached = train_gpt2.load_pretrained("gpt2", cache_dir=str(tmp_path / "cache")).eval()
+    cached = openai_gpt2(cache_dir=str(tmp_path / "cache")).eval()
     with torch.no_grad():
         assert torch.equal(cached(idx)[0], logits)
 
 
-def test_missing_weights_are_a_usage_error(static_server, tmp_path):
-    with pytest.raises(train_gpt2.UsageError, match="could not download"):
-        train_gpt2.load_pretrained("gpt2", endpoint=static_server[1], cache_dir=str(tmp_path / "cache"))
-    assert not (tmp_path / "cache" / "gpt2" / "model.safetensors").exists()
+def test_missing_weights_are_a_one_line_error(static_server, tmp_path):
+    with pytest.raises(hellaswag.EvalError, match="could not download .*HF_ENDPOINT"):
+        openai_gpt2(endpoint=static_server[1], cache_dir=str(tmp_path / "cache"))
+    assert not os.listdir(tmp_path / "cache" / "gpt2")  # no file, and no temp file either
+
+
+def test_truncated_download_is_not_cached(gpt2_server, tmp_path):
+    _, served, _ = gpt2_server
+    served.write_bytes(served.read_bytes()[:-1000])  # a connection that dropped near the end
+    with pytest.raises(hellaswag.EvalError, match="not a whole safetensors file"):
+        openai_gpt2(cache_dir=str(tmp_path / "cache"))
+    assert not os.listdir(tmp_path / "cache" / "gpt2")
+
+
+def test_hf_token_goes_to_the_hub_only(gpt2_server, static_server, tmp_path, monkeypatch):
+    www, base_url = static_server
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    write_jsonl(www / "hellaswag_val.jsonl", synthetic_examples([0, 1]))
+    openai_gpt2(cache_dir=str(tmp_path / "cache"))
+    hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
+    assert static_server.log == [("/openai-community/gpt2/resolve/main/model.safetensors", "Bearer secret"),
+                              ("/hellaswag_val.jsonl", None)]
 
 
 def test_hellaswag_cli_init_from_gpt2(gpt2_server, tmp_path, monkeypatch, capsys):
     examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     cache_dir = str(tmp_path / "cache")
-    model = train_gpt2.load_pretrained("gpt2", cache_dir=cache_dir)
+    model = openai_gpt2(cache_dir=cache_dir)
     prepared = hellaswag.prepare(examples, train_gpt2.gpt2_tokenizer(), model.config.block_size)
     acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext())
 
@@ -136,7 +160,7 @@ def test_eval_only_init_from_gpt2_logs_the_reference(gpt2_server, tmp_path, monk
     val_loss = next(r["val_loss"] for r in records if "val_loss" in r)
     assert math.isfinite(val_loss)
 
-    model = train_gpt2.load_pretrained("gpt2")  # the logged HellaSwag is that of the loaded weights
+    model = openai_gpt2()  # the logged HellaSwag is that of the loaded weights
     prepared = hellaswag.prepare(examples, train_gpt2.gpt2_tokenizer(), 1024)
     acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext())
     logged = next(r for r in records if "hellaswag_acc_norm" in r)
