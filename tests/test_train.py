@@ -1,14 +1,18 @@
-"""Training: the learning-rate schedule, an end-to-end run and its log.jsonl, 2 processes under torchrun against
-1 process with 2 accumulation steps, and the default run on tiny Shakespeare."""
+"""Training: the learning-rate schedule, an end-to-end run and its log.jsonl, 2 processes under torchrun (on one
+node, and as two nodes) against 1 process with 2 accumulation steps, and the default run on tiny Shakespeare."""
 import math
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import train_gpt2
-from helpers import (REPO, TINY, VOCAB, one_thread, read_log, run_main, run_script, shards, train_records,  # noqa: F401
-                     val_records)
+from helpers import (REPO, SCRIPT, TINY, VOCAB, one_thread, read_log, run_main, run_script, script_env,  # noqa: F401
+                     shards, train_records, val_records)
+from test_hellaswag import synthetic_examples, write_jsonl
 from train_gpt2 import TrainConfig, get_lr
 
 
@@ -90,6 +94,41 @@ def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, cap
     assert val_records(one_log)[4]["val_loss"] < val_records(one_log)[0]["val_loss"] - 0.01  # the weights really moved
     for step, r in val_records(one_log).items():
         assert val_records(two_log)[step]["val_loss"] == pytest.approx(r["val_loss"], abs=1e-5)
+
+
+def test_two_nodes_match_one_process(shards, tmp_path, capsys, static_server, monkeypatch):
+    """Two torchrun launchers of one process each, meeting through a c10d rendezvous as two nodes do: RANK 0 and 1,
+    but LOCAL_RANK 0 on both, so each node fetches HellaSwag into its own node-local cache."""
+    www, base_url = static_server
+    write_jsonl(www / "hellaswag_val.jsonl", synthetic_examples([0, 1, 2, 3, 1]))
+    args = [a if a != str(VOCAB) else "50257" for a in TINY]  # HellaSwag needs all GPT-2 tokens
+    args += ["--data", shards, "--max-steps", "2", "--warmup-steps", "1", "--hellaswag-every", "2"]
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache_one"))
+    code, out, err = run_main(args + ["--log-dir", tmp_path / "one"], capsys)
+    assert code == 0, err
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", SCRIPT]
+    nodes = [subprocess.Popen(launcher + [str(a) for a in args] + ["--log-dir", tmp_path / "two"], cwd=tmp_path,
+                              env=script_env(HELLASWAG_URL=base_url, GPT2_CACHE_DIR=str(tmp_path / f"cache_node{i}")),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+    stdout = "".join(o for o, _ in outputs)
+    assert stdout.count("4 x 32 x 1 accumulation steps x 2 process(es)") == 1  # rank 0 alone prints
+    assert stdout.count("downloading") == 2 and all((tmp_path / f"cache_node{i}" / "hellaswag_val.jsonl").exists() for i in range(2))
+    one_log, two_log = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    for step, r in train_records(one_log).items():
+        assert train_records(two_log)[step]["train_loss"] == pytest.approx(r["train_loss"], abs=1e-5), step
+    hellaswag_lines = [r for r in two_log if "hellaswag_acc_norm" in r]
+    assert len(hellaswag_lines) == 2  # steps 0 and 2, logged once
+    for mine, theirs in zip(hellaswag_lines, [r for r in one_log if "hellaswag_acc_norm" in r]):
+        assert (mine["hellaswag_acc_norm"], mine["hellaswag_acc"]) == (theirs["hellaswag_acc_norm"], theirs["hellaswag_acc"])
 
 
 def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
