@@ -223,7 +223,7 @@ def download(source, args, stop):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = path + ".part"
     url = f"{args.endpoint}/datasets/{args.dataset}/resolve/main/{quote(source['path'])}"
-    session, started = requests.Session(), time.time()
+    session, started = requests.Session(), time.perf_counter()
     for attempt in range(2):  # a file that fails its checksum is downloaded afresh once
         failures = 0
         while not stop.is_set() and (not os.path.exists(part) or os.path.getsize(part) != source["size"]):
@@ -248,7 +248,7 @@ def download(source, args, stop):
         if os.path.getsize(part) == source["size"] and source["sha256"] in (None, got):
             os.replace(part, path)
             megabytes = source["size"] / 1e6
-            tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {megabytes / (time.time() - started):.1f} MB/s)")
+            tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {megabytes / (time.perf_counter() - started):.1f} MB/s)")
             return path
         os.remove(part)
     raise PrepareError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected sha256 "
@@ -397,7 +397,17 @@ def prepare(args):
         write_atomically(os.path.join(args.output, name), lambda f: np.save(f, tokens_in_shard))
         shards.append({"name": name, "tokens": len(tokens_in_shard)})
 
-    with Pool(args.workers, init_worker, (os.getpid(),)) as pool, ThreadPoolExecutor(1) as downloader:
+    # a Ctrl-C while the pool forks its workers lands in an at-fork hook, which swallows the KeyboardInterrupt
+    # ("Exception ignored in: _releaseLock") and the run goes on: hold it until the pool is whole
+    deferred = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: deferred.append(signum))
+    try:
+        pool = Pool(args.workers, init_worker, (os.getpid(),))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with pool, ThreadPoolExecutor(1) as downloader:
+        if deferred:
+            raise KeyboardInterrupt
         downloads = {}
 
         def source_path(i):
@@ -419,7 +429,7 @@ def prepare(args):
 
         total_bytes = sum(s["size"] for s in sources[start_file:])
         bytes_read = tokens_read = 0
-        start = time.time()
+        start = time.perf_counter()
         bar = tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, mininterval=1,
                    desc="tokenizing", dynamic_ncols=True)
         try:
@@ -480,7 +490,7 @@ def prepare(args):
     checkpoint(len(sources), 0, 0, shard[:0])
     if delete_downloads:  # what --max-tokens left unread
         shutil.rmtree(downloads_dir)
-    elapsed = time.time() - start
+    elapsed = time.perf_counter() - start
     print(f"done: {documents:,} documents, {tokens:,} tokens in {len(shards)} shards "
           f"(1 val + {len(shards) - 1} train) in {args.output}; {elapsed:.1f} s, "
           f"{(tokens - tokens_at_start) / elapsed:,.0f} tokens/s")

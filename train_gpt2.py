@@ -696,13 +696,13 @@ def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, e
             "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
         }
         path = os.path.join(cfg.log_dir, f"ckpt_{step:06d}.pt")
-        t0 = time.time()
+        t0 = time.perf_counter()
         with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
             torch.save(ckpt, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.time() - t0:.1f} s)")
+        print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
         for old in checkpoint_paths(cfg.log_dir)[: -cfg.keep_checkpoints]:
             os.remove(old)
     if env.world_size > 1:
@@ -859,7 +859,7 @@ def train(cfg, given):
         if stopping:
             break
 
-        t0 = time.time()
+        t0 = time.perf_counter()
         batches = stream.next_step(cfg.batch_size, cfg.seq_len, accum_steps, env.rank, env.world_size, cfg.vocab_size)
         lr = get_lr(step, cfg)
         loss_value, norm_value, stop_votes, finite = train_step(
@@ -867,7 +867,7 @@ def train(cfg, given):
         stop_agreed = stop_votes > 0  # a signal that lands after this vote is counted at the next step
         if device_type == "cuda":
             torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
-        dt = time.time() - t0
+        dt = time.perf_counter() - t0
         tok_per_sec = cfg.total_batch_size / dt
         record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size, "train_loss": loss_value if finite else None,
                   "lr": lr, "grad_norm": norm_value if math.isfinite(norm_value) else None, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
@@ -891,7 +891,8 @@ def train(cfg, given):
         step += 1
 
     if stop_agreed and master:
-        print(f"stopped by signal at step {step}, checkpoint saved; resume with the same command (it picks up {cfg.log_dir})")
+        left = " (the last: only its final evaluation is left)" if step == cfg.max_steps else ""
+        print(f"stopped by signal at step {step}{left}, checkpoint saved; resume with the same command (it picks up {cfg.log_dir})")
 
 
 def sample_from_checkpoint(cfg):

@@ -96,6 +96,7 @@ class Hub(http.server.ThreadingHTTPServer):
         self.corrupt = Counter()  # repo path -> responses left that serve it with a flipped byte
         self.page_size = None  # paginate the tree listing with Link headers, as the hub does
         self.rate = None  # bytes per second for file bodies
+        self.hold = {}  # repo path -> (offset, threading.Event): its body pauses at offset until the event is set
         self.log = []  # (request path, Range header, status)
         self.served = Counter()  # repo path -> body bytes sent
 
@@ -167,12 +168,14 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
             stop_at = start + hub.drop_after.pop(path)
         step = 16384
         for offset in range(start, stop_at, step):
+            if path in hub.hold and offset >= hub.hold[path][0]:
+                hub.hold[path][1].wait(60)
             chunk = data[offset:min(offset + step, stop_at)]
+            hub.served[path] += len(chunk)  # counted before the client can see it: no race with the test's asserts
             try:
                 self.wfile.write(chunk)
             except OSError:
                 return  # the client went away (killed)
-            hub.served[path] += len(chunk)
             if hub.rate:
                 time.sleep(len(chunk) / hub.rate)
         self.close_connection = True
@@ -266,7 +269,7 @@ def test_workers_die_with_a_killed_main_process(tmp_path):
     assert worker is not None, "no busy worker seen"
     process.kill()
     process.wait()
-    deadline = time.time() + 2
+    deadline = time.time() + 10  # it takes ~50 ms; the margin is for a loaded machine
     while process_stat(worker) and time.time() < deadline:
         time.sleep(0.01)
     assert process_stat(worker) is None, "the worker outlived the main process"
@@ -290,19 +293,25 @@ def test_killed_and_interrupted_runs_resume_to_identical_shards(hub, tmp_path):
             return 0
 
     hub.rate = 200_000  # slow enough to stop it partway
-    for signal_number, shards_before_stop in ((signal.SIGKILL, 1), (signal.SIGINT, 10)):
+    # each run is held halfway through a file until its signal has landed: it cannot finish first, however late
+    # this process gets to send the signal; the target counts from where the previous run stopped
+    for signal_number, shards_before_stop, held in ((signal.SIGKILL, 1, paths[1]), (signal.SIGINT, 10, paths[2])):
+        release = threading.Event()
+        hub.hold = {held: (len(hub.files[held]) // 2, release)}
+        target = max(shards_before_stop, shards_done() + 1)  # one shard of its own: past its imports, in prepare()
         process = subprocess.Popen([sys.executable, FINEWEB, "--endpoint", hub.url, "--output", output,
                                     "--shard-size", "5000", "--retry-delay", "0.01", "--workers", "2"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        while shards_done() < shards_before_stop and process.poll() is None:
+        while shards_done() < target and process.poll() is None:
             time.sleep(0.01)
         process.send_signal(signal_number)
+        release.set()
         _, stderr = process.communicate(timeout=60)
         assert process.returncode in (-signal.SIGKILL, 130), stderr
         assert "Traceback" not in stderr
         assert not json.loads(manifest.read_text())["done"]
     assert "run the same command again to resume" in stderr
-    hub.rate = None
+    hub.rate, hub.hold = None, {}
     result = hub_run(hub, output, "--workers", 2)
     assert result.returncode == 0, result.stderr
     assert "resuming" in result.stdout

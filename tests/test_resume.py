@@ -1,5 +1,6 @@
 """Checkpoints: SIGKILL and resume (bitwise, on CPU in fp32), SIGTERM, a damaged latest checkpoint, mismatched
 shapes, a different number of processes, non-finite steps, sampling from a checkpoint, --no-resume."""
+import fcntl
 import json
 import os
 import random
@@ -52,10 +53,19 @@ def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys):
     assert code == 0, err
 
     kill_at = random.randint(5, 12)  # any step after the first checkpoint (step 4)
-    proc = start_script(args + ["--log-dir", run], tmp_path, tmp_path / "killed.out")
-    wait_for_step(proc, run, kill_at)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(30) == -signal.SIGKILL
+    # stdout is a one-page pipe nobody reads: the run blocks in print() after ~40 steps, so it cannot reach its end
+    # before the SIGKILL lands, however late this process gets to send it
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    proc = subprocess.Popen(script_command(args + ["--log-dir", run]), cwd=tmp_path, env=script_env(),
+                            stdout=write_end, stderr=subprocess.STDOUT)
+    os.close(write_end)
+    try:
+        wait_for_step(proc, run, kill_at)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        os.close(read_end)
     killed_log = open(run / "log.jsonl").read()
     last = max(logged_train_steps(run))
     assert kill_at <= last < 59, (kill_at, last)
