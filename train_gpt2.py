@@ -105,6 +105,8 @@ SHAKESPEARE = dict(
     batch_size=16, seq_len=128, total_batch_size=2048, max_steps=250, warmup_steps=25, max_lr=2e-3,
     eval_every=50, val_tokens=16384, hellaswag_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
 )
+# Fine-tuning OpenAI's GPT-2 on it instead (--init-from gpt2): a far gentler learning rate, and fewer steps.
+SHAKESPEARE_FINETUNE = dict(max_steps=100, warmup_steps=10, max_lr=3e-5, eval_every=25)
 
 
 class UsageError(Exception):
@@ -170,7 +172,7 @@ class CausalSelfAttention(nn.Module):
             kv_cache[:] = [k, v]
         if self.naive:
             y = naive_attention(q, k, v)
-        else:  # a single new token sees everything before it, so it needs no mask
+        else:  # a single new token sees everything before it, so it needs no mask (generate feeds one at a time)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)  # flash attention
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.c_proj(y)
@@ -282,6 +284,7 @@ def gpt2_tokenizer():
 # Data: token shards read through memory maps, or a text file tokenized in memory.
 
 BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
+SPLIT_WORD = re.compile(r"(?:^|[_.-])(train|val)(?=[_.-]|$)")
 
 
 def open_shard(path):
@@ -294,6 +297,9 @@ def open_shard(path):
         if os.path.getsize(path) != 4 * BIN_HEADER_INTS + 2 * n_tokens:
             raise UsageError(f"{path}: the header promises {n_tokens} tokens but the file size disagrees (truncated?); re-create it")
         return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            raise UsageError(f"{path}: not an .npy file (no NUMPY header); re-create it with fineweb.py")
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -336,9 +342,9 @@ class TokenStream:
                 epoch, index = epoch + 1, 0
         return epoch, index, offset
 
-    def read(self, skip, n, vocab_size):
-        """n tokens, starting skip tokens after the current position, as int64."""
-        epoch, index, offset = self.seek(self.epoch, self.index, self.offset, skip)
+    def read(self, n, vocab_size):
+        """The next n tokens from the current position, as int64."""
+        epoch, index, offset = self.epoch, self.index, self.offset
         pieces = []
         while n > 0:
             shard = self.order(epoch)[index]
@@ -351,9 +357,12 @@ class TokenStream:
 
     def next_step(self, B, T, accum_steps, rank, world_size, vocab_size):
         """This rank's micro-batches (x, y) for one optimizer step, then moves past the whole global batch."""
+        # every rank reads and checks the whole global batch, so that bad data stops all ranks at once, alike
+        window = self.read(accum_steps * world_size * B * T + 1, vocab_size)
         batches = []
         for micro in range(accum_steps):
-            buf = self.read((micro * world_size + rank) * B * T, B * T + 1, vocab_size)
+            start = (micro * world_size + rank) * B * T
+            buf = window[start: start + B * T + 1]
             batches.append((buf[:-1].view(B, T), buf[1:].view(B, T)))  # inputs, and targets one token later
         self.epoch, self.index, self.offset = self.seek(self.epoch, self.index, self.offset, accum_steps * world_size * B * T)
         return batches
@@ -373,15 +382,22 @@ def load_data(cfg):
     if not os.path.exists(cfg.data):
         raise UsageError(f"--data {cfg.data}: no such file or directory; make FineWeb shards with `python fineweb.py`, or pass a text file")
     if os.path.isdir(cfg.data):
-        paths = sorted(p for p in glob.glob(os.path.join(cfg.data, "*")) if p.endswith((".npy", ".bin")))
-        train_paths = [p for p in paths if "train" in os.path.basename(p)]
-        val_paths = [p for p in paths if "val" in os.path.basename(p)]
-        for split, found in (("train", train_paths), ("val", val_paths)):
+        splits = {"train": [], "val": []}
+        for path in sorted(glob.glob(os.path.join(cfg.data, "*"))):
+            # the split is a whole word of the name (x_val_000000.npy, x_train.bin), so that "interval_train" is no val shard
+            words = set(SPLIT_WORD.findall(os.path.basename(path))) if path.endswith((".npy", ".bin")) else set()
+            if len(words) > 1:
+                raise UsageError(f"{path}: its name says both train and val; rename it to one of them")
+            for word in words:
+                splits[word].append(path)
+        for split, found in splits.items():
             if not found:
-                raise UsageError(f"--data {cfg.data}: no *{split}* shards (.npy or .bin) in it; make them with `python fineweb.py`")
-        train = [open_shard(p) for p in train_paths]
-        names = train_paths
-        val_shards = [open_shard(p) for p in val_paths]
+                raise UsageError(f"--data {cfg.data}: no {split} shards (*_{split}_*.npy or .bin) in it; make them with `python fineweb.py`")
+        train = [open_shard(p) for p in splits["train"]]
+        names = splits["train"]
+        val_shards = [open_shard(p) for p in splits["val"]]
+    elif cfg.data.endswith((".npy", ".bin")):
+        raise UsageError(f"--data {cfg.data} is a single shard; pass the directory that holds the train and val shards")
     else:
         try:
             with open(cfg.data, encoding="utf-8") as f:
@@ -396,7 +412,8 @@ def load_data(cfg):
         raise UsageError(f"--data {cfg.data}: {train_tokens} training tokens, fewer than one batch of --total-batch-size {cfg.total_batch_size}; use more text or a smaller batch")
     n_val = (min(cfg.val_tokens, sum(len(s) for s in val_shards) - 1) // cfg.seq_len) * cfg.seq_len
     if n_val <= 0:
-        raise UsageError(f"--data {cfg.data}: the validation split holds less than one sequence of --seq-len {cfg.seq_len}")
+        raise UsageError(f"--data {cfg.data}: its validation split, or --val-tokens {cfg.val_tokens}, holds less than one "
+                         f"sequence of --seq-len {cfg.seq_len} (plus a target); raise --val-tokens, shorten --seq-len, or add data")
     val, need = [], n_val + 1
     for shard in val_shards:
         val.append(shard[:need])
@@ -442,6 +459,15 @@ def setup_distributed(device="auto"):
         backend, device_id = ("nccl", torch.device(device)) if device_type == "cuda" else ("gloo", None)
         dist.init_process_group(backend=backend, device_id=device_id, timeout=datetime.timedelta(hours=1))
     return Dist(rank, local_rank, world_size, device, device_type)
+
+
+def any_rank(flag, device):
+    """True on every rank if flag is True on any of them."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    votes = torch.tensor(float(flag), device=device)
+    dist.all_reduce(votes)
+    return votes.item() > 0
 
 
 def teardown_distributed():
@@ -493,8 +519,10 @@ def resolve_config(cfg, given, env):
     if "data" not in given and not os.path.exists(cfg.data):
         if env.rank == 0:
             print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): training a small model on tiny Shakespeare instead")
-        cfg.__dict__.update({k: v for k, v in SHAKESPEARE.items() if k not in given})
-        if "batch_size" not in given:  # one micro-batch a step, split over the processes
+        preset = SHAKESPEARE if cfg.init_from == "scratch" else {**SHAKESPEARE, **SHAKESPEARE_FINETUNE}
+        keep = set(given) | (set(MODEL_SIZES[cfg.model]) if "model" in given else set())  # --model gpt2-medium means it
+        cfg.__dict__.update({k: v for k, v in preset.items() if k not in keep})
+        if "batch_size" not in given and cfg.seq_len > 0:  # one micro-batch a step, split over the processes
             cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
     if cfg.init_from != "scratch":  # OpenAI's shapes, whatever a preset said
         pretrained = dict(MODEL_SIZES[cfg.init_from], block_size=1024, vocab_size=50304)
@@ -514,23 +542,19 @@ def resolve_config(cfg, given, env):
     return cfg
 
 
-def check_config(cfg, world_size):
-    def flag(name):
-        return "--" + name.replace("_", "-")
+def require(cfg, names, ok, what):
+    for name in names:
+        if not ok(getattr(cfg, name)):  # written so that NaN fails too
+            raise UsageError(f"--{name.replace('_', '-')} must be {what}, not {getattr(cfg, name)}")
 
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len", "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps"):
-        if getattr(cfg, name) <= 0:
-            raise UsageError(f"{flag(name)} must be positive, not {getattr(cfg, name)}")
-    for name in ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples", "max_new_tokens"):
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"{flag(name)} must be zero or more, not {getattr(cfg, name)}")
-    for name in ("max_lr", "grad_clip"):
-        if not getattr(cfg, name) > 0:
-            raise UsageError(f"{flag(name)} must be positive, not {getattr(cfg, name)}")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise UsageError(f"--min-lr-ratio must be between 0 and 1, not {cfg.min_lr_ratio}")
-    if not cfg.weight_decay >= 0:
-        raise UsageError(f"--weight-decay must be zero or more, not {cfg.weight_decay}")
+
+def check_config(cfg, world_size):
+    require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len", "total_batch_size",
+                  "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip"), lambda v: v > 0, "positive")
+    require(cfg, ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples",
+                  "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
+    require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
+    require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if cfg.seq_len > cfg.block_size:
@@ -596,7 +620,7 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed):
     with autocast_ctx:
         samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
     for i, tokens in enumerate(samples):
-        print(f"sample {i}: {enc.decode([t for t in tokens if t < GPT2_VOCAB])!r}")
+        print(f"sample {i}: {enc.decode(tokens)!r}")
 
 
 def checkpoint_paths(log_dir):
@@ -623,10 +647,10 @@ def model_from_checkpoint(ckpt):
 
 
 def find_resume_checkpoint(cfg, env):
-    """The checkpoint to resume from (None: start fresh). Rank 0 picks it, falling back past unreadable ones,
-    and every rank loads that same one."""
+    """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
+    unreadable ones, and every rank loads that same one."""
     if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto"):
-        return None
+        return None, None
     ckpt, chosen = None, [None]
     if env.rank == 0:
         for path in [cfg.resume] if cfg.resume != "auto" else reversed(checkpoint_paths(cfg.log_dir)):
@@ -645,15 +669,15 @@ def find_resume_checkpoint(cfg, env):
             except Exception as e:
                 raise UsageError(f"rank {env.rank} cannot read {chosen[0]}, which rank 0 resumes from ({e}); "
                                  f"--log-dir must be on a file system every node shares")
-    return ckpt
+    return ckpt, chosen[0]
 
 
-def check_same_shapes(ckpt, model_config, path_hint):
+def check_same_shapes(ckpt, model_config, path):
     saved = ckpt["model_config"]
     ours = asdict(model_config)
     differ = [f"{k}: checkpoint {saved.get(k)}, flags {ours[k]}" for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if saved.get(k) != ours[k]]
     if differ:
-        raise UsageError(f"{path_hint} does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
+        raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
 
 
 RUN_FILES = re.compile(r"log\.jsonl|curves\.png|ckpt_\d+\.pt(\.tmp|\.abandoned)?")
@@ -663,6 +687,8 @@ def prepare_log_dir(log_dir, resumed_step):
     """A fresh run (resumed_step None) moves an old run's directory aside; a resumed run moves aside the
     checkpoints newer than its own (abandoned, or unreadable), so that they are never resumed later."""
     if resumed_step is not None:
+        for stale in glob.glob(os.path.join(log_dir, "ckpt_*.pt.tmp")):  # a save cut short by a crash
+            os.remove(stale)
         for path in checkpoint_paths(log_dir):
             if int(os.path.basename(path)[5:-3]) > resumed_step:
                 os.replace(path, path + ".abandoned")
@@ -683,7 +709,7 @@ def prepare_log_dir(log_dir, resumed_step):
         print(f"starting fresh: moved the old {log_dir} aside to {aside}")
 
 
-def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env):
+def save_checkpoint(cfg, step, evaluated, raw_model, optimizer, scaler, stream, val_loss, env):
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
     rng_per_rank = [rng]
     if env.world_size > 1:  # every rank reaches here before rank 0 writes
@@ -692,7 +718,7 @@ def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, e
     if env.rank == 0:
         ckpt = {
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "step": step, "stream": stream.state_dict(), "rng": rng_per_rank, "val_loss": val_loss,
+            "step": step, "evaluated": evaluated, "stream": stream.state_dict(), "rng": rng_per_rank, "val_loss": val_loss,
             "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
         }
         path = os.path.join(cfg.log_dir, f"ckpt_{step:06d}.pt")
@@ -709,7 +735,7 @@ def save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, e
         dist.barrier()
 
 
-def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr, grad_clip, stop_vote=False, poison=False):
+def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr, grad_clip, stop_signal=(), poison=False):
     """One optimizer step over this rank's micro-batches, skipped if the loss or gradient norm is not finite.
     Returns the mean loss over all ranks, the gradient norm, how many ranks voted to stop, and whether it stepped."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -729,7 +755,8 @@ def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr
             loss = loss / len(batches)  # the gradients add up to those of the mean over the whole batch
             loss_accum += loss.detach()
             scaler.scale(loss).backward()
-    stats = torch.stack([loss_accum, torch.tensor(float(stop_vote), device=device)])
+    # read after the forward and backward passes, so that a signal that came during them is voted on now
+    stats = torch.stack([loss_accum, torch.tensor(float(bool(stop_signal)), device=device)])
     if world_size > 1:  # the loss summed over ranks, and how many ranks got a stop signal
         dist.all_reduce(stats)
     scaler.unscale_(optimizer)
@@ -764,16 +791,16 @@ def train(cfg, given):
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
-    ckpt = find_resume_checkpoint(cfg, env)
+    ckpt, ckpt_path = find_resume_checkpoint(cfg, env)
     raw_model = GPT(model_config)
     if ckpt is None and cfg.init_from != "scratch":
         hellaswag.load_openai_weights(raw_model, cfg.init_from)
     raw_model.to(device)
     optimizer = make_optimizer(raw_model, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")  # fp16 gradients underflow unless scaled
-    start_step, val_loss, resumed = 0, None, ckpt is not None
+    start_step, val_loss, resumed, start_evaluated = 0, None, ckpt is not None, False
     if resumed:
-        check_same_shapes(ckpt, model_config, f"checkpoint of step {ckpt['step']}")
+        check_same_shapes(ckpt, model_config, ckpt_path)
         raw_model.load_state_dict(ckpt["model"])
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -786,14 +813,25 @@ def train(cfg, given):
             torch.set_rng_state(ckpt["rng"][env.rank]["cpu"])
             if device_type == "cuda" and ckpt["rng"][env.rank]["cuda"] is not None:
                 torch.cuda.set_rng_state(ckpt["rng"][env.rank]["cuda"])
-        start_step, val_loss = ckpt["step"], ckpt["val_loss"]
+        start_step, val_loss, start_evaluated = ckpt["step"], ckpt["val_loss"], ckpt.get("evaluated", False)
         del ckpt  # its CPU copy of the weights and optimizer state would otherwise live as long as the run
+        if start_step > cfg.max_steps and not cfg.eval_only:
+            raise UsageError(f"{ckpt_path} is at step {start_step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
+                             f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
+        if start_step == cfg.max_steps and start_evaluated and not cfg.eval_only:
+            if master:
+                print(f"{ckpt_path} is the end of this run (step {start_step}, val loss {val_loss}): nothing left to do; "
+                      f"pass a larger --max-steps to train on, or --no-resume to start over")
+            return
     if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
         dist.barrier()
     if master:
-        if not cfg.eval_only:
-            prepare_log_dir(cfg.log_dir, start_step if resumed else None)
-        os.makedirs(cfg.log_dir, exist_ok=True)
+        try:
+            if not cfg.eval_only:
+                prepare_log_dir(cfg.log_dir, start_step if resumed else None)
+            os.makedirs(cfg.log_dir, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may write to")
 
     def log(record, line=None):
         if master:
@@ -817,17 +855,23 @@ def train(cfg, given):
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     train_model = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if device_type == "cuda" else None) if env.world_size > 1 else model
 
+    def evaluations_due(step):
+        """Whether the validation loss (with samples) and HellaSwag are due at this step."""
+        final = cfg.eval_only or step == cfg.max_steps
+        return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
+                hellaswag_data is not None and (final or step % cfg.hellaswag_every == 0))
+
     def evaluate(step):
         nonlocal val_loss
         tokens = step * cfg.total_batch_size
-        final = cfg.eval_only or step == cfg.max_steps
+        val_due, hellaswag_due = evaluations_due(step)
         extra = {"eval_only": True, "init_from": cfg.resume if resumed else cfg.init_from} if cfg.eval_only else {}
-        if final or (cfg.eval_every and step % cfg.eval_every == 0):
+        if val_due:
             val_loss = evaluate_val(model, val, cfg.batch_size, cfg.seq_len, device, autocast_ctx, env.rank, env.world_size)
             log({"step": step, "tokens": tokens, "val_loss": val_loss, **extra}, f"step {step:5d} | val loss {val_loss:.4f}")
             if master and cfg.num_samples > 0:
                 print_samples(raw_model, cfg, enc, device, autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
-        if hellaswag_data is not None and (final or step % cfg.hellaswag_every == 0):
+        if hellaswag_due:
             acc_norm, acc, n = hellaswag.evaluate(model, hellaswag_data, device, autocast_ctx, env.rank, env.world_size)
             log({"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
                 f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
@@ -851,11 +895,15 @@ def train(cfg, given):
     stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
     step = start_step
     while True:
+        already_evaluated = step == start_step and start_evaluated  # by the run that saved the checkpoint
+        if not stop_agreed and not already_evaluated and any(evaluations_due(step)):
+            # a preempted run saves before a long evaluation: the grace period before SIGKILL is short
+            stop_agreed = any_rank(bool(stop_signal), device)
+            if not stop_agreed:
+                evaluate(step)
         stopping = step == cfg.max_steps or stop_agreed
-        if not stop_agreed:  # a preempted run saves first: the grace period before SIGKILL is short
-            evaluate(step)
         if step > start_step and (stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-            save_checkpoint(cfg, step, raw_model, optimizer, scaler, stream, val_loss, env)
+            save_checkpoint(cfg, step, not stop_agreed, raw_model, optimizer, scaler, stream, val_loss, env)
         if stopping:
             break
 
@@ -863,8 +911,8 @@ def train(cfg, given):
         batches = stream.next_step(cfg.batch_size, cfg.seq_len, accum_steps, env.rank, env.world_size, cfg.vocab_size)
         lr = get_lr(step, cfg)
         loss_value, norm_value, stop_votes, finite = train_step(
-            train_model, optimizer, scaler, batches, autocast_ctx, device, lr, cfg.grad_clip, bool(stop_signal), step in inject_nan)
-        stop_agreed = stop_votes > 0  # a signal that lands after this vote is counted at the next step
+            train_model, optimizer, scaler, batches, autocast_ctx, device, lr, cfg.grad_clip, stop_signal, step in inject_nan)
+        stop_agreed = stop_votes > 0
         if device_type == "cuda":
             torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
         dt = time.perf_counter() - t0
@@ -883,6 +931,8 @@ def train(cfg, given):
             line += f" | non-finite: update skipped ({bad_steps_in_a_row} in a row)"
         else:
             bad_steps_in_a_row = 0
+            if not math.isfinite(norm_value):  # fp16 gradients overflowed: the scaler skipped the update, lowering its scale
+                record["skipped"] = True
         log(record, line)
         if bad_steps_in_a_row >= cfg.max_bad_steps:
             last = checkpoint_paths(cfg.log_dir)
@@ -892,11 +942,13 @@ def train(cfg, given):
 
     if stop_agreed and master:
         left = " (the last: only its final evaluation is left)" if step == cfg.max_steps else ""
-        print(f"stopped by signal at step {step}{left}, checkpoint saved; resume with the same command (it picks up {cfg.log_dir})")
+        same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
+        print(f"stopped by signal at step {step}{left}, checkpoint saved; resume with {same} (it picks up {cfg.log_dir})")
 
 
 def sample_from_checkpoint(cfg):
     """--sample PATH: print samples from a checkpoint, without any training setup."""
+    require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
     env = setup_distributed(cfg.device)
     try:
         ckpt = load_checkpoint(cfg.sample)

@@ -49,6 +49,20 @@ def test_load_data_mixes_formats_and_fixes_val(tmp_path):
     assert len(val) == (599 // 32) * 32 + 1
 
 
+def test_the_split_is_a_whole_word_of_the_shard_name(tmp_path):
+    """fineweb.py names shards after the output directory: "interval" holds no val shard, "training" no train one."""
+    d = tmp_path / "data"
+    d.mkdir()
+    save_tokens(d / "interval_train_000001.npy", np.full(600, 1, dtype=np.uint16))
+    save_tokens(d / "training_val_000000.npy", np.full(300, 2, dtype=np.uint16))
+    save_tokens(d / "tiny_shakespeare_train.bin", np.full(400, 3, dtype=np.uint16))  # llm.c's names
+    save_tokens(d / "retrieval.npy", np.full(100, 4, dtype=np.uint16))  # no split word: ignored
+    cfg = TrainConfig(data=str(d), vocab_size=128, seq_len=32, total_batch_size=256, val_tokens=256)
+    stream, val, train_tokens = train_gpt2.load_data(cfg)
+    assert train_tokens == 1000 and sorted(len(s) for s in stream.shards) == [400, 600]
+    assert set(val.tolist()) == {2}
+
+
 def unique_shards(lengths):
     """Shards whose tokens are their global positions 0, 1, 2, ...: every token can be traced."""
     starts = np.cumsum([0, *lengths])

@@ -24,12 +24,23 @@ def test_no_train_or_no_val_shards(tmp_path, capsys, missing):
     for name in os.listdir(d):
         if missing in name:
             os.remove(d / name)
-    expect_usage_error(args(d, tmp_path / "log"), capsys, f"no *{missing}* shards", str(d), "fineweb.py")
+    expect_usage_error(args(d, tmp_path / "log"), capsys, f"no {missing} shards", str(d), "fineweb.py")
 
 
 def test_empty_data_directory(tmp_path, capsys):
     (tmp_path / "data").mkdir()
-    expect_usage_error(args(tmp_path / "data", tmp_path / "log"), capsys, "no *train* shards")
+    expect_usage_error(args(tmp_path / "data", tmp_path / "log"), capsys, "no train shards")
+
+
+def test_a_shard_named_for_both_splits(tmp_path, capsys):
+    d = write_shards(tmp_path / "data")
+    os.rename(os.path.join(d, "synth_train_000001.npy"), os.path.join(d, "synth_train_val_000001.npy"))
+    expect_usage_error(args(d, tmp_path / "log"), capsys, "synth_train_val_000001.npy", "both train and val")
+
+
+def test_a_single_shard_as_data(tmp_path, capsys):
+    d = write_shards(tmp_path / "data")
+    expect_usage_error(args(os.path.join(d, "synth_val_000000.npy"), tmp_path / "log"), capsys, "single shard", "directory")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "int32"])
@@ -127,10 +138,34 @@ def test_cuda_asked_for_but_absent(shards, tmp_path, capsys):
     ("--max-steps", "-1"), ("--batch-size", "0"), ("--seq-len", "0"), ("--total-batch-size", "-256"),
     ("--n-layer", "-1"), ("--warmup-steps", "-5"), ("--max-lr", "0"), ("--max-lr", "nan"), ("--grad-clip", "-1"),
     ("--keep-checkpoints", "0"), ("--eval-every", "-1"), ("--val-tokens", "0"), ("--min-lr-ratio", "-0.5"),
-    ("--min-lr-ratio", "2"), ("--weight-decay", "-0.1"),
+    ("--min-lr-ratio", "2"), ("--weight-decay", "-0.1"), ("--seed", "-1"), ("--seed", str(2**32)),
 ])
 def test_nonsense_values(shards, tmp_path, capsys, flag, value):
     expect_usage_error(args(shards, tmp_path / "log", flag, value), capsys, flag)
+
+
+def test_seq_len_zero_without_shards(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no edu_fineweb10B/: the Shakespeare preset, which divides by --seq-len
+    expect_usage_error(["--seq-len", "0", "--device", "cpu"], capsys, "--seq-len")
+
+
+def test_log_dir_that_is_a_file(shards, tmp_path, capsys):
+    (tmp_path / "log").write_text("not a directory")
+    expect_usage_error(args(shards, tmp_path / "log"), capsys, "--log-dir", str(tmp_path / "log"))
+
+
+def test_more_processes_than_gpus(monkeypatch):
+    """torchrun --nproc_per_node=2 where CUDA_VISIBLE_DEVICES shows one GPU: a readable error, not a CUDA traceback."""
+    import torch
+
+    import train_gpt2
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(train_gpt2.UsageError, match=r"LOCAL_RANK=1 but only 1 GPU.*CUDA_VISIBLE_DEVICES=3.*--nproc_per_node"):
+        train_gpt2.setup_distributed("cuda")
 
 
 def test_n_embd_not_multiple_of_n_head(shards, tmp_path, capsys):

@@ -101,12 +101,13 @@ def tokens_consumed(stream_state, shard_lengths, seed):
     return stream_state["epoch"] * sum(shard_lengths) + before + stream_state["offset"]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path, signum):
     run = tmp_path / "run"
     args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
     proc = start_script(args, tmp_path, tmp_path / "out.txt")
     wait_for_step(proc, run, 2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     assert proc.wait(60) == 0
     out = open(tmp_path / "out.txt").read()
     assert "Traceback" not in out
@@ -341,3 +342,76 @@ def test_resuming_under_another_seed_is_refused(shards, tmp_path, capsys):
     args = TINY + ["--data", shards, "--log-dir", log_dir]
     assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
     expect_usage_error(args + ["--max-steps", "3", "--seed", "7"], capsys, "--seed 1337", "--seed 7")
+
+
+def test_a_signal_before_an_evaluation_saves_first_and_the_resumed_run_evaluates(shards, tmp_path, capsys, monkeypatch):
+    """A signal that lands after a step's stop vote, with an evaluation due next: the run saves without evaluating
+    (the grace period before SIGKILL is short), and the resumed run does that evaluation, once."""
+    args = TINY + ["--data", shards, "--max-steps", "8", "--eval-every", "4", "--checkpoint-every", "0"]
+    assert run_main(args + ["--log-dir", tmp_path / "ref"], capsys)[0] == 0
+    log_dir = tmp_path / "run"
+    real_train_step = train_gpt2.train_step
+
+    def train_step_then_signal(*a, **k):
+        result = real_train_step(*a, **k)
+        if len(train_records(read_log(log_dir))) == 3:  # step 3, after its vote
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(train_gpt2, "train_step", train_step_then_signal)
+    code, out, err = run_main(args + ["--log-dir", log_dir], capsys)
+    assert code == 0, err
+    assert "stopped by signal at step 4" in out
+    assert sorted(val_records(read_log(log_dir))) == [0]  # step 4's evaluation was left to the resumed run
+    assert load_ckpt(checkpoint_path(log_dir, 4))["evaluated"] is False
+    monkeypatch.undo()
+    code, out, err = run_main(args + ["--log-dir", log_dir], capsys)
+    assert code == 0, err
+    resumed, reference = read_log(log_dir), read_log(tmp_path / "ref")
+    assert [r["step"] for r in resumed if "val_loss" in r] == [0, 4, 8]
+    for step in (4, 8):
+        assert val_records(resumed)[step]["val_loss"] == val_records(reference)[step]["val_loss"]
+
+
+def test_a_finished_run_is_left_alone_and_a_lower_max_steps_is_refused(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "4"], capsys)[0] == 0
+    finished = open(log_dir / "log.jsonl").read()
+    code, out, err = run_main(args + ["--max-steps", "4"], capsys)
+    assert code == 0, err
+    assert "nothing left to do" in out and "ckpt_000004.pt" in out
+    assert open(log_dir / "log.jsonl").read() == finished  # not even the final evaluation again
+    expect_usage_error(args + ["--max-steps", "3"], capsys, "ckpt_000004.pt", "step 4", "past --max-steps 3", "--no-resume")
+    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    assert open(log_dir / "log.jsonl").read() == finished
+    with open(str(checkpoint_path(log_dir, 5)) + ".tmp", "wb") as f:  # a save that a crash cut short
+        f.write(b"half a checkpoint")
+    code, out, err = run_main(args + ["--max-steps", "5"], capsys)
+    assert code == 0 and "resuming from the checkpoint of step 4" in out, err
+    assert sorted(os.listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000005.pt", "log.jsonl"]
+
+
+class RunsCodeWhenUnpickled:
+    """Unpickling this calls open(path, "w"): a checkpoint holding it would run code if loaded without weights_only."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--checkpoint-every", "1", "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    marker = tmp_path / "code_ran"
+    ckpt = load_ckpt(checkpoint_path(log_dir, 2))
+    ckpt["note"] = RunsCodeWhenUnpickled(str(marker))
+    torch.save(ckpt, checkpoint_path(log_dir, 2))
+    code, out, err = run_main(args + ["--max-steps", "3"], capsys)
+    assert code == 0, err
+    assert not marker.exists()
+    assert "warning: skipping unreadable checkpoint" in out and "ckpt_000002.pt" in out
+    assert "resuming from the checkpoint of step 1" in out

@@ -1,6 +1,7 @@
 """Training: the learning-rate schedule, an end-to-end run and its log.jsonl, 2 processes under torchrun (on one
 node, and as two nodes) against 1 process with 2 accumulation steps, and the default run on tiny Shakespeare."""
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -30,6 +31,76 @@ def test_lr_schedule():
     no_warmup = TrainConfig(max_lr=1e-3, min_lr_ratio=0.0, warmup_steps=0, max_steps=5)
     assert [get_lr(s, no_warmup) for s in range(5)] == pytest.approx([1e-3, 0.5 * (1 + math.cos(math.pi / 4)) * 1e-3, 5e-4,
                                                                       0.5 * (1 + math.cos(3 * math.pi / 4)) * 1e-3, 0.0], abs=1e-15)
+
+
+def test_adamw_decays_only_the_weight_matrices():
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    optimizer = train_gpt2.make_optimizer(model, TrainConfig(weight_decay=0.1, max_lr=6e-4), "cpu")
+    decay, no_decay = optimizer.param_groups
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(group["betas"] == (0.9, 0.95) and group["lr"] == 6e-4 for group in optimizer.param_groups)
+    assert sorted(names[id(p)] for p in decay["params"]) == sorted(  # matmuls and embeddings (wte is lm_head's)
+        n for n, p in model.named_parameters() if n.endswith("weight") and ".ln_" not in n and "ln_f" not in n)
+    assert all(p.dim() == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 2 * 2 * 4 + 2
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))  # each once, tied wte too
+
+
+def test_train_step_clips_the_gradient_norm():
+    """With SGD at lr 1 the update is the gradient itself: after clipping at c its norm is c, not the raw norm."""
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    x = torch.randint(0, 64, (2, 16))
+    loss, norm, _, stepped = train_gpt2.train_step(model, optimizer, scaler, [(x, x)], train_gpt2.autocast_context("cpu", "fp32"),
+                                                   "cpu", 1.0, 0.01)
+    update = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]).norm().item()
+    assert stepped and norm > 0.1  # the raw norm, as logged
+    assert update == pytest.approx(0.01, rel=1e-4)
+
+
+NO_SYNC_SCRIPT = """
+import contextlib, sys
+import torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+sys.path.insert(0, sys.argv[1])
+import train_gpt2
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)))
+calls = []
+def counting_allreduce(state, bucket):
+    calls.append(1)
+    return allreduce_hook(state, bucket)
+model.register_comm_hook(dist.group.WORLD, counting_allreduce)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randint(0, 64, (2, 16))
+for accum_steps in (1, 4):
+    calls.clear()
+    train_gpt2.train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), [(x, x)] * accum_steps,
+                          contextlib.nullcontext(), "cpu", 0.1, 1.0)
+    print(f"rank {dist.get_rank()} accum {accum_steps} all-reduces {len(calls)}")
+dist.destroy_process_group()
+"""
+
+
+def test_gradients_are_all_reduced_once_per_step_not_per_micro_step(tmp_path):
+    """DDP's no_sync on every micro-step but the last: 4 accumulation steps cost the all-reduces of 1."""
+    script = tmp_path / "count_allreduces.py"
+    script.write_text(NO_SYNC_SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script), REPO], env=script_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = {}
+    for line in result.stdout.splitlines():
+        _, rank, _, accum, _, n = line.split()
+        counts[int(rank), int(accum)] = int(n)
+    assert sorted(counts) == [(0, 1), (0, 4), (1, 1), (1, 4)]
+    for rank in (0, 1):
+        assert counts[rank, 1] >= 1 and counts[rank, 4] == counts[rank, 1]
 
 
 def test_end_to_end_run_writes_log(shards, tmp_path, capsys):
@@ -146,6 +217,20 @@ def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
     records = read_log(tmp_path / "log")
     assert abs(train_records(records)[0]["train_loss"] - math.log(50257)) < 0.3
     assert train_records(records)[0]["lr"] == pytest.approx(2e-3 / 25)  # the preset's max_lr and warmup
+
+
+def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypatch):
+    """With no shards, --model gpt2-medium still means GPT-2 medium, and fine-tuning OpenAI's GPT-2 (--init-from)
+    gets a gentle learning rate instead of the from-scratch one."""
+    monkeypatch.chdir(tmp_path)
+    env = train_gpt2.Dist(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
+    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--model", "gpt2-medium"]), env)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_lr) == (24, 16, 1024, 2e-3)
+    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--init-from", "gpt2"]), env)
+    assert (cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.block_size) == (12, 768, 50304, 1024)
+    assert (cfg.max_lr, cfg.max_steps, cfg.data) == (3e-5, 100, os.path.join(REPO, "input.txt"))
+    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--init-from", "gpt2", "--max-lr", "1e-4"]), env)
+    assert cfg.max_lr == 1e-4
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
