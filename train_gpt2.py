@@ -82,6 +82,7 @@ class TrainConfig:
     val_tokens: int = setting(10485760, "validation tokens: a fixed set, the same for any number of processes")
     hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)")
     hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
+    cache_dir: str = setting("", "where HellaSwag and OpenAI's weights are downloaded to (empty: $GPT2_CACHE_DIR, else ~/.cache/train_gpt2)")
     eval_only: bool = setting(False, "evaluate the initial or resumed model, log it, and stop")
     prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
     num_samples: int = setting(4, "samples printed at each evaluation")
@@ -535,8 +536,8 @@ def resolve_config(cfg, given, env):
             setattr(cfg, key, value)
     if cfg.compile is None:
         cfg.compile = env.device_type == "cuda"
-    if "hellaswag_every" not in given and env.device_type != "cuda":
-        cfg.hellaswag_every = 0
+    if "hellaswag_every" not in given and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
+        cfg.hellaswag_every = 0  # too slow on a CPU; and HellaSwag's text needs every GPT-2 token
     cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
     check_config(cfg, env.world_size)
     return cfg
@@ -557,6 +558,9 @@ def check_config(cfg, world_size):
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
+        raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size is {cfg.vocab_size}; "
+                         f"pass --hellaswag-every 0")
     if cfg.seq_len > cfg.block_size:
         raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; shorten it")
     tokens_per_pass = cfg.batch_size * cfg.seq_len * world_size
@@ -786,7 +790,7 @@ def train(cfg, given):
     stream, val, train_tokens = load_data(cfg)
     hellaswag_data = None
     if cfg.hellaswag_every > 0:
-        hellaswag_data = hellaswag.prepare(hellaswag.load_examples(cfg.hellaswag_file or None), enc, cfg.block_size)
+        hellaswag_data = hellaswag.prepare(hellaswag.load_examples(cfg.hellaswag_file or None, cfg.cache_dir or None), enc, cfg.block_size)
     accum_steps = cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -794,7 +798,7 @@ def train(cfg, given):
     ckpt, ckpt_path = find_resume_checkpoint(cfg, env)
     raw_model = GPT(model_config)
     if ckpt is None and cfg.init_from != "scratch":
-        hellaswag.load_openai_weights(raw_model, cfg.init_from)
+        hellaswag.load_openai_weights(raw_model, cfg.init_from, cache_dir=cfg.cache_dir or None)
     raw_model.to(device)
     optimizer = make_optimizer(raw_model, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")  # fp16 gradients underflow unless scaled

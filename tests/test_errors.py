@@ -168,6 +168,10 @@ def test_more_processes_than_gpus(monkeypatch):
         train_gpt2.setup_distributed("cuda")
 
 
+def test_hellaswag_with_a_small_vocab(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--hellaswag-every", "5"), capsys, "--hellaswag-every 5", "--vocab-size is 128")
+
+
 def test_n_embd_not_multiple_of_n_head(shards, tmp_path, capsys):
     expect_usage_error(args(shards, tmp_path / "log", "--n-head", "5"), capsys, "--n-embd 64", "--n-head 5")
 
