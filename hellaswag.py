@@ -20,7 +20,7 @@ import json
 import math
 import os
 import sys
-import tempfile
+import uuid
 
 import requests
 import torch
@@ -48,73 +48,113 @@ def default_cache_dir():
 # the data: download once, check, read
 
 
-def read_examples(path, expected_count=None):
-    """Reads and checks a HellaSwag jsonl file: one JSON object per line with ctx, 4 endings, label."""
-    if not os.path.isfile(path):
-        raise EvalError(f"HellaSwag file {path} not found: pass --hellaswag-file PATH to a copy of {HELLASWAG_FILE}")
+class BadFile(Exception):
+    """What is wrong with a file's contents, without its name: the caller says which file and what to do about it."""
+
+
+def parse_examples(path, expected_count=None):
+    """The examples of a HellaSwag jsonl file: one JSON object per line with ctx, 4 endings, label. Raises BadFile."""
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EvalError(f"{path}:{line_number} is not valid JSON ({e}): re-download it or fix the file")
-            if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
-                    and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
-                    and all(isinstance(ending, str) for ending in example["endings"])
-                    and example.get("label") in (0, 1, 2, 3)):
-                raise EvalError(f"{path}:{line_number} is not a HellaSwag example: it needs a string 'ctx', "
-                                     f"a list of 4 string 'endings' and a 'label' in 0..3")
-            examples.append(example)
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    example = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BadFile(f"line {line_number} is not valid JSON ({e})")
+                if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
+                        and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
+                        and all(isinstance(ending, str) for ending in example["endings"])
+                        and example.get("label") in (0, 1, 2, 3)):
+                    raise BadFile(f"line {line_number} is not a HellaSwag example: it needs a string 'ctx', "
+                                  f"a list of 4 string 'endings' and a 'label' in 0..3")
+                examples.append(example)
+    except UnicodeDecodeError as e:
+        raise BadFile(f"it is not UTF-8 text ({e})")
     if not examples:
-        raise EvalError(f"HellaSwag file {path} has no examples")
+        raise BadFile("it has no examples")
     if expected_count is not None and len(examples) != expected_count:
-        raise EvalError(f"HellaSwag file {path} has {len(examples)} examples, expected {expected_count}: "
-                             f"delete it to download it again")
+        raise BadFile(f"it has {len(examples)} examples, expected {expected_count}")
     return examples
 
 
-def download(url, path, check, hint, headers=None):
-    """Fetches url to path: the file appears whole and checked by check(temp_path), or not at all."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    # a unique temp file in the same directory, so that the rename is atomic and concurrent downloads don't mix
-    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
+def read_examples(path, expected_count, fix):
+    """parse_examples, with one-line errors that name the file and end with fix, what to do about it."""
+    if not os.path.isfile(path):
+        raise EvalError(f"HellaSwag file {path} not found: pass --hellaswag-file PATH to a copy of {HELLASWAG_FILE}")
     try:
-        with os.fdopen(fd, "wb") as f, requests.get(url, headers=headers, stream=True, timeout=60) as response:
+        return parse_examples(path, expected_count)
+    except BadFile as e:
+        raise EvalError(f"HellaSwag file {path}: {e}; {fix}")
+    except OSError as e:
+        raise EvalError(f"cannot read HellaSwag file {path} ({e}); {fix}")
+
+
+def download(url, path, check, what, hint, headers=None):
+    """
+    Fetches url to path: the file appears whole and passed by check(temp_path), which raises BadFile, or not at all.
+    what names the kind of file and hint says where else to get it, in the one-line errors.
+    """
+    cache_dir = os.path.dirname(path)
+    # a unique temp name in the same directory: the rename is atomic and concurrent downloads (nodes sharing the
+    # cache) don't mix. os.open applies the umask to 0o666, so that a shared $GPT2_CACHE_DIR stays shared
+    # (tempfile.mkstemp would make the file private to this user).
+    tmp_path = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f, \
+                requests.get(url, headers=headers, stream=True, timeout=60) as response:
             response.raise_for_status()
             for chunk in response.iter_content(chunk_size=1 << 20):
                 f.write(chunk)
         check(tmp_path)  # never cache a truncated or wrong file
         os.replace(tmp_path, path)
-    except requests.RequestException as e:
+    except BadFile as e:
+        raise EvalError(f"downloaded {url} is not a valid {what} ({e}); nothing was cached; retry, or {hint}")
+    except requests.RequestException as e:  # before OSError, which it subclasses
         raise EvalError(f"could not download {url} ({e}); {hint}")
+    except OSError as e:
+        raise EvalError(f"cannot write to the cache directory {cache_dir} ({e}); "
+                        f"pass --cache-dir or set $GPT2_CACHE_DIR to a writable directory")
     finally:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
 
 
-def download_once_per_node(url, path, check, hint, headers=None):
-    """One process per node downloads (the cache may be node-local); the others wait for it, then all read it."""
+def download_once_per_node(url, path, check, what, hint, headers=None):
+    """
+    One process per node downloads (the cache may be node-local); the others wait for it, then all read the file.
+    A failed download fails every rank with its one-line error: the ranks would otherwise die in the collective
+    with tracebacks around it. The group may span nodes, so all ranks learn whether any node's download failed.
+    """
+    error = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(path):
         print(f"downloading {url} to {path}")
-        download(url, path, check, hint, headers)
+        try:
+            download(url, path, check, what, hint, headers)
+        except EvalError as e:
+            error = str(e)
     if dist.is_initialized():
-        dist.barrier()
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)  # also the wait: it returns once every node's download has ended
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise EvalError(error)
 
 
 def load_examples(path=None, cache_dir=None):
     """The HellaSwag validation examples: from a local file if path is given, else downloaded once into cache_dir."""
-    if path is not None:
-        return read_examples(path)
+    if path is not None:  # the user's copy may be a deliberate subset: it is not held to the full size
+        return read_examples(path, None, f"fix it, or pass --hellaswag-file a good copy of {HELLASWAG_FILE}")
     base_url = os.environ.get("HELLASWAG_URL", HELLASWAG_URL).rstrip("/")
-    # only the canonical file is held to its known size: a mirror (HELLASWAG_URL) may serve a subset
-    expected_count = HELLASWAG_VAL_EXAMPLES if base_url == HELLASWAG_URL else None
     cached_path = os.path.join(cache_dir or default_cache_dir(), HELLASWAG_FILE)
-    download_once_per_node(f"{base_url}/{HELLASWAG_FILE}", cached_path, lambda p: read_examples(p, expected_count),
-                           "on an offline machine pass --hellaswag-file PATH")
-    return read_examples(cached_path, expected_count)
+    # a mirror (HELLASWAG_URL) is held to the full size too: the cached file must be the one the numbers are quoted on
+    download_once_per_node(f"{base_url}/{HELLASWAG_FILE}", cached_path,
+                           lambda p: parse_examples(p, HELLASWAG_VAL_EXAMPLES), "HellaSwag file",
+                           f"pass --hellaswag-file PATH (a local copy of {HELLASWAG_FILE})")
+    return read_examples(cached_path, HELLASWAG_VAL_EXAMPLES, "delete it to download it again")
 
 # -----------------------------------------------------------------------------
 # OpenAI's GPT-2 weights: the baselines to compare with, and a starting point for --init-from
@@ -124,8 +164,8 @@ def check_safetensors(path):
     try:
         with safe_open(path, "pt") as f:  # parses the header, which must cover the whole file
             f.keys()
-    except Exception as e:
-        raise EvalError(f"{path} is not a whole safetensors file ({e})")
+    except Exception as e:  # safetensors raises its own error types, not OSError
+        raise BadFile(str(e))
 
 
 def load_openai_weights(model, name, endpoint=None, cache_dir=None):
@@ -135,7 +175,7 @@ def load_openai_weights(model, name, endpoint=None, cache_dir=None):
     path = os.path.join(cache_dir or default_cache_dir(), name, "model.safetensors")
     headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
     download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path, check_safetensors,
-                           "set HF_ENDPOINT to a mirror, or HF_TOKEN if it needs a login", headers)
+                           "safetensors file", "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
     try:
         weights = load_file(path)
     except Exception as e:
@@ -153,7 +193,8 @@ def load_openai_weights(model, name, endpoint=None, cache_dir=None):
                 raise EvalError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
             if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
                 tensor = tensor.t()
-            target = ours[key][: tensor.size(0)] if key == "transformer.wte.weight" else ours[key]
+            # all of GPT-2's token rows, n_tokens of them: a file with fewer would leave tokens at zero
+            target = ours[key][: model.n_tokens] if key == "transformer.wte.weight" else ours[key]
             if target.shape != tensor.shape:
                 raise EvalError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for {name}")
             target.copy_(tensor)

@@ -3,9 +3,11 @@ Plots a train_gpt2.py run next to OpenAI's GPT-2 124M:
 
     python plot.py LOG_DIR      # reads LOG_DIR/log.jsonl, writes LOG_DIR/curves.png
 
-Top row: train and val loss. Bottom row: HellaSwag acc_norm. Left against steps, right against tokens.
-Reference lines: GPT-2 124M's val loss on the same data, when an `--eval-only --init-from gpt2` run logged
-it into the same log.jsonl, and the HellaSwag acc_norm of GPT-2 124M (0.2945) and GPT-3 124M (0.337).
+Top row: train and val loss. Bottom row: HellaSwag acc_norm. Left against steps, right against the tokens the
+evaluated weights had trained on. The loss axis starts below the first steps' losses (~11 at init), so that the
+rest of the run is not squeezed into the bottom of the panel.
+Reference lines: GPT-2 124M's val loss and HellaSwag acc_norm as measured by an `--eval-only --init-from gpt2` run
+logged into the same log.jsonl, else the published HellaSwag acc_norm of GPT-2 124M (0.2945); and GPT-3 124M's (0.337).
 """
 
 import argparse
@@ -24,15 +26,18 @@ except ImportError:  # matplotlib is optional for the project: only this script 
 GPT2_124M_HELLASWAG = 0.2945
 GPT3_124M_HELLASWAG = 0.337  # GPT-3 paper, table F: the 125M model, trained on 300B tokens
 CURVES = ("train_loss", "val_loss", "hellaswag_acc_norm")
+SKIP_FRACTION = 0.05  # the loss axis shows the losses after this fraction of the run's steps
 
 
 def read_log(path):
     """
-    The run's curves from log.jsonl: ({name: {step: (tokens, value)}}, GPT-2's val loss or None, bad line count).
+    The run's curves from log.jsonl: ({name: {step: (tokens, value)}}, {name: GPT-2 124M's value}, bad line count).
     A resumed run logs steps again: the last line of a step wins, and a resume drops the steps after it.
+    tokens are those the evaluated weights had trained on, step * batch for every curve: a train line logs the
+    tokens through its own step, (step + 1) * batch, but its loss is that of the weights before the step's update.
     """
     curves = {name: {} for name in CURVES}
-    gpt2_val_loss, bad_lines = None, 0
+    gpt2, bad_lines = {}, 0
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
@@ -45,8 +50,9 @@ def read_log(path):
                 continue
             step = record["step"]
             if record.get("eval_only"):  # evaluations of other models: references, not points of this run
-                if record.get("init_from") == "gpt2" and record.get("val_loss") is not None:
-                    gpt2_val_loss = record["val_loss"]
+                if record.get("init_from") == "gpt2":
+                    gpt2.update((name, record[name]) for name in ("val_loss", "hellaswag_acc_norm")
+                                if record.get(name) is not None)
                 continue
             if record.get("event") == "resume":  # the steps after the checkpoint are being trained again
                 for curve in curves.values():
@@ -54,8 +60,11 @@ def read_log(path):
                         del curve[later_step]
             for name, curve in curves.items():
                 if record.get(name) is not None:  # None: a skipped step with a non-finite loss
-                    curve[step] = (record.get("tokens"), record[name])
-    return curves, gpt2_val_loss, bad_lines
+                    tokens = record.get("tokens")
+                    if name == "train_loss" and tokens is not None:
+                        tokens = tokens // (step + 1) * step
+                    curve[step] = (tokens, record[name])
+    return curves, gpt2, bad_lines
 
 
 def points(curve, x_axis):
@@ -66,30 +75,70 @@ def points(curve, x_axis):
     return [step if x_axis == "step" else curve[step][0] for step in steps], [curve[step][1] for step in steps]
 
 
-def plot_curves(curves, gpt2_val_loss, title):
+def loss_axis_limits(curves, reference):
+    """
+    The loss axis' (bottom, top), or None for no loss points. The losses of the first steps (~11 at init, falling
+    fast) would squeeze the rest of the run into the bottom of the panel, so the range is that of the losses after
+    the first 5% of the steps: a 250-step CPU run falling to ~5.5 shows ~8.5 and below, a 19073-step GPU run falling
+    to ~3.1 shows ~4 and below. The top is their 99th percentile, not their maximum, so that a late loss spike does
+    not undo the cut. The reference line is always in view.
+    """
+    losses = [(step, value) for name in ("train_loss", "val_loss") for step, (_, value) in curves[name].items()]
+    if not losses:
+        return None
+    first_kept = SKIP_FRACTION * max(step for step, _ in losses)
+    kept = sorted(value for step, value in losses if step >= first_kept)
+    bottom, top = kept[0], kept[int(0.99 * (len(kept) - 1))]
+    if reference is not None:
+        bottom, top = min(bottom, reference), max(top, reference)
+    margin = 0.05 * max(top - bottom, 0.1)  # as matplotlib's own: no point on the edge, a flat curve gets a range
+    return bottom - margin, top + margin
+
+
+def plot_curves(curves, gpt2, title):
     rows = 2 if curves["hellaswag_acc_norm"] else 1  # a run without HellaSwag (the CPU default) gets the loss row only
     fig, axes = plt.subplots(rows, 2, figsize=(14, 4.5 * rows), sharex="col", sharey="row", squeeze=False)
     for column, x_axis in enumerate(["step", "tokens"]):
         loss_ax = axes[0][column]
         loss_ax.plot(*points(curves["train_loss"], x_axis), lw=0.8, alpha=0.7, label="train loss")
         loss_ax.plot(*points(curves["val_loss"], x_axis), lw=2, marker=".", label="val loss")
-        if gpt2_val_loss is not None:
-            loss_ax.axhline(gpt2_val_loss, color="red", ls="--", label=f"OpenAI GPT-2 124M val loss ({gpt2_val_loss:.4f})")
+        if "val_loss" in gpt2:
+            loss_ax.axhline(gpt2["val_loss"], color="red", ls="--", label=f"OpenAI GPT-2 124M val loss ({gpt2['val_loss']:.4f})")
         panels = [(loss_ax, "loss")]
         if rows == 2:
             hellaswag_ax = axes[1][column]
             hellaswag_ax.plot(*points(curves["hellaswag_acc_norm"], x_axis), lw=2, marker=".", color="green", label="HellaSwag acc_norm")
-            hellaswag_ax.axhline(GPT2_124M_HELLASWAG, color="red", ls="--", label=f"OpenAI GPT-2 124M ({GPT2_124M_HELLASWAG})")
-            hellaswag_ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--", label=f"OpenAI GPT-3 124M ({GPT3_124M_HELLASWAG})")
+            if "hellaswag_acc_norm" in gpt2:
+                gpt2_label = f"OpenAI GPT-2 124M, measured ({gpt2['hellaswag_acc_norm']:.4f})"
+            else:
+                gpt2_label = f"OpenAI GPT-2 124M, published ({GPT2_124M_HELLASWAG})"
+            hellaswag_ax.axhline(gpt2.get("hellaswag_acc_norm", GPT2_124M_HELLASWAG), color="red", ls="--", label=gpt2_label)
+            hellaswag_ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--", label=f"OpenAI GPT-3 124M, published ({GPT3_124M_HELLASWAG})")
             panels.append((hellaswag_ax, "HellaSwag acc_norm"))
         for ax, y_label in panels:
             ax.set_xlabel(x_axis)
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
             ax.legend()
+    limits = loss_axis_limits(curves, gpt2.get("val_loss"))
+    if limits is not None:
+        axes[0][0].set_ylim(*limits)  # the row shares its y axis: both loss panels
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def save_png(fig, out_path):
+    """A temp file and a rename: whoever is looking at curves.png never sees half a picture, nor a temp file left over."""
+    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(out_path) or ".", prefix="curves.", suffix=".png.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        os.chmod(tmp_path, 0o644)  # mkstemp makes it private; a plot is for sharing
+        os.replace(tmp_path, out_path)
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
 
 
 def main():
@@ -103,22 +152,23 @@ def main():
     if not os.path.isfile(log_path):
         print(f"error: {log_path} not found: pass the --log-dir of a train_gpt2.py run", file=sys.stderr)
         sys.exit(2)
-    curves, gpt2_val_loss, bad_lines = read_log(log_path)
+    curves, gpt2, bad_lines = read_log(log_path)
     if bad_lines:
         print(f"warning: skipped {bad_lines} line(s) of {log_path} that are not log records")
     if not any(curves.values()):
         print(f"error: {log_path} has no train_loss, val_loss or hellaswag_acc_norm lines to plot", file=sys.stderr)
         sys.exit(2)
 
-    fig = plot_curves(curves, gpt2_val_loss, os.path.abspath(args.log_dir))
+    fig = plot_curves(curves, gpt2, os.path.abspath(args.log_dir))
     out_path = os.path.join(args.log_dir, "curves.png")
-    # a temp file and a rename: whoever is looking at curves.png never sees half a picture
-    with tempfile.NamedTemporaryFile(dir=args.log_dir, prefix="curves.", suffix=".png.tmp", delete=False) as f:
-        fig.savefig(f, format="png", dpi=100)
-    os.chmod(f.name, 0o644)  # NamedTemporaryFile makes it private; a plot is for sharing
-    os.replace(f.name, out_path)
+    try:
+        save_png(fig, out_path)
+    except OSError as e:
+        print(f"error: cannot write {out_path} ({e}); check that {args.log_dir} is writable and has space", file=sys.stderr)
+        sys.exit(2)
     counts = ", ".join(f"{len(curves[name])} {name}" for name in CURVES)
-    print(f"wrote {out_path} ({counts}{'' if gpt2_val_loss is None else f', GPT-2 val loss {gpt2_val_loss:.4f}'})")
+    references = "".join(f", GPT-2 {name} {value:.4f}" for name, value in gpt2.items())
+    print(f"wrote {out_path} ({counts}{references})")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ import dataclasses
 import functools
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -54,6 +56,14 @@ def synthetic_examples(labels):
 def write_jsonl(path, examples):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(example) + "\n" for example in examples))
+
+
+def serve_hellaswag(served, monkeypatch, examples):
+    """Serves examples as HELLASWAG_URL's hellaswag_val.jsonl; a download must hold that many (not 10042) examples."""
+    www, base_url = served
+    write_jsonl(www / hellaswag.HELLASWAG_FILE, examples)
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    monkeypatch.setattr(hellaswag, "HELLASWAG_VAL_EXAMPLES", len(examples))
 
 
 def tiny_model(seed=0):
@@ -111,14 +121,17 @@ def labelled_by_hand(model, enc, block_size):
 def test_download_then_scores_match_hand_computation(static_server, tmp_path, monkeypatch, block_size):
     model, enc = tiny_model(), gpt2_tokenizer()
     examples, expected_acc_norm, expected_acc, scores = labelled_by_hand(model, enc, block_size)
-    www, base_url = static_server
-    write_jsonl(www / "hellaswag_val.jsonl", examples)
-    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    serve_hellaswag(static_server, monkeypatch, examples)
     cache_dir = tmp_path / "cache"
 
-    loaded = hellaswag.load_examples(cache_dir=str(cache_dir))
+    umask = os.umask(0o002)  # a group-shared cache: the file must be group-writable, not private (mkstemp's 0600)
+    try:
+        loaded = hellaswag.load_examples(cache_dir=str(cache_dir))
+    finally:
+        os.umask(umask)
     assert loaded == examples
     assert os.listdir(cache_dir) == ["hellaswag_val.jsonl"]  # no temp file left behind
+    assert os.stat(cache_dir / "hellaswag_val.jsonl").st_mode & 0o777 == 0o664
     prepared = hellaswag.prepare(loaded, enc, block_size)
     N, _, L = prepared["tokens"].shape
     assert N == len(examples) and L <= block_size and prepared["mask"].shape == (N, 4, L)
@@ -145,12 +158,10 @@ def test_download_then_scores_match_hand_computation(static_server, tmp_path, mo
 
 
 def test_cached_file_is_reused(static_server, tmp_path, monkeypatch):
-    www, base_url = static_server
     examples = synthetic_examples([0] * len(SYNTHETIC))
-    write_jsonl(www / "hellaswag_val.jsonl", examples)
-    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    serve_hellaswag(static_server, monkeypatch, examples)
     assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == examples
-    (www / "hellaswag_val.jsonl").unlink()  # the server no longer has it: the cache must answer
+    (static_server[0] / "hellaswag_val.jsonl").unlink()  # the server no longer has it: the cache must answer
     assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == examples
 
 
@@ -162,32 +173,54 @@ def test_failed_download_leaves_no_cache(static_server, tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "cache") == []
 
 
-def test_bad_download_is_not_cached(static_server, tmp_path, monkeypatch):
-    www, base_url = static_server
-    (www / "hellaswag_val.jsonl").write_text('{"ctx": "truncated", "endi')
-    monkeypatch.setenv("HELLASWAG_URL", base_url)
-    with pytest.raises(hellaswag.EvalError, match="not valid JSON"):
+@pytest.mark.parametrize("tail, reason", [
+    ("", r"it has 6 examples, expected 7"),  # a mirror (HELLASWAG_URL) short of examples, or a cut-off download
+    ('{"ctx": "truncated", "endi', r"line 7 is not valid JSON"),
+])
+def test_bad_download_is_refused_and_not_cached(static_server, tmp_path, monkeypatch, tail, reason):
+    """7 examples expected; the server has the first 6, then tail."""
+    serve_hellaswag(static_server, monkeypatch, synthetic_examples([0] * len(SYNTHETIC)))
+    path = static_server[0] / "hellaswag_val.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:6]) + tail)
+    url = re.escape(f"{static_server[1]}/hellaswag_val.jsonl")
+    # the message names the URL, not the temp file it was checked in, which is gone
+    with pytest.raises(hellaswag.EvalError, match=f"^downloaded {url} is not a valid HellaSwag file \\({reason}.*\\); "
+                                                  f"nothing was cached; retry, or pass --hellaswag-file") as error:
         hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
+    assert ".tmp" not in str(error.value)
     assert os.listdir(tmp_path / "cache") == []
 
 
+def test_unusable_cache_dir_is_a_one_line_error(static_server, tmp_path, monkeypatch):
+    serve_hellaswag(static_server, monkeypatch, synthetic_examples([0]))
+    (tmp_path / "not_a_dir").write_text("")  # fails for root too, unlike a read-only directory
+    cache_dir = tmp_path / "not_a_dir" / "cache"
+    with pytest.raises(hellaswag.EvalError, match=f"cannot write to the cache directory {re.escape(str(cache_dir))} "
+                                                  r"\(.*\); pass --cache-dir or set \$GPT2_CACHE_DIR"):
+        hellaswag.load_examples(cache_dir=str(cache_dir))
+
+
 @pytest.mark.parametrize("line, message", [
-    ("not json", r"bad\.jsonl:2 is not valid JSON"),
-    ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', r"bad\.jsonl:2 is not a HellaSwag example"),
-    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', r"bad\.jsonl:2 is not a HellaSwag example"),
+    ("not json", r"bad\.jsonl: line 2 is not valid JSON"),
+    ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', r"bad\.jsonl: line 2 is not a HellaSwag example"),
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', r"bad\.jsonl: line 2 is not a HellaSwag example"),
+    ("\udcff", r"bad\.jsonl: it is not UTF-8 text"),
 ])
 def test_bad_file_is_refused_with_its_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(synthetic_examples([0])[0]) + "\n" + line + "\n")
-    with pytest.raises(hellaswag.EvalError, match=message):
+    path.write_text(json.dumps(synthetic_examples([0])[0]) + "\n" + line + "\n", errors="surrogateescape")
+    with pytest.raises(hellaswag.EvalError, match=message + ".*; fix it, or pass --hellaswag-file"):
         hellaswag.load_examples(str(path))
 
 
-def test_canonical_file_is_held_to_its_size(tmp_path):
+def test_cached_file_is_held_to_the_full_size(static_server, tmp_path, monkeypatch):
+    """A cached file (an older download, a copy) is checked as a download is; the user's own --hellaswag-file is not."""
+    monkeypatch.setenv("HELLASWAG_URL", static_server[1])  # serves nothing: the cache must answer
     path = tmp_path / "hellaswag_val.jsonl"
     write_jsonl(path, synthetic_examples([0, 1]))
-    with pytest.raises(hellaswag.EvalError, match="has 2 examples, expected 10042"):
-        hellaswag.read_examples(str(path), expected_count=hellaswag.HELLASWAG_VAL_EXAMPLES)
+    with pytest.raises(hellaswag.EvalError, match="it has 2 examples, expected 10042; delete it to download it again"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert len(hellaswag.load_examples(str(path))) == 2
 
 
 def save_checkpoint(model, path):
@@ -214,14 +247,42 @@ def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path, monkeypat
 
     www, base_url = static_server
     write_jsonl(www / "hellaswag_val.jsonl", examples)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
-               "--checkpoint", str(tmp_path / "model.pt"), "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]
-    env = dict(os.environ, HELLASWAG_URL=base_url, OMP_NUM_THREADS="1")
-    two_ranks = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    # test hook: hellaswag.py's main, with the served file's size as the size a download must have
+    (tmp_path / "hellaswag_small.py").write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag\n"
+                                                  f"hellaswag.HELLASWAG_VAL_EXAMPLES = {len(examples)}\nhellaswag.main()\n")
+    two_ranks = torchrun_hellaswag(tmp_path / "hellaswag_small.py", base_url, "--checkpoint", tmp_path / "model.pt",
+                                   "--cache-dir", tmp_path / "cache")
     assert two_ranks.returncode == 0, two_ranks.stderr
     assert two_ranks.stdout.strip().splitlines()[-1] == expected  # 7 examples: rank 0 scores 4, rank 1 scores 3
     assert two_ranks.stdout.count("downloading") == 1
     assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
+
+
+def torchrun_hellaswag(script, hellaswag_url, *flags):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+               "--device", "cpu", *map(str, flags)]
+    env = dict(os.environ, HELLASWAG_URL=hellaswag_url, OMP_NUM_THREADS="1")
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_failed_download_stops_both_ranks_with_one_line(tmp_path):
+    """Under torchrun, rank 1 waits for rank 0's download: when it fails, both ranks exit with its error line, not
+    rank 1 with a traceback from the collective it was waiting in."""
+    save_checkpoint(tiny_model(), tmp_path / "model.pt")
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        closed_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    result = torchrun_hellaswag(os.path.join(REPO, "hellaswag.py"), closed_url, "--checkpoint", tmp_path / "model.pt",
+                                "--cache-dir", tmp_path / "cache")
+    assert result.returncode != 0
+    # torchrun's own report of the failure follows the ranks' output; it has a traceback of torchrun's, not ours
+    ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]
+    errors = [line for line in ranks_stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in ranks_stderr and "[rank" not in result.stderr, result.stderr
+    assert errors and len(errors) <= 2 and len(set(errors)) == 1, result.stderr
+    assert errors[0].startswith(f"error: could not download {closed_url}/hellaswag_val.jsonl (") and "--hellaswag-file" in errors[0]
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*2\b", result.stderr, re.S), result.stderr
+    assert os.listdir(tmp_path / "cache") == []
 
 
 def test_compiled_model_compiles_once(tmp_path):
@@ -251,13 +312,14 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):
-    """--hellaswag-every in a training run with --compile: dynamo traces the model (with its eager backend, which
-    generates no code, to keep a CPU test fast); the logged numbers are those of the weights at that step."""
+    """--hellaswag-every in a training run with --compile: dynamo and AOTAutograd trace the model as for inductor
+    (backend aot_eager, which generates no code: inductor took ~79 s on a CPU runner, aot_eager ~3 s more than eager);
+    the logged numbers are those of the weights at that step."""
     examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     with open(os.path.join(REPO, "input.txt")) as f:
         (tmp_path / "text.txt").write_text(f.read(20000))
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     log_dir = tmp_path / "log"
     train_gpt2.main(["--data", str(tmp_path / "text.txt"), "--log-dir", str(log_dir), "--device", "cpu",

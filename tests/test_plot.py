@@ -1,4 +1,5 @@
-"""plot.py: curves.png from a log.jsonl, the reading rules (last line per step, resumes, references), errors."""
+"""plot.py: curves.png from a log.jsonl, the reading rules (last line per step, resumes, references, tokens), the loss
+axis' range, errors."""
 import json
 import os
 import subprocess
@@ -38,7 +39,8 @@ def test_plot_writes_a_png(tmp_path):
     write_log(log_dir, records, tail='{"step": 4, "tokens": 5120, "train_lo')  # killed mid-write
     result = subprocess.run([sys.executable, PLOT, str(log_dir)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert "skipped 1 line" in result.stdout and "GPT-2 val loss 3.2900" in result.stdout
+    assert "skipped 1 line" in result.stdout
+    assert "GPT-2 val_loss 3.2900, GPT-2 hellaswag_acc_norm 0.2955" in result.stdout
     png = (log_dir / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
     assert struct.unpack(">II", png[16:24]) == (1400, 900)  # width, height: 14 x 9 inches at 100 dpi
@@ -54,20 +56,78 @@ def test_last_line_per_step_wins_and_a_resume_drops_later_steps(tmp_path):
     records.append({"step": 3, "tokens": 3072, "val_loss": 1.5, "eval_only": True, "init_from": "log/ckpt_000003.pt"})
     records.append({"step": 4, "tokens": 5120, "train_loss": None, "skipped": True})  # non-finite: no point
     write_log(tmp_path, records)
-    curves, gpt2_val_loss, bad_lines = plot.read_log(tmp_path / "log.jsonl")
+    curves, gpt2, bad_lines = plot.read_log(tmp_path / "log.jsonl")
     assert sorted(curves["train_loss"]) == [0, 1, 2, 3]
-    assert curves["train_loss"][3] == (4096, 42.0)
+    assert curves["train_loss"][3] == (3072, 42.0)
     assert sorted(curves["val_loss"]) == [0, 2]  # the checkpoint's eval-only line is not a point of this run
     assert curves["hellaswag_acc_norm"] == {0: (0, 0.25), 2: (2048, 0.3)}
-    assert gpt2_val_loss is None and bad_lines == 0
+    assert gpt2 == {} and bad_lines == 0
 
 
-def test_gpt2_reference_comes_from_its_eval_only_line(tmp_path):
-    records = run_log() + [{"step": 0, "tokens": 0, "val_loss": 3.29, "eval_only": True, "init_from": "gpt2"},
-                           {"step": 0, "tokens": 0, "val_loss": 2.9, "eval_only": True, "init_from": "gpt2-medium"}]
-    write_log(tmp_path, records)
-    _, gpt2_val_loss, _ = plot.read_log(tmp_path / "log.jsonl")
-    assert gpt2_val_loss == 3.29
+def test_train_and_val_losses_of_the_same_weights_share_their_tokens(tmp_path):
+    """A train line logs the tokens through its step, (step + 1) * batch; its loss is that of the weights before
+    the step's update, which the val line of that step evaluates at step * batch tokens."""
+    write_log(tmp_path, run_log(range(5)))
+    curves, _, _ = plot.read_log(tmp_path / "log.jsonl")
+    assert {step: tokens for step, (tokens, _) in curves["train_loss"].items()} == {s: s * 1024 for s in range(5)}
+    assert all(curves["val_loss"][s][0] == curves["train_loss"][s][0] for s in curves["val_loss"])
+
+
+def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
+    pytest.importorskip("matplotlib")
+    gpt2_lines = [{"step": 0, "tokens": 0, "val_loss": 3.29, "eval_only": True, "init_from": "gpt2"},
+                  {"step": 0, "tokens": 0, "hellaswag_acc_norm": 0.2955, "hellaswag_acc": 0.29, "eval_only": True,
+                   "init_from": "gpt2"},
+                  {"step": 0, "tokens": 0, "val_loss": 2.9, "hellaswag_acc_norm": 0.4, "eval_only": True,
+                   "init_from": "gpt2-medium"}]
+    for extra, expected, label in [
+        (gpt2_lines, {"val_loss": 3.29, "hellaswag_acc_norm": 0.2955}, "OpenAI GPT-2 124M, measured (0.2955)"),
+        (gpt2_lines[:1], {"val_loss": 3.29}, "OpenAI GPT-2 124M, published (0.2945)"),
+    ]:
+        write_log(tmp_path, run_log() + extra)
+        curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")
+        assert gpt2 == expected
+        fig = plot.plot_curves(curves, gpt2, "run")
+        hellaswag_lines = {line.get_label(): line.get_ydata()[0] for line in fig.axes[2].get_lines()}
+        assert hellaswag_lines[label] == gpt2.get("hellaswag_acc_norm", 0.2945)
+        assert hellaswag_lines["OpenAI GPT-3 124M, published (0.337)"] == 0.337
+        plot.plt.close(fig)
+
+
+@pytest.mark.parametrize("steps, loss, reference", [
+    (250, lambda s: 5.0 + 5.8 / (1 + s / 10) ** 0.6, None),  # a CPU run: 10.8 -> 5.8
+    (19073, lambda s: 3.0 + 8.0 / (1 + s / 30) ** 0.6, 3.29),  # a GPU run: 11 -> 3.2, past GPT-2's 3.29
+])
+def test_loss_axis_leaves_out_the_first_steps(steps, loss, reference):
+    """The ~11 of the first steps would squeeze the rest of the run into the bottom of the loss panel: the axis
+    starts at the losses after the first 5% of the steps, and a late spike does not move it."""
+    curves = {"train_loss": {s: (s * 1024, loss(s)) for s in range(steps)},
+              "val_loss": {s: (s * 1024, loss(s)) for s in range(0, steps, 25)}, "hellaswag_acc_norm": {}}
+    curves["train_loss"][steps * 3 // 4] = (0, 9.0)
+    bottom, top = plot.loss_axis_limits(curves, reference)
+    assert loss(int(0.06 * steps)) < top < loss(int(0.04 * steps))
+    assert bottom < loss(steps - 1) < top and (reference is None or bottom < reference < top)
+    if plot.plt is not None:
+        fig = plot.plot_curves(curves, {} if reference is None else {"val_loss": reference}, "run")
+        assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim() == (bottom, top)
+        plot.plt.close(fig)
+
+
+def test_failed_write_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch, capsys):
+    matplotlib = pytest.importorskip("matplotlib")
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    write_log(tmp_path / "log", run_log())
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", no_space)
+    monkeypatch.setattr(sys, "argv", ["plot.py", str(tmp_path / "log")])
+    with pytest.raises(SystemExit) as exit:
+        plot.main()
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {tmp_path / 'log' / 'curves.png'} (") and len(err.strip().splitlines()) == 1
+    assert os.listdir(tmp_path / "log") == ["log.jsonl"]
 
 
 def test_errors_are_one_line(tmp_path):

@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 
 import hellaswag
 import train_gpt2
-from test_hellaswag import synthetic_examples, write_jsonl
+from test_hellaswag import serve_hellaswag, synthetic_examples, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
@@ -106,25 +107,35 @@ def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
         assert torch.equal(cached(idx)[0], logits)
 
 
-def test_missing_weights_are_a_one_line_error(static_server, tmp_path):
+def test_missing_weights_are_a_one_line_error(gpt2_server, tmp_path):
+    gpt2_server[1].unlink()  # the hub answers 404
     with pytest.raises(hellaswag.EvalError, match="could not download .*HF_ENDPOINT"):
-        openai_gpt2(endpoint=static_server[1], cache_dir=str(tmp_path / "cache"))
+        openai_gpt2(cache_dir=str(tmp_path / "cache"))
     assert not os.listdir(tmp_path / "cache" / "gpt2")  # no file, and no temp file either
 
 
-def test_truncated_download_is_not_cached(gpt2_server, tmp_path):
+def test_truncated_download_is_not_cached(gpt2_server, static_server, tmp_path):
     _, served, _ = gpt2_server
     served.write_bytes(served.read_bytes()[:-1000])  # a connection that dropped near the end
-    with pytest.raises(hellaswag.EvalError, match="not a whole safetensors file"):
+    url = re.escape(f"{static_server[1]}/openai-community/gpt2/resolve/main/model.safetensors")
+    with pytest.raises(hellaswag.EvalError, match=f"^downloaded {url} is not a valid safetensors file \\(.+\\); "
+                                                  f"nothing was cached; retry, or set HF_ENDPOINT"):
         openai_gpt2(cache_dir=str(tmp_path / "cache"))
     assert not os.listdir(tmp_path / "cache" / "gpt2")
+
+
+def test_too_few_token_rows_are_refused(gpt2_server, tmp_path):
+    """A wte with fewer than GPT-2's 50257 rows would leave the other tokens' embeddings at zero."""
+    weights, served, _ = gpt2_server
+    save_file({**weights, "wte.weight": weights["wte.weight"][:50000]}, str(served), metadata={"format": "pt"})
+    with pytest.raises(hellaswag.EvalError, match=r"transformer\.wte\.weight has shape \(50000, 32\), expected \(50257, 32\)"):
+        openai_gpt2(cache_dir=str(tmp_path / "cache"))
 
 
 def test_hf_token_goes_to_the_hub_only(gpt2_server, static_server, tmp_path, monkeypatch):
     www, base_url = static_server
     monkeypatch.setenv("HF_TOKEN", "secret")
-    monkeypatch.setenv("HELLASWAG_URL", base_url)
-    write_jsonl(www / "hellaswag_val.jsonl", synthetic_examples([0, 1]))
+    serve_hellaswag(static_server, monkeypatch, synthetic_examples([0, 1]))
     openai_gpt2(cache_dir=str(tmp_path / "cache"))
     hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
     assert static_server.log == [("/openai-community/gpt2/resolve/main/model.safetensors", "Bearer secret"),
@@ -146,7 +157,8 @@ def test_hellaswag_cli_init_from_gpt2(gpt2_server, tmp_path, monkeypatch, capsys
 
 
 def test_eval_only_init_from_gpt2_logs_the_reference(gpt2_server, tmp_path, monkeypatch):
-    """What plot.py draws as GPT-2's line: an --eval-only --init-from gpt2 run's val loss and HellaSwag."""
+    """What plot.py draws as GPT-2's lines: an --eval-only --init-from gpt2 run's val loss and HellaSwag, each
+    checked against the served weights: the val loss against the float64 forward pass on the raw tensors."""
     examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache"))
@@ -158,7 +170,13 @@ def test_eval_only_init_from_gpt2_logs_the_reference(gpt2_server, tmp_path, monk
     records = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
     assert all(r["eval_only"] is True and r["init_from"] == "gpt2" for r in records)
     val_loss = next(r["val_loss"] for r in records if "val_loss" in r)
-    assert math.isfinite(val_loss)
+    weights = gpt2_server[0]
+    with open(os.path.join(REPO, "input.txt"), encoding="utf-8") as f:
+        tokens = train_gpt2.gpt2_tokenizer().encode_ordinary(f.read())
+    val = torch.tensor(tokens[int(0.9 * len(tokens)):][:257])  # the last 10% validates: its first 256 targets
+    logits = reference_logits(weights, val[:-1].view(4, 64))  # (4, 64, 50257) float64
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), val[1:]).item()
+    assert val_loss == pytest.approx(expected, rel=1e-5)
 
     model = openai_gpt2()  # the logged HellaSwag is that of the loaded weights
     prepared = hellaswag.prepare(examples, train_gpt2.gpt2_tokenizer(), 1024)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import (REPO, SCRIPT, TINY, VOCAB, one_thread, read_log, run_main, run_script, script_env,  # noqa: F401
+from helpers import (REPO, TINY, VOCAB, one_thread, read_log, run_main, run_script, script_env,  # noqa: F401
                      shards, train_records, val_records)
-from test_hellaswag import synthetic_examples, write_jsonl
+from test_hellaswag import serve_hellaswag, synthetic_examples
 from train_gpt2 import TrainConfig, get_lr
 
 
@@ -170,11 +170,11 @@ def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, cap
 def test_two_nodes_match_one_process(shards, tmp_path, capsys, static_server, monkeypatch):
     """Two torchrun launchers of one process each, meeting through a c10d rendezvous as two nodes do: RANK 0 and 1,
     but LOCAL_RANK 0 on both, so each node fetches HellaSwag into its own node-local cache."""
-    www, base_url = static_server
-    write_jsonl(www / "hellaswag_val.jsonl", synthetic_examples([0, 1, 2, 3, 1]))
+    examples = synthetic_examples([0, 1, 2, 3, 1])
+    serve_hellaswag(static_server, monkeypatch, examples)
+    base_url = static_server[1]
     args = [a if a != str(VOCAB) else "50257" for a in TINY]  # HellaSwag needs all GPT-2 tokens
     args += ["--data", shards, "--max-steps", "2", "--warmup-steps", "1", "--hellaswag-every", "2"]
-    monkeypatch.setenv("HELLASWAG_URL", base_url)
     monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache_one"))
     code, out, err = run_main(args + ["--log-dir", tmp_path / "one"], capsys)
     assert code == 0, err
@@ -182,8 +182,12 @@ def test_two_nodes_match_one_process(shards, tmp_path, capsys, static_server, mo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # test hook: the trainer, with the served file's size as the size a HellaSwag download must have
+    script = tmp_path / "train_small_hellaswag.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag, train_gpt2\n"
+                      f"hellaswag.HELLASWAG_VAL_EXAMPLES = {len(examples)}\ntrain_gpt2.main()\n")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", SCRIPT]
+                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", str(script)]
     nodes = [subprocess.Popen(launcher + [str(a) for a in args] + ["--log-dir", tmp_path / "two"], cwd=tmp_path,
                               env=script_env(HELLASWAG_URL=base_url, GPT2_CACHE_DIR=str(tmp_path / f"cache_node{i}")),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
