@@ -183,3 +183,20 @@ def test_eval_only_init_from_gpt2_logs_the_reference(gpt2_server, tmp_path, monk
     acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext())
     logged = next(r for r in records if "hellaswag_acc_norm" in r)
     assert (logged["hellaswag_acc_norm"], logged["hellaswag_acc"]) == (acc_norm, acc)
+
+
+def test_fine_tuning_starts_from_the_loaded_weights(gpt2_server, tmp_path, monkeypatch):
+    """`python train_gpt2.py --init-from gpt2` with no shards fine-tunes on tiny Shakespeare at the gentle rate,
+    and its first loss is that of the served weights on the first batch."""
+    monkeypatch.chdir(tmp_path)  # no edu_fineweb10B/ here
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache"))
+    train_gpt2.main(["--init-from", "gpt2", "--max-steps", "2", "--device", "cpu", "--no-compile", "--batch-size", "1",
+                     "--total-batch-size", "128", "--val-tokens", "256", "--num-samples", "0"])
+    records = [json.loads(line) for line in (tmp_path / "log" / "log.jsonl").read_text().splitlines()]
+    first = next(r for r in records if r.get("step") == 0 and "train_loss" in r)
+    assert first["lr"] == pytest.approx(3e-5 / 10)  # the fine-tuning preset: peak 3e-5, 10 warmup steps
+    with open(os.path.join(REPO, "input.txt"), encoding="utf-8") as f:
+        tokens = torch.tensor(train_gpt2.gpt2_tokenizer().encode_ordinary(f.read())[:129])  # the first batch
+    logits = reference_logits(gpt2_server[0], tokens[:-1].view(1, 128))
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[1:]).item()
+    assert first["train_loss"] == pytest.approx(expected, rel=1e-5)
