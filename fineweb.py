@@ -18,20 +18,24 @@ output directory and produces the same bytes as an uninterrupted run.
 """
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import hashlib
 import json
+import multiprocessing
 import os
+import queue
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
-from multiprocessing import Pool
 from urllib.parse import quote
 
 import numpy as np
@@ -42,12 +46,18 @@ import tiktoken
 import tiktoken.load
 from tqdm import tqdm
 
+try:
+    import fcntl
+except ImportError:  # Windows: two runs on one output directory are not caught there
+    fcntl = None
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EOT = 50256  # <|endoftext|>, the document delimiter GPT-2 was trained with
 JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
 DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+SPLIT_WORD = re.compile(r"(?:^|[_.-])(train|val)(?=[_.-]|$)")  # how train_gpt2.py tells a shard's split from its name
 
 
 class PrepareError(Exception):
@@ -75,6 +85,33 @@ def init_worker(parent_pid):
             os._exit(1)
     encoding = load_gpt2_encoding()
     open_parquet = (None, None)  # (path, ParquetFile): footers of big files take ms to parse
+
+def start_workers(count):
+    """The tokenizer processes. With fork they all start here, while this process has a single thread: a fork
+    while another thread holds a lock (an import's, say) can leave the child waiting for it forever."""
+    # the start method is named because Python 3.14 made forkserver the default on Linux, where the workers' parent
+    # would be the fork server, not this process: fork where PR_SET_PDEATHSIG ties them to it, spawn elsewhere
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    pool = ProcessPoolExecutor(count, mp_context=context, initializer=init_worker, initargs=(os.getpid(),))
+    # a Ctrl-C while the pool forks its workers lands in an at-fork hook, which swallows the KeyboardInterrupt
+    # ("Exception ignored in: _releaseLock") and the run goes on: hold it until the pool is whole
+    deferred = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: deferred.append(signum))
+    try:
+        pool.submit(int)  # with fork, the first task starts every worker
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if deferred:
+        stop_workers(pool)
+        raise KeyboardInterrupt
+    return pool
+
+def stop_workers(pool):
+    # without waiting for the units in flight, which can be a whole .txt file; ProcessPoolExecutor has no public
+    # way to do that before Python 3.14's terminate_workers()
+    for worker in list(pool._processes.values()):
+        worker.terminate()
+    pool.shutdown(cancel_futures=True)
 
 def parquet_file(path):
     global open_parquet
@@ -138,11 +175,15 @@ def file_units(path, first_unit, field):
     if path.endswith(".parquet"):
         try:
             with pq.ParquetFile(path) as pf:
-                columns, row_groups = pf.schema_arrow.names, pf.num_row_groups
+                schema, row_groups = pf.schema_arrow, pf.num_row_groups
         except pa.ArrowException as e:
             raise PrepareError(f"{path} is not a readable parquet file ({e})")
-        if field not in columns:
-            raise PrepareError(f"{path} has no '{field}' column (it has {', '.join(columns)}); "
+        if field not in schema.names:
+            raise PrepareError(f"{path} has no '{field}' column (it has {', '.join(schema.names)}); "
+                               "name the text column with --text-field")
+        column_type = schema.field(field).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise PrepareError(f"{path}: column '{field}' holds {column_type}, not text; "
                                "name the text column with --text-field")
         for row_group in range(first_unit, row_groups):
             yield row_group, ("parquet", path, row_group, field), 1 / row_groups
@@ -197,12 +238,15 @@ def list_hub_files(args, stop):
                 entries, next_url = response.json(), response.links.get("next", {}).get("url")
             files += [{"path": e["path"], "size": e["size"], "sha256": (e.get("lfs") or {}).get("oid")}
                       for e in entries if e.get("type") == "file" and e["path"].endswith(".parquet")]
+        # first: requests' JSONDecodeError (for a proxy's HTML page, say) is a ValueError but also a
+        # RequestException, and asking again would only get the same page
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise PrepareError(f"unexpected answer from {url} (not the hub's JSON list of files); "
+                               "is --endpoint (or HF_ENDPOINT) a Hugging Face hub or mirror?")
         except requests.RequestException as e:
             failures += 1
             backoff(failures, e, args, stop)
             continue
-        except (KeyError, TypeError, AttributeError):
-            raise PrepareError(f"unexpected answer from {url}; is --endpoint a Hugging Face hub or mirror?")
         url = next_url
     if not files:
         raise PrepareError(f"no parquet files in {args.dataset}/{args.subset} at {args.endpoint}; check --subset")
@@ -215,21 +259,28 @@ def sha256_of(path):
             digest.update(block)
     return digest.hexdigest()
 
+def intact(path, source):
+    return os.path.getsize(path) == source["size"] and source["sha256"] in (None, sha256_of(path))
+
 def download(source, args, stop):
     """Fetch one hub file into OUTPUT/downloads, verified; a partial .part file is resumed with a Range request."""
     path = os.path.join(args.output, "downloads", os.path.basename(source["path"]))
     if os.path.exists(path):
-        return path  # only ever renamed into place once verified
+        if intact(path, source):
+            return path
+        os.remove(path)  # a file of the same name, left by a run with other settings
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = path + ".part"
     url = f"{args.endpoint}/datasets/{args.dataset}/resolve/main/{quote(source['path'])}"
+    identity = {"Accept-Encoding": "identity"}  # through a compressing proxy, Range offsets would count other bytes
     session, started = requests.Session(), time.perf_counter()
     for attempt in range(2):  # a file that fails its checksum is downloaded afresh once
         failures = 0
-        while not stop.is_set() and (not os.path.exists(part) or os.path.getsize(part) != source["size"]):
+        while not stop.is_set() and (not os.path.exists(part) or os.path.getsize(part) < source["size"]):
             have = os.path.getsize(part) if os.path.exists(part) else 0
+            headers = {**identity, "Range": f"bytes={have}-"} if have else identity
             try:
-                with http_get(session, url, args, {"Range": f"bytes={have}-"} if have else {}) as response:
+                with http_get(session, url, args, headers) as response:
                     if response.status_code == 416:  # we hold more than the file has: verification decides
                         break
                     with open(part, "ab" if response.status_code == 206 else "wb") as f:
@@ -238,22 +289,64 @@ def download(source, args, stop):
                             failures = 0  # a flaky link that makes progress never runs out of retries
                             if stop.is_set():
                                 return None
-                break  # the server sent what it had; size and sha256 are checked below
+                        # a body cut short raises nothing without a Content-Length, nor with one under urllib3 < 2
+                        if f.tell() < source["size"]:
+                            raise requests.ConnectionError(f"connection closed at byte {f.tell():,} "
+                                                           f"of {source['size']:,}")
             except requests.RequestException as e:
                 failures += 1
                 backoff(failures, e, args, stop)
         if stop.is_set():
             return None
-        got = sha256_of(part)
-        if os.path.getsize(part) == source["size"] and source["sha256"] in (None, got):
+        if intact(part, source):
             os.replace(part, path)
             megabytes = source["size"] / 1e6
             tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {megabytes / (time.perf_counter() - started):.1f} MB/s)")
             return path
         os.remove(part)
-    raise PrepareError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected sha256 "
-                       f"{source['sha256']}, size {source['size']}; got {got}); the mirror may serve a damaged "
-                       "or stale copy: try another HF_ENDPOINT")
+    raise PrepareError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected {source['size']:,} "
+                       f"bytes with sha256 {source['sha256']}); the mirror may serve a damaged or stale copy: "
+                       "try another HF_ENDPOINT")
+
+class Downloads:
+    """Hub files downloaded one at a time, in the order asked for, by a daemon thread: an interrupted run exits at
+    once rather than after a stalled read (closing the socket from another thread would not wake that read)."""
+
+    def __init__(self, sources, args, stop):
+        self.sources, self.args, self.stop = sources, args, stop
+        self.asked, self.finished, self.changed = queue.Queue(), {}, threading.Condition()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while (i := self.asked.get()) is not None and not self.stop.is_set():
+            try:
+                outcome = download(self.sources[i], self.args, self.stop), None
+            except Exception as e:  # raised in the main thread, by path()
+                outcome = None, e
+            with self.changed:
+                self.finished[i] = outcome
+                self.changed.notify()
+
+    def ask(self, i):
+        if i < len(self.sources):
+            self.asked.put(i)
+
+    def ready(self, i):
+        return i in self.finished
+
+    def path(self, i):
+        with self.changed:
+            self.changed.wait_for(lambda: i in self.finished)
+            path, error = self.finished.pop(i)
+        if error is not None:
+            raise error
+        return path
+
+    def close(self):
+        """Wait for the download in flight to see `stop`, so that nothing writes in downloads/ any more."""
+        self.asked.put(None)
+        self.thread.join()
 
 def local_sources(paths):
     files = []
@@ -275,9 +368,27 @@ def local_sources(paths):
 # -----------------------------------------------------------------------------
 # output: shards, the carried partial shard and the manifest, each written whole
 
+@contextlib.contextmanager
+def output_lock(output):
+    """Refuse to run while another fineweb.py writes the same output directory: the two would mix their shards."""
+    os.makedirs(output, exist_ok=True)
+    with open(os.path.join(output, ".lock"), "a+") as f:
+        if fcntl:
+            try:
+                # a POSIX record lock, unlike flock(), is not held by the forked workers: it ends with this process
+                fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (BlockingIOError, PermissionError):
+                f.seek(0)
+                raise PrepareError(f"another fineweb.py is writing {output} (pid {f.read().strip() or '?'}); "
+                                   "wait for it to finish or stop it, or choose another --output")
+            f.truncate(0)
+            f.write(str(os.getpid()))
+            f.flush()
+        yield
+
 def write_atomically(path, write):
     # the temp name holds neither "train" nor "val", so loaders listing shards never see a half-written one
-    temp = os.path.join(os.path.dirname(path), ".writing.tmp")
+    temp = os.path.join(os.path.dirname(path), f".writing.{os.getpid()}.tmp")
     try:
         with open(temp, "wb") as f:
             write(f)
@@ -305,14 +416,30 @@ def shard_name(prefix, index):
 def with_flag(flag, value):
     return f"without {flag}" if value is None else f"with {flag} {' '.join(value) if isinstance(value, list) else value}"
 
+def read_manifest(path, output):
+    """The manifest at path, or None if there is none; one that is damaged or another tool's is refused."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        state = manifest["next"]
+        well_formed = (isinstance(manifest["config"]["--prefix"], str) and isinstance(manifest["shards"], list)
+                       and all(isinstance(s["path"], str) and isinstance(s["size"], int) for s in manifest["sources"])
+                       and all(isinstance(state[k], int) for k in ("file", "unit", "skip", "tokens", "documents"))
+                       and isinstance(state["carry"], (str, type(None))) and isinstance(manifest["done"], bool))
+    except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another shape
+        well_formed = False
+    if not well_formed:
+        raise PrepareError(f"{path} is damaged or not fineweb.py's; delete {output} to start it afresh, "
+                           "or choose another --output")
+    return manifest
+
 def open_manifest(args, config, stop):
     """Load the output directory's manifest (refusing a different configuration) or start a new one."""
     path = os.path.join(args.output, "manifest.json")
     sources = local_sources(args.input) if args.input else None
-    manifest = None
-    if os.path.exists(path):
-        with open(path) as f:
-            manifest = json.load(f)
+    manifest = read_manifest(path, args.output)
     if manifest and manifest["next"]["tokens"]:  # with no tokens made yet there is nothing to mix: start afresh
         for flag, value in config.items():
             old = manifest["config"].get(flag)
@@ -323,9 +450,14 @@ def open_manifest(args, config, stop):
             changed = next((new["path"] for new, old in zip(sources, manifest["sources"]) if new != old), "the file list")
             raise PrepareError(f"{changed} changed since {args.output} was started; restore it, or choose another --output")
         return manifest
-    if any(name.endswith(".npy") and ("train" in name or "val" in name) for name in os.listdir(args.output)):
-        raise PrepareError(f"{args.output} holds shards without a manifest.json (made by another tool?); "
-                           "choose another --output or move them away")
+    # a run of ours stopped (killed, disk full) between renaming its first shard into place and recording it
+    ours = manifest and re.compile(rf"{re.escape(manifest['config']['--prefix'])}_(val|train)_\d{{6}}\.npy")
+    for name in os.listdir(args.output):
+        if ours and ours.fullmatch(name):
+            os.remove(os.path.join(args.output, name))  # made again below
+        elif name.endswith((".npy", ".bin")) and SPLIT_WORD.search(name):
+            raise PrepareError(f"{args.output} holds shards without a manifest.json (made by another tool?); "
+                               "choose another --output or move them away")
     manifest = {
         "config": config,
         "sources": sources or list_hub_files(args, stop),
@@ -347,9 +479,10 @@ def prepare(args):
         raise PrepareError(f"tiktoken {version} is too old; pip install 'tiktoken>=0.11'")
     hub = not args.input
     downloads_dir = os.path.join(args.output, "downloads")
-    os.makedirs(args.output, exist_ok=True)
-    config = {"--input": [os.path.abspath(p) for p in args.input]} if args.input else \
-             {"--dataset": args.dataset, "--subset": args.subset}
+    # --input first: between a hub directory and a local one, that is the flag to name
+    config = {"--input": [os.path.abspath(p) for p in args.input] if args.input else None}
+    if hub:
+        config.update({"--dataset": args.dataset, "--subset": args.subset})
     config.update({"--text-field": args.text_field, "--shard-size": args.shard_size,
                    "--prefix": args.prefix, "--max-tokens": args.max_tokens})
     stop = threading.Event()
@@ -361,8 +494,9 @@ def prepare(args):
         return
 
     delete_downloads = hub and not args.keep_downloads
-    for name in os.listdir(args.output):  # leftovers of a killed run: a temp file, a superseded carry
-        if name == ".writing.tmp" or (name.startswith(".carry_") and name != state["carry"]):
+    # leftovers of a killed run (the lock says none is running): temp files, a superseded carry
+    for name in os.listdir(args.output):
+        if name.startswith(".writing.") or (name.startswith(".carry_") and name != state["carry"]):
             os.remove(os.path.join(args.output, name))
     if delete_downloads:
         for source in sources[:state["file"]]:
@@ -397,89 +531,88 @@ def prepare(args):
         write_atomically(os.path.join(args.output, name), lambda f: np.save(f, tokens_in_shard))
         shards.append({"name": name, "tokens": len(tokens_in_shard)})
 
-    # a Ctrl-C while the pool forks its workers lands in an at-fork hook, which swallows the KeyboardInterrupt
-    # ("Exception ignored in: _releaseLock") and the run goes on: hold it until the pool is whole
-    deferred = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: deferred.append(signum))
+    pool = start_workers(args.workers)
+    if hub:
+        downloads = Downloads(sources, args, stop)
+        downloads.ask(start_file)
+        downloads.ask(start_file + 1)  # the next file downloads while this one is tokenized
+
+    def jobs():
+        for i in range(start_file, len(sources)):
+            first_unit = start_unit if i == start_file else 0
+            if hub:
+                # the units in flight are finished before waiting for a download: the end of the previous file
+                # deletes its parquet and asks for the next download
+                while pending and not downloads.ready(i):
+                    yield None
+                path = downloads.path(i)
+            else:
+                path = sources[i]["path"]
+            for unit, job, fraction in file_units(path, first_unit, args.text_field):
+                yield i, unit, fraction, job
+            yield i, None, 0, path  # end of file i
+
+    total_bytes = sum(s["size"] for s in sources[start_file:])
+    bytes_read = tokens_read = 0
+    start = time.perf_counter()
+    bar = tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, mininterval=1,
+               desc="tokenizing", dynamic_ncols=True)
     try:
-        pool = Pool(args.workers, init_worker, (os.getpid(),))
+        pending, job_stream, failure = deque(), jobs(), None
+        while True:
+            # units are tokenized in parallel, in a bounded window, and consumed in order
+            while failure is None and len(pending) < 2 * args.workers:
+                try:
+                    item = next(job_stream, None)
+                except (PrepareError, OSError) as e:
+                    failure = e  # a download failed: finish the units in flight first, so they are kept
+                    break
+                if item is None:  # no more inputs, or the next one is still downloading
+                    break
+                i, unit, fraction, job = item
+                pending.append((i, unit, fraction, job if unit is None else pool.submit(tokenize_unit, job)))
+            if not pending:
+                break
+            i, unit, fraction, result = pending.popleft()
+            if unit is None:  # a source file is finished
+                if delete_downloads:
+                    checkpoint(i + 1, 0, 0, shard[:fill])  # its tokens are safe, the file can go
+                    os.remove(result)
+                if hub:
+                    downloads.ask(i + 2)  # only now: at most two parquet files on disk
+                continue
+            unit_tokens = result.result()
+            skip = start_skip if (i, unit) == (start_file, start_unit) else 0
+            consumed = skip
+            bytes_read += fraction * sources[i]["size"]
+            tokens_read += len(unit_tokens) - skip
+            while consumed < len(unit_tokens) and tokens != args.max_tokens:
+                take = min(args.shard_size - fill, len(unit_tokens) - consumed)
+                if args.max_tokens is not None:
+                    take = min(take, args.max_tokens - tokens)
+                shard[fill:fill + take] = unit_tokens[consumed:consumed + take]
+                documents += int(np.count_nonzero(shard[fill:fill + take] == EOT))
+                fill, consumed, tokens = fill + take, consumed + take, tokens + take
+                bar.update(take)
+                if fill == args.shard_size:
+                    write_shard(shard)
+                    fill = 0
+                    checkpoint(i, unit, consumed, shard[:0])
+            if tokens == args.max_tokens:
+                break
+            estimate = tokens + tokens_read / max(bytes_read, 1) * (total_bytes - bytes_read)
+            bar.total = int(min(estimate, args.max_tokens or estimate))
+        if failure is not None:
+            raise failure
+    except BrokenProcessPool:
+        raise PrepareError("a tokenizer worker died (killed, most likely for lack of memory); run the same command "
+                           "again to resume, with fewer --workers if memory is short") from None
     finally:
-        signal.signal(signal.SIGINT, previous)
-    with pool, ThreadPoolExecutor(1) as downloader:
-        if deferred:
-            raise KeyboardInterrupt
-        downloads = {}
-
-        def source_path(i):
-            if not hub:
-                return sources[i]["path"]
-            # the next file downloads while this one is tokenized
-            for j in range(i, min(i + 2, len(sources))):
-                if j not in downloads:
-                    downloads[j] = downloader.submit(download, sources[j], args, stop)
-            return downloads.pop(i).result()
-
-        def jobs():
-            for i in range(start_file, len(sources)):
-                first_unit = start_unit if i == start_file else 0
-                path = source_path(i)
-                for unit, job, fraction in file_units(path, first_unit, args.text_field):
-                    yield i, unit, fraction, job
-                yield i, None, 0, path  # end of file i
-
-        total_bytes = sum(s["size"] for s in sources[start_file:])
-        bytes_read = tokens_read = 0
-        start = time.perf_counter()
-        bar = tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, mininterval=1,
-                   desc="tokenizing", dynamic_ncols=True)
-        try:
-            pending, job_stream, failure = deque(), jobs(), None
-            while True:
-                # units are tokenized in parallel, in a bounded window, and consumed in order
-                while failure is None and len(pending) < 2 * args.workers:
-                    try:
-                        item = next(job_stream, None)
-                    except (PrepareError, OSError) as e:
-                        failure = e  # a download failed: finish the units in flight first, so they are kept
-                        break
-                    if item is None:
-                        break
-                    i, unit, fraction, job = item
-                    pending.append((i, unit, fraction, job if unit is None else pool.apply_async(tokenize_unit, (job,))))
-                if not pending:
-                    break
-                i, unit, fraction, result = pending.popleft()
-                if unit is None:  # a source file is finished
-                    if delete_downloads:
-                        checkpoint(i + 1, 0, 0, shard[:fill])  # its tokens are safe, the file can go
-                        os.remove(result)
-                    continue
-                unit_tokens = result.get()
-                skip = start_skip if (i, unit) == (start_file, start_unit) else 0
-                consumed = skip
-                bytes_read += fraction * sources[i]["size"]
-                tokens_read += len(unit_tokens) - skip
-                while consumed < len(unit_tokens) and tokens != args.max_tokens:
-                    take = min(args.shard_size - fill, len(unit_tokens) - consumed)
-                    if args.max_tokens is not None:
-                        take = min(take, args.max_tokens - tokens)
-                    shard[fill:fill + take] = unit_tokens[consumed:consumed + take]
-                    documents += int(np.count_nonzero(shard[fill:fill + take] == EOT))
-                    fill, consumed, tokens = fill + take, consumed + take, tokens + take
-                    bar.update(take)
-                    if fill == args.shard_size:
-                        write_shard(shard)
-                        fill = 0
-                        checkpoint(i, unit, consumed, shard[:0])
-                if tokens == args.max_tokens:
-                    break
-                estimate = tokens + tokens_read / max(bytes_read, 1) * (total_bytes - bytes_read)
-                bar.total = int(min(estimate, args.max_tokens or estimate))
-            if failure is not None:
-                raise failure
-        finally:
-            stop.set()  # lets a download in flight end, so the downloader can shut down
-            bar.close()
+        stop.set()  # ends the download in flight, unless it is stalled
+        bar.close()
+        stop_workers(pool)
+    if hub:
+        downloads.close()
 
     if tokens == documents:
         raise PrepareError("no text found in the inputs (no documents, or only empty ones); check them and --text-field")
@@ -499,6 +632,9 @@ def prepare(args):
 
 # -----------------------------------------------------------------------------
 
+def usable_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS has no affinity
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -509,8 +645,7 @@ def parse_args(argv=None):
     parser.add_argument("--prefix", help="shard name prefix (default: edufineweb for the hub, else the --output name)")
     parser.add_argument("--shard-size", type=int, default=10**8, help="tokens per shard (default: 100M)")
     parser.add_argument("--max-tokens", type=int, help="stop after this many tokens, for trials")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                        else os.cpu_count(), help="tokenizer processes (default: all cores)")
+    parser.add_argument("--workers", type=int, default=usable_cores(), help="tokenizer processes (default: all cores)")
     parser.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
     parser.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="hub dataset")
     parser.add_argument("--subset", default="sample/10BT", help="folder of the dataset, e.g. sample/100BT")
@@ -537,7 +672,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        prepare(args)
+        with output_lock(args.output):
+            prepare(args)
     except PrepareError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

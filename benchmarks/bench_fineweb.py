@@ -149,7 +149,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--text", default=os.path.join(REPO, "input.txt"), help="a .txt to cut into documents, or a .parquet")
     parser.add_argument("--tokens", type=int, default=50_000_000, help="about this many tokens (for a .txt)")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--workers", type=int, default=fineweb.usable_cores())
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--files", type=int, default=8, help="parquet files the text is split into")
     args = parser.parse_args()

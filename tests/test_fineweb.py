@@ -66,10 +66,29 @@ def write_parquet(path, docs, row_group_size=16, column="text"):
     table = pa.table({column: docs, "id": [f"<urn:{i}>" for i in range(len(docs))]})
     pq.write_table(table, path, row_group_size=row_group_size, compression="none")  # big enough for Range tests
 
+def environment(env=None):
+    return {**{k: v for k, v in os.environ.items() if k not in ("HF_ENDPOINT", "HF_TOKEN")}, **(env or {})}
+
 def run_fineweb(*args, env=None, **kwargs):
-    environment = {k: v for k, v in os.environ.items() if k not in ("HF_ENDPOINT", "HF_TOKEN")}
     return subprocess.run([sys.executable, FINEWEB, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env={**environment, **(env or {})}, **kwargs)
+                          env=environment(env), **kwargs)
+
+def start_fineweb(*args):
+    return subprocess.Popen([sys.executable, FINEWEB, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=environment())
+
+def wait_until(condition, process, seconds=30):
+    """Poll condition while the started run goes on; it must come true within seconds."""
+    deadline = time.time() + seconds
+    while not condition():
+        assert process.poll() is None, process.communicate()[1]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+def finish(process, timeout):
+    """The CompletedProcess of a started run, which must end within timeout seconds."""
+    stdout, stderr = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 def assert_error(result, *words):
     assert result.returncode != 0, result.stdout + result.stderr
@@ -88,11 +107,15 @@ class Hub(http.server.ThreadingHTTPServer):
     def __init__(self):
         super().__init__(("127.0.0.1", 0), HubHandler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.dataset = DATASET  # the dataset repository that the URLs must name
         self.files = {}  # repo path -> bytes
         self.token = None  # when set, requests need "Authorization: Bearer <token>"
         self.status = None  # when set, every request gets this status
+        self.page = None  # when set, every request gets this HTML page, as from a proxy's login page
         self.fail = 0  # the next `fail` requests get HTTP 500
-        self.drop_after = {}  # repo path -> bytes sent before the next response for it hangs up
+        self.drop_after = {}  # repo path -> [bytes sent before each of the next responses for it hangs up]
+        self.content_length = True  # False: file bodies end with the connection, so a cut one looks whole
+        self.on_request = None  # called with the repo path when a file is requested, before its body is sent
         self.corrupt = Counter()  # repo path -> responses left that serve it with a flipped byte
         self.page_size = None  # paginate the tree listing with Link headers, as the hub does
         self.rate = None  # bytes per second for file bodies
@@ -100,8 +123,8 @@ class Hub(http.server.ThreadingHTTPServer):
         self.log = []  # (request path, Range header, status)
         self.served = Counter()  # repo path -> body bytes sent
 
-    def add(self, name, docs):
-        path = f"{SUBSET}/{name}"
+    def add(self, name, docs, subset=SUBSET):
+        path = f"{subset}/{name}"
         buffer = io.BytesIO()
         write_parquet(buffer, docs)
         self.files[path] = buffer.getvalue()
@@ -124,12 +147,14 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         hub, url = self.server, urlparse(self.path)
         if hub.status:
             return self.reply(hub.status)
+        if hub.page:
+            return self.reply(200, hub.page.encode(), [("Content-Type", "text/html")])
         if hub.fail:
             hub.fail -= 1
             return self.reply(500)
         if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
             return self.reply(401)
-        tree, resolve = f"/api/datasets/{DATASET}/tree/main/", f"/datasets/{DATASET}/resolve/main/"
+        tree, resolve = f"/api/datasets/{hub.dataset}/tree/main/", f"/datasets/{hub.dataset}/resolve/main/"
         if url.path.startswith(tree):
             folder = url.path[len(tree):]
             entries = [{"type": "directory", "path": f"{folder}/nested", "oid": "0" * 40, "size": 0},
@@ -156,16 +181,19 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         start = int(self.headers["Range"].split("=")[1].rstrip("-")) if self.headers.get("Range") else 0
         if start >= len(data):
             return self.reply(416)
+        if hub.on_request:
+            hub.on_request(path)
         status = 206 if start else 200
         hub.log.append((self.path, self.headers.get("Range"), status))
         self.send_response(status)
-        self.send_header("Content-Length", str(len(data) - start))
+        if hub.content_length:
+            self.send_header("Content-Length", str(len(data) - start))
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()
         stop_at = len(data)
-        if path in hub.drop_after:
-            stop_at = start + hub.drop_after.pop(path)
+        if hub.drop_after.get(path):
+            stop_at = start + hub.drop_after[path].pop(0)
         step = 16384
         for offset in range(start, stop_at, step):
             if path in hub.hold and offset >= hub.hold[path][0]:
@@ -198,9 +226,11 @@ HUB_DOCS = [make_docs(seed, 120) for seed in range(3)]  # three parquet files of
 def add_hub_files(hub):
     return [hub.add(f"{i:03d}_00000.parquet", docs) for i, docs in enumerate(HUB_DOCS)]
 
+def hub_args(hub, output, *args):
+    return ["--endpoint", hub.url, "--output", output, "--shard-size", 5000, "--retry-delay", 0.01, *args]
+
 def hub_run(hub, output, *args, **kwargs):
-    return run_fineweb("--endpoint", hub.url, "--output", output, "--shard-size", 5000, "--retry-delay", 0.01, *args,
-                       **kwargs)
+    return run_fineweb(*hub_args(hub, output, *args), **kwargs)
 
 def resolve_requests(hub, path):
     return [(r, status) for p, r, status in hub.log if p.endswith(path)]
@@ -250,23 +280,29 @@ def process_stat(pid):
         return None
     return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_workers_die_with_a_killed_main_process(tmp_path):
-    # one big .txt file is one unit: its worker is busy for seconds, the case where an orphan
-    # would tokenize on alone and then crash with a BrokenPipeError traceback
-    text = tmp_path / "big.txt"
-    text.write_text((" ".join(WORDS) + "\n") * 200_000)  # 68 MB, ~4 s of tokenizing
-    process = subprocess.Popen([sys.executable, FINEWEB, "--input", text, "--output", tmp_path / "out",
-                                "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def big_text(tmp_path_factory):
+    # one big .txt file is one unit: its worker is busy for seconds
+    path = tmp_path_factory.mktemp("big") / "big.txt"
+    path.write_text((" ".join(WORDS) + "\n") * 200_000)  # 68 MB, ~4 s of tokenizing
+    return path
+
+def busy_worker(process):
+    """The pid of a child of process that is tokenizing."""
     deadline = time.time() + 60
-    worker = None
-    while worker is None and time.time() < deadline and process.poll() is None:
+    while time.time() < deadline and process.poll() is None:
         for entry in filter(str.isdigit, os.listdir("/proc")):
             stat = process_stat(int(entry))
-            if stat and stat[1] == process.pid and stat[2] > 0.3:  # a child, tokenizing
-                worker = int(entry)
+            if stat and stat[1] == process.pid and stat[2] > 0.3:
+                return int(entry)
         time.sleep(0.01)
-    assert worker is not None, "no busy worker seen"
+    raise AssertionError("no busy worker seen")
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_workers_die_with_a_killed_main_process(big_text, tmp_path):
+    # the case where an orphan would tokenize on alone and then crash with a BrokenPipeError traceback
+    process = start_fineweb("--input", big_text, "--output", tmp_path / "out", "--workers", "1")
+    worker = busy_worker(process)
     process.kill()
     process.wait()
     deadline = time.time() + 10  # it takes ~50 ms; the margin is for a loaded machine
@@ -275,6 +311,29 @@ def test_workers_die_with_a_killed_main_process(tmp_path):
     assert process_stat(worker) is None, "the worker outlived the main process"
     _, stderr = process.communicate(timeout=60)
     assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_worker_killed_mid_run_is_a_prompt_one_line_error(big_text, tmp_path):
+    process = start_fineweb("--input", big_text, "--output", tmp_path / "out", "--workers", "1")
+    os.kill(busy_worker(process), signal.SIGKILL)  # as the kernel's OOM killer does
+    try:
+        result = finish(process, timeout=20)  # its unit of work is lost: nothing must wait for it
+    finally:
+        process.kill()
+    assert_error(result, "worker died", "memory", "--workers", "run the same command again")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forkserver and fork are POSIX start methods")
+def test_the_default_start_method_does_not_matter(tmp_path):
+    # Python 3.14 made forkserver the default on Linux, where a worker's parent is the fork server
+    (tmp_path / "a.txt").write_text("a few words " * 1000)
+    argv = ["fineweb.py", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out")]
+    code = (f"import multiprocessing, runpy, sys; multiprocessing.set_start_method('forkserver'); sys.argv = {argv!r}; "
+            f"runpy.run_path({FINEWEB!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert shards_in(tmp_path / "out") == expected_shards([(tmp_path / "a.txt").read_text()], 10**8, "out")
 
 
 def test_killed_and_interrupted_runs_resume_to_identical_shards(hub, tmp_path):
@@ -293,20 +352,21 @@ def test_killed_and_interrupted_runs_resume_to_identical_shards(hub, tmp_path):
             return 0
 
     hub.rate = 200_000  # slow enough to stop it partway
-    # each run is held halfway through a file until its signal has landed: it cannot finish first, however late
-    # this process gets to send the signal; the target counts from where the previous run stopped
+    # each run is stopped with a download stalled halfway through a file: it cannot finish first, however late this
+    # process gets to send the signal, and it must not wait for the stalled read; the target counts from where the
+    # previous run stopped
     for signal_number, shards_before_stop, held in ((signal.SIGKILL, 1, paths[1]), (signal.SIGINT, 10, paths[2])):
-        release = threading.Event()
-        hub.hold = {held: (len(hub.files[held]) // 2, release)}
+        release, stall = threading.Event(), len(hub.files[held]) // 2
+        hub.hold = {held: (stall, release)}
         target = max(shards_before_stop, shards_done() + 1)  # one shard of its own: past its imports, in prepare()
-        process = subprocess.Popen([sys.executable, FINEWEB, "--endpoint", hub.url, "--output", output,
-                                    "--shard-size", "5000", "--retry-delay", "0.01", "--workers", "2"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        while shards_done() < target and process.poll() is None:
-            time.sleep(0.01)
-        process.send_signal(signal_number)
-        release.set()
-        _, stderr = process.communicate(timeout=60)
+        process = start_fineweb(*hub_args(hub, output, "--workers", 2))
+        try:
+            wait_until(lambda: shards_done() >= target and hub.served[held] >= stall, process)
+            process.send_signal(signal_number)
+            _, stderr = process.communicate(timeout=15)
+        finally:
+            release.set()
+            process.kill()
         assert process.returncode in (-signal.SIGKILL, 130), stderr
         assert "Traceback" not in stderr
         assert not json.loads(manifest.read_text())["done"]
@@ -320,9 +380,11 @@ def test_killed_and_interrupted_runs_resume_to_identical_shards(hub, tmp_path):
         assert hub.served[path] <= len(hub.files[path]) + 3 * 65536, (path, hub.served[path])
 
 
-def test_dropped_connection_and_partial_file_resume_with_range(hub, tmp_path):
+@pytest.mark.parametrize("content_length", [True, False], ids=["content-length", "close-delimited"])
+def test_dropped_connection_and_partial_file_resume_with_range(hub, tmp_path, content_length):
     first, second, _ = add_hub_files(hub)
-    hub.drop_after[first] = 100_000
+    hub.drop_after[first] = [100_000]
+    hub.content_length = content_length  # without one, a body cut short ends like a whole one, whatever the urllib3
     output = tmp_path / "edu"
     (output / "downloads").mkdir(parents=True)
     (output / "downloads" / (os.path.basename(second) + ".part")).write_bytes(hub.files[second][:70_000])
@@ -337,6 +399,66 @@ def test_dropped_connection_and_partial_file_resume_with_range(hub, tmp_path):
     assert hub.served[second] == len(hub.files[second]) - 70_000
 
 
+def read_json(path):
+    """A JSON file that another process replaces by renaming; None until it exists."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+def test_downloads_overlap_tokenizing_go_once_tokenized_and_resume_from_a_file_end(hub, tmp_path):
+    hub.dataset, subset = "someone/fineweb-like", "data/part-1"  # only the --dataset and --subset asked for are there
+    paths = [hub.add(f"{i:03d}.parquet", docs, subset) for i, docs in enumerate(HUB_DOCS)]
+    output = tmp_path / "edu"
+    seen = {}  # repo path -> (tokens in shards, files in downloads/) when that file was requested
+
+    def on_request(path):
+        seen[path] = (read_json(output / "manifest.json")["next"]["tokens"], sorted(os.listdir(output / "downloads")))
+    hub.on_request = on_request
+    release = threading.Event()
+    hub.hold = {paths[2]: (0, release)}  # the last file stalls before its first byte
+    args = hub_args(hub, output, "--dataset", hub.dataset, "--subset", subset, "--workers", 1)
+    process = start_fineweb(*args)
+    try:
+        # with nothing left to tokenize, the run waits for the download with everything recorded: its last
+        # checkpoint is the end of file 1, which carries a partial shard over to file 2
+        wait_until(lambda: (read_json(output / "manifest.json") or {"next": {}})["next"].get("file") == 2, process)
+        process.kill()
+        process.wait()
+    finally:
+        release.set()
+    state = read_json(output / "manifest.json")["next"]
+    assert (state["file"], state["unit"], state["skip"], state["carry"]) == (2, 0, 0, ".carry_000002.npy")
+    first_file_tokens = len(reference_stream(HUB_DOCS[0]))
+    assert seen[paths[1]][0] < first_file_tokens / 2  # the next file downloads while this one is tokenized
+    assert seen[paths[2]][1] == ["001.parquet"]  # each file is gone once tokenized: two parquet files at most
+
+    hub.hold, hub.on_request = {}, None
+    result = run_fineweb(*args)
+    assert result.returncode == 0, result.stderr
+    assert "resuming" in result.stdout
+    assert shards_in(output) == expected_shards([doc for docs in HUB_DOCS for doc in docs], 5000, "edufineweb")
+    assert [hub.served[path] for path in paths[:2]] == [len(hub.files[path]) for path in paths[:2]]  # not again
+
+
+def test_a_second_run_on_the_same_output_is_refused(hub, tmp_path):
+    path = hub.add("000_00000.parquet", HUB_DOCS[0])
+    release = threading.Event()
+    hub.hold = {path: (0, release)}
+    output = tmp_path / "edu"
+    first = start_fineweb(*hub_args(hub, output))
+    try:
+        wait_until(lambda: resolve_requests(hub, path), first)
+        # refused before it reaches any network: with no lock, it would fail otherwise
+        second = run_fineweb("--endpoint", "http://127.0.0.1:9", "--output", output, "--retries", 0)
+        assert_error(second, "another fineweb.py is writing", str(output), f"pid {first.pid}")
+    finally:
+        release.set()
+    result = finish(first, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert shards_in(output) == expected_shards(HUB_DOCS[0], 5000, "edufineweb")
+
+
 def test_server_errors_are_retried_then_reported(hub, tmp_path):
     add_hub_files(hub)
     hub.fail = 3
@@ -348,6 +470,18 @@ def test_server_errors_are_retried_then_reported(hub, tmp_path):
     hub.fail = 100
     result = hub_run(hub, tmp_path / "down", "--retries", 2)
     assert_error(result, "after 2 retries", "HTTP 500", "HF_ENDPOINT")
+
+    hub.fail, hub.content_length = 0, False
+    hub.drop_after[sorted(hub.files)[0]] = [0] * 10  # bodies that end at once, as if whole
+    result = hub_run(hub, tmp_path / "cut", "--retries", 2)
+    assert_error(result, "after 2 retries", "connection closed at byte 0", "HF_ENDPOINT")
+
+
+def test_a_listing_that_is_not_json_fails_at_once(hub, tmp_path):
+    add_hub_files(hub)
+    hub.page = "<html><body>Sign in to the proxy to continue</body></html>"
+    assert_error(hub_run(hub, tmp_path / "edu", "--retries", 3), "unexpected answer", "--endpoint")
+    assert len(hub.log) == 1  # the same page again would not help
 
 
 def test_unreachable_network_names_mirrors(tmp_path):
@@ -431,6 +565,9 @@ def make_bad_input(tmp_path, case):
     if case == "parquet without a text column":
         write_parquet(tmp_path / "other.parquet", ["a", "b"], column="content")
         return ["--input", tmp_path / "other.parquet"], ["other.parquet", "'text' column", "content", "--text-field"]
+    if case == "parquet text column of numbers":
+        write_parquet(tmp_path / "numbers.parquet", [1, 2])
+        return ["--input", tmp_path / "numbers.parquet"], ["numbers.parquet", "'text'", "int64", "--text-field"]
     if case == "empty input":
         (tmp_path / "empty.jsonl").write_text("\n")
         return ["--input", tmp_path / "empty.jsonl"], ["no text"]
@@ -439,6 +576,15 @@ def make_bad_input(tmp_path, case):
     if case == "not utf-8":
         (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
         return ["--input", tmp_path / "latin1.txt"], ["latin1.txt", "UTF-8"]
+    if case in ("damaged manifest", "another tool's manifest"):
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "manifest.json").write_text('{"config": {' if case == "damaged manifest" else '{"files": []}')
+        (tmp_path / "a.txt").write_text("hello")
+        return ["--input", tmp_path / "a.txt"], ["manifest.json", "damaged or not fineweb.py's", "--output"]
+    if case == "hub run into a local directory":
+        (tmp_path / "a.txt").write_text("hello world " * 100)
+        assert run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 100).returncode == 0
+        return ["--endpoint", "http://127.0.0.1:9", "--shard-size", 100], ["with --input", "not without --input"]
     if case == "foreign shards":
         (tmp_path / "out").mkdir()
         np.save(tmp_path / "out" / "edufineweb_train_000001.npy", np.zeros(10, dtype=np.uint16))
@@ -456,14 +602,15 @@ def make_bad_input(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["malformed jsonl", "jsonl without the field", "parquet without a text column",
-                                  "empty input", "missing file", "not utf-8", "foreign shards",
-                                  "different configuration", "changed input"])
+                                  "parquet text column of numbers", "empty input", "missing file", "not utf-8",
+                                  "damaged manifest", "another tool's manifest", "foreign shards",
+                                  "different configuration", "changed input", "hub run into a local directory"])
 def test_bad_input_is_one_line_error(tmp_path, case):
     args, words = make_bad_input(tmp_path, case)
     result = run_fineweb(*args, "--output", tmp_path / "out")
     assert_error(result, *words)
     assert not [name for name in os.listdir(tmp_path / "out") if "train" in name or "val" in name] \
-        or case in ("foreign shards", "different configuration", "changed input")
+        or case in ("foreign shards", "different configuration", "changed input", "hub run into a local directory")
 
 
 def test_an_input_fixed_before_any_shard_needs_no_new_output(tmp_path):
@@ -486,9 +633,27 @@ def test_disk_full_leaves_no_partial_shard(tmp_path):
     result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000,
                          preexec_fn=small_disk)
     assert_error(result, "disk full", "run the same command again")
-    assert os.listdir(tmp_path / "out") == ["manifest.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "manifest.json"]
 
     result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000)
+    assert result.returncode == 0, result.stderr
+    assert shards_in(tmp_path / "out") == expected_shards([(tmp_path / "a.txt").read_text()], 10_000, "out")
+
+
+def test_a_run_stopped_before_recording_its_first_shard_resumes(tmp_path):
+    (tmp_path / "a.txt").write_text("plenty of words to fill a shard " * 2000)
+    args = ["--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000]
+    assert run_fineweb(*args).returncode == 0
+    # what a kill or a full disk leaves between renaming the first shard into place and recording it
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest["shards"], manifest["done"] = [], False
+    manifest["next"].update(file=0, unit=0, skip=0, carry=None, tokens=0, documents=0)
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    for name in shards_in(tmp_path / "out"):
+        if name != "out_val_000000.npy":
+            os.remove(tmp_path / "out" / name)
+
+    result = run_fineweb(*args)
     assert result.returncode == 0, result.stderr
     assert shards_in(tmp_path / "out") == expected_shards([(tmp_path / "a.txt").read_text()], 10_000, "out")
 
