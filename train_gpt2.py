@@ -103,8 +103,8 @@ class TrainConfig:
 # Its vocab is not padded: padding speeds up GPU matmuls, but on a CPU slicing the padded logits off costs more.
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
-    batch_size=16, seq_len=128, total_batch_size=2048, max_steps=250, warmup_steps=25, max_lr=2e-3,
-    eval_every=50, val_tokens=16384, hellaswag_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
+    batch_size=8, seq_len=128, total_batch_size=1024, max_steps=320, warmup_steps=30, max_lr=2e-3,
+    eval_every=80, val_tokens=16384, hellaswag_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
 )
 # Fine-tuning OpenAI's GPT-2 on it instead (--init-from gpt2): a far gentler learning rate, and fewer steps.
 SHAKESPEARE_FINETUNE = dict(max_steps=100, warmup_steps=10, max_lr=3e-5, eval_every=25)

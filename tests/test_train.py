@@ -220,7 +220,7 @@ def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
     assert f"data: {REPO}/input.txt" in out and "1 x 128 x 1 accumulation steps" in out  # its seq_len 128, our batch
     records = read_log(tmp_path / "log")
     assert abs(train_records(records)[0]["train_loss"] - math.log(50257)) < 0.3
-    assert train_records(records)[0]["lr"] == pytest.approx(2e-3 / 25)  # the preset's max_lr and warmup
+    assert train_records(records)[0]["lr"] == pytest.approx(2e-3 / 30)  # the preset's max_lr and warmup
 
 
 def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypatch):
@@ -239,10 +239,10 @@ def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypat
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_shakespeare_preset_splits_its_batch_over_processes(tmp_path, monkeypatch, world_size):
-    """`torchrun --nproc_per_node=N train_gpt2.py` with no shards: the preset's 2048-token step is split over the
+    """`torchrun --nproc_per_node=N train_gpt2.py` with no shards: the preset's 1024-token step is split over the
     processes instead of failing the divisibility check."""
     monkeypatch.chdir(tmp_path)
     cfg, given = train_gpt2.parse_args([])
     env = train_gpt2.Dist(rank=0, local_rank=0, world_size=world_size, device="cpu", device_type="cpu")
     cfg = train_gpt2.resolve_config(cfg, given, env)
-    assert cfg.batch_size * cfg.seq_len * world_size == cfg.total_batch_size == 2048
+    assert cfg.batch_size * cfg.seq_len * world_size == cfg.total_batch_size == 1024
