@@ -66,6 +66,14 @@ def serve_hellaswag(served, monkeypatch, examples):
     monkeypatch.setattr(hellaswag, "HELLASWAG_VAL_EXAMPLES", len(examples))
 
 
+def script_expecting(path, n_examples, module):
+    """Test hook: a script that runs module.main() (hellaswag or train_gpt2) with n_examples, not 10042, as the
+    size a HellaSwag download must have, for subprocesses that monkeypatch cannot reach. Returns its path."""
+    path.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag, {module}\n"
+                    f"hellaswag.HELLASWAG_VAL_EXAMPLES = {n_examples}\n{module}.main()\n")
+    return path
+
+
 def tiny_model(seed=0):
     """A random 2-layer model; weights larger than at init, so that the losses differ clearly between endings."""
     torch.manual_seed(seed)
@@ -247,10 +255,8 @@ def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path, monkeypat
 
     www, base_url = static_server
     write_jsonl(www / "hellaswag_val.jsonl", examples)
-    # test hook: hellaswag.py's main, with the served file's size as the size a download must have
-    (tmp_path / "hellaswag_small.py").write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag\n"
-                                                  f"hellaswag.HELLASWAG_VAL_EXAMPLES = {len(examples)}\nhellaswag.main()\n")
-    two_ranks = torchrun_hellaswag(tmp_path / "hellaswag_small.py", base_url, "--checkpoint", tmp_path / "model.pt",
+    script = script_expecting(tmp_path / "hellaswag_small.py", len(examples), "hellaswag")
+    two_ranks = torchrun_hellaswag(script, base_url, "--checkpoint", tmp_path / "model.pt",
                                    "--cache-dir", tmp_path / "cache")
     assert two_ranks.returncode == 0, two_ranks.stderr
     assert two_ranks.stdout.strip().splitlines()[-1] == expected  # 7 examples: rank 0 scores 4, rank 1 scores 3

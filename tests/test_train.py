@@ -13,7 +13,7 @@ import torch
 import train_gpt2
 from helpers import (REPO, TINY, VOCAB, one_thread, read_log, run_main, run_script, script_env,  # noqa: F401
                      shards, train_records, val_records)
-from test_hellaswag import serve_hellaswag, synthetic_examples
+from test_hellaswag import script_expecting, serve_hellaswag, synthetic_examples
 from train_gpt2 import TrainConfig, get_lr
 
 
@@ -182,10 +182,7 @@ def test_two_nodes_match_one_process(shards, tmp_path, capsys, static_server, mo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # test hook: the trainer, with the served file's size as the size a HellaSwag download must have
-    script = tmp_path / "train_small_hellaswag.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag, train_gpt2\n"
-                      f"hellaswag.HELLASWAG_VAL_EXAMPLES = {len(examples)}\ntrain_gpt2.main()\n")
+    script = script_expecting(tmp_path / "train_small_hellaswag.py", len(examples), "train_gpt2")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", str(script)]
     nodes = [subprocess.Popen(launcher + [str(a) for a in args] + ["--log-dir", tmp_path / "two"], cwd=tmp_path,
