@@ -1,5 +1,6 @@
 """Training: the learning-rate schedule, an end-to-end run and its log.jsonl, 2 processes under torchrun (on one
 node, and as two nodes) against 1 process with 2 accumulation steps, and the default run on tiny Shakespeare."""
+import json
 import math
 import os
 import socket
@@ -62,7 +63,7 @@ def test_train_step_clips_the_gradient_norm():
 
 
 NO_SYNC_SCRIPT = """
-import contextlib, sys
+import contextlib, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 sys.path.insert(0, sys.argv[1])
@@ -78,11 +79,16 @@ def counting_allreduce(state, bucket):
 model.register_comm_hook(dist.group.WORLD, counting_allreduce)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 x = torch.randint(0, 64, (2, 16))
+counts = {}
 for accum_steps in (1, 4):
     calls.clear()
     train_gpt2.train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), [(x, x)] * accum_steps,
                           contextlib.nullcontext(), "cpu", 0.1, 1.0)
-    print(f"rank {dist.get_rank()} accum {accum_steps} all-reduces {len(calls)}")
+    counts[accum_steps] = len(calls)
+every_rank = [None] * dist.get_world_size()
+dist.all_gather_object(every_rank, counts)
+if dist.get_rank() == 0:  # one line from one process: the ranks' prints could interleave in the pipe
+    print(json.dumps(every_rank))
 dist.destroy_process_group()
 """
 
@@ -94,13 +100,11 @@ def test_gradients_are_all_reduced_once_per_step_not_per_micro_step(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(script), REPO], env=script_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    counts = {}
-    for line in result.stdout.splitlines():
-        _, rank, _, accum, _, n = line.split()
-        counts[int(rank), int(accum)] = int(n)
-    assert sorted(counts) == [(0, 1), (0, 4), (1, 1), (1, 4)]
-    for rank in (0, 1):
-        assert counts[rank, 1] >= 1 and counts[rank, 4] == counts[rank, 1]
+    every_rank = json.loads(result.stdout.strip().splitlines()[-1])  # [{accumulation steps: all-reduces}] by rank
+    assert len(every_rank) == 2
+    for counts in every_rank:
+        assert sorted(counts) == ["1", "4"]
+        assert counts["1"] >= 1 and counts["4"] == counts["1"]
 
 
 def test_end_to_end_run_writes_log(shards, tmp_path, capsys):
