@@ -109,8 +109,14 @@ def start_workers(count):
 def stop_workers(pool):
     # without waiting for the units in flight, which can be a whole .txt file; ProcessPoolExecutor has no public
     # way to do that before Python 3.14's terminate_workers()
-    for worker in list(pool._processes.values()):
+    workers = list(pool._processes.values())
+    for worker in workers:
         worker.terminate()
+    for worker in workers:
+        worker.join()
+    # a worker stopped while sending its tokens leaves half a message in the result pipe, and the pool's thread
+    # would wait in recv() for the rest forever (and shutdown with it): with the last writer closed it reads EOF
+    pool._result_queue._writer.close()
     pool.shutdown(cancel_futures=True)
 
 def parquet_file(path):

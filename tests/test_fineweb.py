@@ -324,6 +324,28 @@ def test_a_worker_killed_mid_run_is_a_prompt_one_line_error(big_text, tmp_path):
     assert_error(result, "worker died", "memory", "--workers", "run the same command again")
 
 
+STOP_WORKERS_SCRIPT = """
+import random, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import fineweb
+for trial in range(10):
+    pool = fineweb.start_workers(2)
+    results = [pool.submit(np.ones, 1_000_000, dtype=np.uint16) for _ in range(20)]  # 2 MB each: slow to send
+    results[0].result()  # the workers are sending now
+    time.sleep(random.uniform(0, 0.02))
+    fineweb.stop_workers(pool)
+print("stopped")
+"""
+
+
+def test_workers_stopped_while_sending_results_do_not_hang_the_pool():
+    # Ctrl-C used to hang fineweb.py now and then: a worker terminated halfway through sending its tokens left the
+    # pool's thread waiting for the rest of the message, and shutdown waited for that thread (17 stops in 20 hung)
+    result = subprocess.run([sys.executable, "-c", STOP_WORKERS_SCRIPT, REPO], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.strip() == "stopped", result.stderr
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="forkserver and fork are POSIX start methods")
 def test_the_default_start_method_does_not_matter(tmp_path):
     # Python 3.14 made forkserver the default on Linux, where a worker's parent is the fork server
