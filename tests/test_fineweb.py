@@ -74,7 +74,11 @@ def run_fineweb(*args, env=None, **kwargs):
                           env=environment(env), **kwargs)
 
 def start_fineweb(*args):
-    return subprocess.Popen([sys.executable, FINEWEB, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    """python fineweb.py ARGS, started with Ctrl-C's SIGINT raising KeyboardInterrupt as in a terminal: a shell's
+    background job (CI's, maybe) ignores SIGINT, and this child would inherit that and shrug the test's SIGINT off."""
+    code = (f"import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"sys.argv[0] = {FINEWEB!r}; runpy.run_path({FINEWEB!r}, run_name='__main__')")
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=environment())
 
 def wait_until(condition, process, seconds=30):
