@@ -63,6 +63,13 @@ def test_the_split_is_a_whole_word_of_the_shard_name(tmp_path):
     assert set(val.tolist()) == {2}
 
 
+def test_fineweb_tells_shards_apart_as_the_trainer_does():
+    """fineweb.py refuses an output directory that holds shards it did not make. It keeps its own copy of the
+    trainer's split pattern (importing the trainer would import torch), and the copy must not drift."""
+    import fineweb
+    assert fineweb.SPLIT_WORD.pattern == train_gpt2.SPLIT_WORD.pattern
+
+
 def unique_shards(lengths):
     """Shards whose tokens are their global positions 0, 1, 2, ...: every token can be traced."""
     starts = np.cumsum([0, *lengths])

@@ -73,13 +73,16 @@ def run_fineweb(*args, env=None, **kwargs):
     return subprocess.run([sys.executable, FINEWEB, *map(str, args)], capture_output=True, text=True, timeout=120,
                           env=environment(env), **kwargs)
 
+def fineweb_after(setup, *args):
+    """The command line of python fineweb.py ARGS, with the statement setup run first in that process."""
+    code = f"import runpy, sys; {setup}; sys.argv[0] = {FINEWEB!r}; runpy.run_path({FINEWEB!r}, run_name='__main__')"
+    return [sys.executable, "-c", code, *map(str, args)]
+
 def start_fineweb(*args):
     """python fineweb.py ARGS, started with Ctrl-C's SIGINT raising KeyboardInterrupt as in a terminal: a shell's
     background job (CI's, maybe) ignores SIGINT, and this child would inherit that and shrug the test's SIGINT off."""
-    code = (f"import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            f"sys.argv[0] = {FINEWEB!r}; runpy.run_path({FINEWEB!r}, run_name='__main__')")
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=environment())
+    command = fineweb_after("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)", *args)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
 
 def wait_until(condition, process, seconds=30):
     """Poll condition while the started run goes on; it must come true within seconds."""
@@ -354,10 +357,9 @@ def test_workers_stopped_while_sending_results_do_not_hang_the_pool():
 def test_the_default_start_method_does_not_matter(tmp_path):
     # Python 3.14 made forkserver the default on Linux, where a worker's parent is the fork server
     (tmp_path / "a.txt").write_text("a few words " * 1000)
-    argv = ["fineweb.py", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out")]
-    code = (f"import multiprocessing, runpy, sys; multiprocessing.set_start_method('forkserver'); sys.argv = {argv!r}; "
-            f"runpy.run_path({FINEWEB!r}, run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    command = fineweb_after("import multiprocessing; multiprocessing.set_start_method('forkserver')",
+                            "--input", tmp_path / "a.txt", "--output", tmp_path / "out")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert shards_in(tmp_path / "out") == expected_shards([(tmp_path / "a.txt").read_text()], 10**8, "out")
 
