@@ -30,6 +30,11 @@ from torch.nn import functional as F
 
 import hellaswag
 
+if dist.is_available():  # builds without torch.distributed have no torch.distributed.nn
+    # imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
+    # the group and its threads alive past destroy_process_group, and a gloo thread alive at exit can abort the process
+    import torch.distributed.nn  # noqa: F401
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT2_VOCAB = 50257  # tokens of the GPT-2 tokenizer; a larger --vocab-size only pads the embedding table
 EOT = 50256  # <|endoftext|>, which separates documents
@@ -967,18 +972,21 @@ def sample_from_checkpoint(cfg):
 def main(argv=None):
     cfg, given = parse_args(argv)
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    error = None
     try:
         if cfg.sample:
             sample_from_checkpoint(cfg)
         else:
             train(cfg, given)
     except (UsageError, hellaswag.EvalError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        error = str(e)  # not e: its traceback holds train()'s DDP model, which must be freed before its process group
     finally:
         teardown_distributed()
         for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
             signal.signal(sig, handler)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

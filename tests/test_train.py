@@ -68,7 +68,7 @@ import torch, torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 sys.path.insert(0, sys.argv[1])
 import train_gpt2
-dist.init_process_group("gloo")
+train_gpt2.setup_distributed("cpu")  # gloo, as torchrun launched it
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(
     train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)))
@@ -90,7 +90,7 @@ dist.all_gather_object(every_rank, counts)
 if dist.get_rank() == 0:  # one line from one process: the ranks' prints could interleave in the pipe
     print(json.dumps(every_rank))
 del model, optimizer  # the DDP reducer before its process group, as in train(): the other order aborts ~1 exit in 10 (gloo)
-dist.destroy_process_group()
+train_gpt2.teardown_distributed()
 """
 
 
@@ -170,6 +170,41 @@ def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, cap
     assert val_records(one_log)[4]["val_loss"] < val_records(one_log)[0]["val_loss"] - 0.01  # the weights really moved
     for step, r in val_records(one_log).items():
         assert val_records(two_log)[step]["val_loss"] == pytest.approx(r["val_loss"], abs=1e-5)
+
+
+THREADS_AFTER_MAIN_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import train_gpt2
+code = names = None
+try:
+    train_gpt2.main(sys.argv[2:])
+except SystemExit as e:  # the threads listed while the exception lives, as it does in `python train_gpt2.py` until exit
+    code = e.code
+    names = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+os.write(1, (json.dumps({"rank": os.environ["RANK"], "code": code, "threads": names}) + "\\n").encode())  # one write: whole lines
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
+def test_the_process_group_and_its_threads_end_with_main(shards, tmp_path):
+    """Under torchrun, main() leaves no gloo thread running, even when it stops with an error mid-training: one left
+    running at interpreter exit can abort the process (SIGABRT, 'terminate called without an active exception'),
+    which failed a CI run. Two ways it was left: torch.distributed.nn imported after init_process_group kept the group
+    alive through its default arguments, and the error's traceback kept the DDP model alive past teardown."""
+    script = tmp_path / "threads_after_main.py"
+    script.write_text(THREADS_AFTER_MAIN_SCRIPT)
+    args = TINY + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "6", "--max-bad-steps", "2"]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script), REPO] + [str(a) for a in args],
+                            env=script_env(TRAIN_GPT2_NAN_STEPS="1,2"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("error: 2 steps in a row had a non-finite loss") == 2  # each rank stopped with the error
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in reports) == ["0", "1"]
+    for report in reports:
+        assert report["code"] == 2
+        assert not [name for name in report["threads"] if "gloo" in name], report
 
 
 def test_two_nodes_match_one_process(shards, tmp_path, capsys, static_server, monkeypatch):
