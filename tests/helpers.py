@@ -77,15 +77,16 @@ def script_env(**extra):
     return env
 
 
-def script_command(args, nproc=1):
+def script_command(args, nproc=1, script=SCRIPT):
     if nproc == 1:
-        return [sys.executable, SCRIPT] + [str(a) for a in args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT] + [str(a) for a in args]
+        return [sys.executable, str(script)] + [str(a) for a in args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)] + [str(a) for a in args]
 
 
-def run_script(args, cwd, nproc=1, timeout=240, **env):
-    """The script in a subprocess (under torchrun when nproc > 1): the CompletedProcess."""
-    return subprocess.run(script_command(args, nproc), cwd=cwd, env=script_env(**env), capture_output=True, text=True, timeout=timeout)
+def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, **env):
+    """The script (train_gpt2.py unless given) in a subprocess, under torchrun when nproc > 1: the CompletedProcess."""
+    return subprocess.run(script_command(args, nproc, script), cwd=cwd, env=script_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def read_log(log_dir):

@@ -98,8 +98,7 @@ def test_gradients_are_all_reduced_once_per_step_not_per_micro_step(tmp_path):
     """DDP's no_sync on every micro-step but the last: 4 accumulation steps cost the all-reduces of 1."""
     script = tmp_path / "count_allreduces.py"
     script.write_text(NO_SYNC_SCRIPT)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script), REPO], env=script_env(), capture_output=True, text=True, timeout=120)
+    result = run_script([REPO], cwd=tmp_path, nproc=2, timeout=120, script=script)
     assert result.returncode == 0, result.stderr[-3000:]
     every_rank = json.loads(result.stdout.strip().splitlines()[-1])  # [{accumulation steps: all-reduces}] by rank
     assert len(every_rank) == 2
@@ -195,9 +194,7 @@ def test_the_process_group_and_its_threads_end_with_main(shards, tmp_path):
     script = tmp_path / "threads_after_main.py"
     script.write_text(THREADS_AFTER_MAIN_SCRIPT)
     args = TINY + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "6", "--max-bad-steps", "2"]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script), REPO] + [str(a) for a in args],
-                            env=script_env(TRAIN_GPT2_NAN_STEPS="1,2"), capture_output=True, text=True, timeout=120)
+    result = run_script([REPO] + args, cwd=tmp_path, nproc=2, timeout=120, script=script, TRAIN_GPT2_NAN_STEPS="1,2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("error: 2 steps in a row had a non-finite loss") == 2  # each rank stopped with the error
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"rank"')]
