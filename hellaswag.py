@@ -1,6 +1,5 @@
 """
 HellaSwag evaluation for GPT-2 style models: https://github.com/rowanz/hellaswag
-and OpenAI's GPT-2 weights, the baselines to compare with (also train_gpt2.py's --init-from).
 
 Each example is a context and 4 possible endings, one of them right. The model
 "picks" the ending it finds least surprising: we render context + ending for all
@@ -9,7 +8,8 @@ Each example is a context and 4 possible endings, one of them right. The model
   GPT-2 124M gets 0.2945, GPT-3 124M 0.337)
 - acc: the ending with the lowest summed loss (favors short endings)
 
-Used by train_gpt2.py (--hellaswag-every) and on its own:
+The evaluation takes any model that maps token ids (B, T) to (logits, loss); only the command line below imports
+train_gpt2.py, to build one. Used by train_gpt2.py (--hellaswag-every) and on its own, also on OpenAI's GPT-2:
     python hellaswag.py --init-from gpt2
     python hellaswag.py --checkpoint log/ckpt_019073.pt
     torchrun --standalone --nproc_per_node=8 hellaswag.py --checkpoint log/ckpt_019073.pt
@@ -26,8 +26,6 @@ import requests
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 # the validation split is the one everybody reports (the test split has no labels)
 HELLASWAG_FILE = "hellaswag_val.jsonl"
@@ -157,54 +155,6 @@ def load_examples(path=None, cache_dir=None):
     return read_examples(cached_path, HELLASWAG_VAL_EXAMPLES, "delete it to download it again")
 
 # -----------------------------------------------------------------------------
-# OpenAI's GPT-2 weights: the baselines to compare with, and a starting point for --init-from
-
-
-def check_safetensors(path):
-    try:
-        with safe_open(path, "pt") as f:  # parses the header, which must cover the whole file
-            f.keys()
-    except Exception as e:  # safetensors raises its own error types, not OSError
-        raise BadFile(str(e))
-
-
-def load_openai_weights(model, name, endpoint=None, cache_dir=None):
-    """Fills model, a train_gpt2.GPT of the --model preset name, with OpenAI's weights from the Hugging Face hub
-    (or HF_ENDPOINT's mirror), downloaded once into the cache."""
-    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-    path = os.path.join(cache_dir or default_cache_dir(), name, "model.safetensors")
-    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
-    download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path, check_safetensors,
-                           "safetensors file", "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
-    try:
-        weights = load_file(path)
-    except Exception as e:
-        raise EvalError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
-    ours = model.state_dict()
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    loaded = set()
-    with torch.no_grad():
-        ours["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never looked up or scored
-        for key, tensor in weights.items():
-            key = "transformer." + key.removeprefix("transformer.")
-            if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                continue
-            if key not in ours:
-                raise EvalError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
-            if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
-                tensor = tensor.t()
-            # all of GPT-2's token rows, n_tokens of them: a file with fewer would leave tokens at zero
-            target = ours[key][: model.n_tokens] if key == "transformer.wte.weight" else ours[key]
-            if target.shape != tensor.shape:
-                raise EvalError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for {name}")
-            target.copy_(tensor)
-            loaded.add(key)
-    missing = set(ours) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
-    if missing:
-        raise EvalError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
-    return model
-
-# -----------------------------------------------------------------------------
 # tokenize once, into fixed-shape tensors
 
 
@@ -307,8 +257,9 @@ def main():
     args = parser.parse_args()
 
     # imported here, not at the top: train_gpt2.py imports this module
-    from train_gpt2 import (GPT, MODEL_SIZES, GPTConfig, UsageError, autocast_context, gpt2_tokenizer, load_checkpoint,
-                            model_from_checkpoint, resolve_dtype, setup_distributed, teardown_distributed)
+    from train_gpt2 import (GPT, UsageError, autocast_context, gpt2_tokenizer, load_checkpoint, model_from_checkpoint,
+                            resolve_dtype, setup_distributed, teardown_distributed)
+    error = None
     try:
         ddp = setup_distributed(args.device)
         if args.checkpoint:
@@ -317,17 +268,19 @@ def main():
             except Exception as e:  # a missing, truncated or foreign file: torch and pickle raise many kinds
                 raise UsageError(f"--checkpoint {args.checkpoint}: cannot load it as a train_gpt2.py checkpoint ({e})")
         else:
-            model = load_openai_weights(GPT(GPTConfig(**MODEL_SIZES[args.init_from])), args.init_from, cache_dir=args.cache_dir)
+            model = GPT.from_pretrained(args.init_from, cache_dir=args.cache_dir)
         model.to(ddp.device)
         examples = load_examples(args.hellaswag_file, args.cache_dir)
         prepared = prepare(examples, gpt2_tokenizer(), model.config.block_size)
         autocast_ctx = autocast_context(ddp.device_type, resolve_dtype("auto", ddp.device_type))
         acc_norm, acc, n = evaluate(model, prepared, ddp.device, autocast_ctx, ddp.rank, ddp.world_size)
     except (UsageError, EvalError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        error = str(e)  # not e, whose traceback would keep the model alive past the process group's end
     finally:
         teardown_distributed()
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     if ddp.rank == 0:
         print(f"HellaSwag ({n} examples): acc_norm {acc_norm:.4f} (GPT-2 124M: 0.2945, GPT-3 124M: 0.337), acc {acc:.4f}")
         print(f"acc_norm={acc_norm:.6f} acc={acc:.6f} n={n}")

@@ -249,6 +249,58 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
 
+    @classmethod
+    def from_pretrained(cls, name, config=None, cache_dir=None):
+        """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl) from the Hugging Face hub, or $HF_ENDPOINT's
+        mirror, downloaded once into the cache. A config, if given, must have that model's shapes."""
+        from safetensors.torch import load_file
+
+        endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+        path = os.path.join(cache_dir or hellaswag.default_cache_dir(), name, "model.safetensors")
+        headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
+        hellaswag.download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path,
+                                         check_safetensors, "safetensors file",
+                                         "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
+        try:
+            weights = load_file(path)
+        except Exception as e:
+            raise hellaswag.EvalError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
+        model = cls(config or GPTConfig(**MODEL_SIZES[name]))
+        ours = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            ours["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never looked up or scored
+            for key, tensor in weights.items():
+                key = "transformer." + key.removeprefix("transformer.")
+                if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                    continue
+                if key not in ours:
+                    raise hellaswag.EvalError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
+                if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
+                    tensor = tensor.t()
+                # all of GPT-2's token rows, n_tokens of them: a file with fewer would leave tokens at zero
+                target = ours[key][: model.n_tokens] if key == "transformer.wte.weight" else ours[key]
+                if target.shape != tensor.shape:
+                    raise hellaswag.EvalError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for {name}")
+                target.copy_(tensor)
+                loaded.add(key)
+        missing = set(ours) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
+        if missing:
+            raise hellaswag.EvalError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
+        return model
+
+
+def check_safetensors(path):
+    """Raises hellaswag.BadFile unless path is a whole safetensors file: its header must cover the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own error types, not OSError
+        raise hellaswag.BadFile(str(e))
+
 
 def flops_per_token(config, seq_len):
     """6N for the matmuls' forward and backward, plus attention's 12*L*H*Q*T (PaLM's appendix B)."""
@@ -718,30 +770,18 @@ def prepare_log_dir(log_dir, resumed_step):
         print(f"starting fresh: moved the old {log_dir} aside to {aside}")
 
 
-def save_checkpoint(cfg, step, evaluated, raw_model, optimizer, scaler, stream, val_loss, env):
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
-    rng_per_rank = [rng]
-    if env.world_size > 1:  # every rank reaches here before rank 0 writes
-        rng_per_rank = [None] * env.world_size
-        dist.all_gather_object(rng_per_rank, rng)
-    if env.rank == 0:
-        ckpt = {
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "step": step, "evaluated": evaluated, "stream": stream.state_dict(), "rng": rng_per_rank, "val_loss": val_loss,
-            "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
-        }
-        path = os.path.join(cfg.log_dir, f"ckpt_{step:06d}.pt")
-        t0 = time.perf_counter()
-        with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
-        for old in checkpoint_paths(cfg.log_dir)[: -cfg.keep_checkpoints]:
-            os.remove(old)
-    if env.world_size > 1:
-        dist.barrier()
+def write_checkpoint(log_dir, step, ckpt, keep):
+    """Saves ckpt as log_dir/ckpt_<step>.pt, whole or not at all, then deletes all but the latest keep."""
+    path = os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+    t0 = time.perf_counter()
+    with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+    for old in checkpoint_paths(log_dir)[:-keep]:
+        os.remove(old)
 
 
 def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr, grad_clip, stop_signal=(), poison=False):
@@ -781,178 +821,274 @@ def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr
 
 
 # -----------------------------------------------------------------------------
-# The training run.
+# The training run, in four steps: set up, restore, the training loop, finish.
+
+
+@dataclass
+class Run:
+    """What a training run is made of: built by set_up, moved on by the training loop, saved in its checkpoints."""
+    cfg: TrainConfig
+    env: Dist
+    enc: object  # the GPT-2 tokenizer, for samples
+    stream: TokenStream  # the training tokens
+    train_tokens: int
+    val: np.ndarray  # the fixed validation tokens
+    hellaswag_data: Optional[dict]  # tokenized once; None when HellaSwag is off
+    raw_model: GPT
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast_ctx: object
+    accum_steps: int  # micro-batches per optimizer step, in each process
+    model: Optional[nn.Module] = None  # raw_model, compiled: what evaluation runs
+    train_model: Optional[nn.Module] = None  # model, wrapped in DDP when there are several processes
+    step: int = 0  # optimizer steps taken
+    val_loss: Optional[float] = None  # the latest
+    evaluated: bool = False  # step's evaluations are done (by the run that saved the checkpoint this one resumed)
+    resumed_from: Optional[str] = None  # that checkpoint's path
+
+    @property
+    def master(self):
+        return self.env.rank == 0  # only rank 0 prints and writes files
+
+
+def set_up(cfg, env, pretrained):
+    """The data, the model (random, or OpenAI's weights if pretrained) on its device, and the optimizer."""
+    set_tf32(cfg.dtype != "fp32")
+    enc = gpt2_tokenizer()
+    stream, val, train_tokens = load_data(cfg)
+    hellaswag_data = None
+    if cfg.hellaswag_every > 0:
+        examples = hellaswag.load_examples(cfg.hellaswag_file or None, cfg.cache_dir or None)
+        hellaswag_data = hellaswag.prepare(examples, enc, cfg.block_size)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+    raw_model = GPT.from_pretrained(cfg.init_from, model_config, cfg.cache_dir or None) if pretrained else GPT(model_config)
+    raw_model.to(env.device)
+    return Run(cfg, env, enc, stream, train_tokens, val, hellaswag_data, raw_model,
+               optimizer=make_optimizer(raw_model, cfg, env.device_type),
+               scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow unless scaled
+               autocast_ctx=autocast_context(env.device_type, cfg.dtype),
+               accum_steps=cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size))
+
+
+def restore(run, ckpt, path):
+    """Puts the run back where the checkpoint at path left it: weights, optimizer, data position, RNGs and step."""
+    check_same_shapes(ckpt, run.raw_model.config, path)
+    run.raw_model.load_state_dict(ckpt["model"])
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    for group, flags in zip(run.optimizer.param_groups, settings):  # the flags win: --weight-decay, fused, ...
+        group.update(flags)
+    if ckpt["scaler"]:  # empty unless the run used fp16
+        run.scaler.load_state_dict(ckpt["scaler"])
+    run.stream.load_state_dict(ckpt["stream"])
+    rank = run.env.rank
+    if rank < len(ckpt["rng"]):
+        torch.set_rng_state(ckpt["rng"][rank]["cpu"])
+        if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
+    run.step, run.val_loss, run.evaluated, run.resumed_from = ckpt["step"], ckpt["val_loss"], ckpt.get("evaluated", False), path
+    if run.step > run.cfg.max_steps and not run.cfg.eval_only:
+        raise UsageError(f"{path} is at step {run.step}, past --max-steps {run.cfg.max_steps}; pass a larger --max-steps "
+                         f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
+
+
+def finished(run):
+    """Whether the resumed checkpoint is the end of this run, evaluated: then there is nothing left to do."""
+    done = run.step == run.cfg.max_steps and run.evaluated and not run.cfg.eval_only
+    if done and run.master:
+        print(f"{run.resumed_from} is the end of this run (step {run.step}, val loss {run.val_loss}): nothing left to do; "
+              f"pass a larger --max-steps to train on, or --no-resume to start over")
+    return done
+
+
+def start_log(run):
+    """Readies the log directory (a fresh start moves an old run aside) and says what is being run."""
+    cfg, env = run.cfg, run.env
+    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
+        dist.barrier()
+    if not run.master:
+        return
+    try:
+        if not cfg.eval_only:
+            prepare_log_dir(cfg.log_dir, run.step if run.resumed_from else None)
+        os.makedirs(cfg.log_dir, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may write to")
+    n_params = sum(p.numel() for p in run.raw_model.parameters())
+    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
+          f"{env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
+    print(f"data: {cfg.data}, {run.train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
+          f"{cfg.batch_size} x {cfg.seq_len} x {run.accum_steps} accumulation steps x {env.world_size} process(es)")
+    if run.resumed_from:
+        print(f"resuming from the checkpoint of step {run.step}")
+        if not cfg.eval_only:  # plot.py drops the points logged after it: they are being trained again
+            log(run, {"step": run.step, "event": "resume"})
+
+
+def log(run, record, line=None):
+    """Appends record to <log-dir>/log.jsonl (never truncated) and prints line, on rank 0."""
+    if run.master:
+        with open(os.path.join(run.cfg.log_dir, "log.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if line:
+            print(line, flush=True)
+
+
+def evaluations_due(run, step):
+    """Whether the validation loss (with samples) and HellaSwag are due at this step."""
+    cfg = run.cfg
+    final = cfg.eval_only or step == cfg.max_steps
+    return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
+            run.hellaswag_data is not None and (final or step % cfg.hellaswag_every == 0))
+
+
+def evaluate(run):
+    """The evaluations due at run.step, logged: the validation loss with samples, and HellaSwag."""
+    cfg, env, step = run.cfg, run.env, run.step
+    val_due, hellaswag_due = evaluations_due(run, step)
+    tokens = step * cfg.total_batch_size
+    extra = {"eval_only": True, "init_from": run.resumed_from or cfg.init_from} if cfg.eval_only else {}
+    if val_due:
+        run.val_loss = evaluate_val(run.model, run.val, cfg.batch_size, cfg.seq_len, env.device, run.autocast_ctx, env.rank, env.world_size)
+        log(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra}, f"step {step:5d} | val loss {run.val_loss:.4f}")
+        if run.master and cfg.num_samples > 0:
+            print_samples(run.raw_model, cfg, run.enc, env.device, run.autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
+    if hellaswag_due:
+        acc_norm, acc, n = hellaswag.evaluate(run.model, run.hellaswag_data, env.device, run.autocast_ctx, env.rank, env.world_size)
+        log(run, {"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
+            f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+
+
+def save_checkpoint(run, evaluated):
+    """Every rank's RNG states, and rank 0 writes the checkpoint of run.step; evaluated: its evaluations are done."""
+    env = run.env
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
+    rng_per_rank = [rng]
+    if env.world_size > 1:  # every rank reaches here before rank 0 writes
+        rng_per_rank = [None] * env.world_size
+        dist.all_gather_object(rng_per_rank, rng)
+    if run.master:
+        ckpt = {
+            "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+            "step": run.step, "evaluated": evaluated, "stream": run.stream.state_dict(), "rng": rng_per_rank,
+            "val_loss": run.val_loss, "model_config": asdict(run.raw_model.config), "train_config": asdict(run.cfg),
+        }
+        write_checkpoint(run.cfg.log_dir, run.step, ckpt, run.cfg.keep_checkpoints)
+    if env.world_size > 1:
+        dist.barrier()
+
+
+def catch_stop_signals():
+    """SIGTERM and SIGINT (preemption, Ctrl-C) end the run after the step in progress, with a checkpoint; a second one
+    kills it. Returns the list the signals are recorded in."""
+    caught = []
+
+    def on_signal(signum, frame):
+        caught.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return caught
+
+
+def training_loop(run):
+    """Trains from run.step to --max-steps, evaluating and saving checkpoints on the way. Returns whether a signal
+    stopped it early: then every rank stops at the same step, once the checkpoint is saved."""
+    cfg, env = run.cfg, run.env
+    stop_signal = catch_stop_signals()
+    inject_nan = {int(s) for s in os.environ.get("TRAIN_GPT2_NAN_STEPS", "").split(",") if s}  # test hook
+    start_step, bad_steps_in_a_row = run.step, 0
+    stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
+    while True:
+        already_evaluated = run.step == start_step and run.evaluated  # by the run that saved the checkpoint
+        if not stop_agreed and not already_evaluated and any(evaluations_due(run, run.step)):
+            # a preempted run saves before a long evaluation: the grace period before SIGKILL is short
+            stop_agreed = any_rank(bool(stop_signal), env.device)
+            if not stop_agreed:
+                evaluate(run)
+        stopping = run.step == cfg.max_steps or stop_agreed
+        if run.step > start_step and (stopping or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0)):
+            save_checkpoint(run, evaluated=not stop_agreed)
+        if stopping:
+            return stop_agreed
+
+        t0 = time.perf_counter()
+        batches = run.stream.next_step(cfg.batch_size, cfg.seq_len, run.accum_steps, env.rank, env.world_size, cfg.vocab_size)
+        lr = get_lr(run.step, cfg)
+        loss, norm, stop_votes, finite = train_step(run.train_model, run.optimizer, run.scaler, batches, run.autocast_ctx,
+                                                    env.device, lr, cfg.grad_clip, stop_signal, run.step in inject_nan)
+        if env.device_type == "cuda":
+            torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
+        stop_agreed = stop_votes > 0
+        bad_steps_in_a_row = 0 if finite else bad_steps_in_a_row + 1
+        log_step(run, loss, lr, norm, finite, time.perf_counter() - t0, bad_steps_in_a_row)
+        if bad_steps_in_a_row >= cfg.max_bad_steps:
+            last = checkpoint_paths(cfg.log_dir)
+            raise UsageError(f"{bad_steps_in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
+                             f"stopping. Lower --max-lr and resume from {last[-1] if last else 'scratch'}")
+        run.step += 1
+
+
+def log_step(run, loss, lr, norm, finite, dt, bad_steps_in_a_row):
+    """One line and one log.jsonl record for the step just taken."""
+    cfg, env, step = run.cfg, run.env, run.step
+    tok_per_sec = cfg.total_batch_size / dt
+    record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size, "train_loss": loss if finite else None,
+              "lr": lr, "grad_norm": norm if math.isfinite(norm) else None, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
+    line = f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | {dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s"
+    if env.device_type == "cuda":
+        mfu_peak = peak_flops(env.device_type)
+        if mfu_peak:
+            record["mfu"] = flops_per_token(run.raw_model.config, cfg.seq_len) * tok_per_sec / (mfu_peak * env.world_size)
+            line += f" | mfu {100 * record['mfu']:.1f}%"
+        record["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if not finite:
+        record["skipped"] = True
+        line += f" | non-finite: update skipped ({bad_steps_in_a_row} in a row)"
+    elif not math.isfinite(norm):  # fp16 gradients overflowed: the scaler skipped the update, lowering its scale
+        record["skipped"] = True
+    log(run, record, line)
+
+
+def finish(run, stopped_by_signal, seconds):
+    """Says how the run ended and what to do next."""
+    cfg = run.cfg
+    if not run.master:
+        return
+    if stopped_by_signal:
+        left = " (the last: only its final evaluation is left)" if run.step == cfg.max_steps else ""
+        same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
+        print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up {cfg.log_dir})")
+    else:
+        last = checkpoint_paths(cfg.log_dir)
+        hint = f"; for more samples: python train_gpt2.py --sample {last[-1]}" if last else ""
+        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {seconds / 60:.1f} min{hint}")
 
 
 def train(cfg, given):
     env = setup_distributed(cfg.device)
     cfg = resolve_config(cfg, given, env)
-    master = env.rank == 0  # only rank 0 prints and writes files
-    device, device_type = env.device, env.device_type
-    set_tf32(cfg.dtype != "fp32")
-    autocast_ctx = autocast_context(device_type, cfg.dtype)
-    enc = gpt2_tokenizer()
-    stream, val, train_tokens = load_data(cfg)
-    hellaswag_data = None
-    if cfg.hellaswag_every > 0:
-        hellaswag_data = hellaswag.prepare(hellaswag.load_examples(cfg.hellaswag_file or None, cfg.cache_dir or None), enc, cfg.block_size)
-    accum_steps = cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size)
-
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
     ckpt, ckpt_path = find_resume_checkpoint(cfg, env)
-    raw_model = GPT(model_config)
-    if ckpt is None and cfg.init_from != "scratch":
-        hellaswag.load_openai_weights(raw_model, cfg.init_from, cache_dir=cfg.cache_dir or None)
-    raw_model.to(device)
-    optimizer = make_optimizer(raw_model, cfg, device_type)
-    scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")  # fp16 gradients underflow unless scaled
-    start_step, val_loss, resumed, start_evaluated = 0, None, ckpt is not None, False
-    if resumed:
-        check_same_shapes(ckpt, model_config, ckpt_path)
-        raw_model.load_state_dict(ckpt["model"])
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for group, flags in zip(optimizer.param_groups, settings):  # the flags win: --weight-decay, fused, ...
-            group.update(flags)
-        if ckpt["scaler"]:  # empty unless the run used fp16
-            scaler.load_state_dict(ckpt["scaler"])
-        stream.load_state_dict(ckpt["stream"])
-        if env.rank < len(ckpt["rng"]):
-            torch.set_rng_state(ckpt["rng"][env.rank]["cpu"])
-            if device_type == "cuda" and ckpt["rng"][env.rank]["cuda"] is not None:
-                torch.cuda.set_rng_state(ckpt["rng"][env.rank]["cuda"])
-        start_step, val_loss, start_evaluated = ckpt["step"], ckpt["val_loss"], ckpt.get("evaluated", False)
+    run = set_up(cfg, env, pretrained=ckpt is None and cfg.init_from != "scratch")
+    if ckpt is not None:
+        restore(run, ckpt, ckpt_path)
         del ckpt  # its CPU copy of the weights and optimizer state would otherwise live as long as the run
-        if start_step > cfg.max_steps and not cfg.eval_only:
-            raise UsageError(f"{ckpt_path} is at step {start_step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
-                             f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
-        if start_step == cfg.max_steps and start_evaluated and not cfg.eval_only:
-            if master:
-                print(f"{ckpt_path} is the end of this run (step {start_step}, val loss {val_loss}): nothing left to do; "
-                      f"pass a larger --max-steps to train on, or --no-resume to start over")
+        if finished(run):
             return
-    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
-        dist.barrier()
-    if master:
-        try:
-            if not cfg.eval_only:
-                prepare_log_dir(cfg.log_dir, start_step if resumed else None)
-            os.makedirs(cfg.log_dir, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may write to")
-
-    def log(record, line=None):
-        if master:
-            with open(os.path.join(cfg.log_dir, "log.jsonl"), "a") as f:  # appended, never truncated
-                f.write(json.dumps(record) + "\n")
-            if line:
-                print(line, flush=True)
-
-    if master:
-        n_params = sum(p.numel() for p in raw_model.parameters())
-        print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
-              f"{env.world_size} process(es) on {device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
-        print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
-              f"{cfg.batch_size} x {cfg.seq_len} x {accum_steps} accumulation steps x {env.world_size} process(es)")
-        if resumed:
-            print(f"resuming from the checkpoint of step {start_step}")
-            if not cfg.eval_only:  # plot.py drops the points logged after it: they are being trained again
-                log({"step": start_step, "event": "resume"})
-
+    start_log(run)
     # fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one dynamic graph for all
-    model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
-    train_model = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if device_type == "cuda" else None) if env.world_size > 1 else model
-
-    def evaluations_due(step):
-        """Whether the validation loss (with samples) and HellaSwag are due at this step."""
-        final = cfg.eval_only or step == cfg.max_steps
-        return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
-                hellaswag_data is not None and (final or step % cfg.hellaswag_every == 0))
-
-    def evaluate(step):
-        nonlocal val_loss
-        tokens = step * cfg.total_batch_size
-        val_due, hellaswag_due = evaluations_due(step)
-        extra = {"eval_only": True, "init_from": cfg.resume if resumed else cfg.init_from} if cfg.eval_only else {}
-        if val_due:
-            val_loss = evaluate_val(model, val, cfg.batch_size, cfg.seq_len, device, autocast_ctx, env.rank, env.world_size)
-            log({"step": step, "tokens": tokens, "val_loss": val_loss, **extra}, f"step {step:5d} | val loss {val_loss:.4f}")
-            if master and cfg.num_samples > 0:
-                print_samples(raw_model, cfg, enc, device, autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
-        if hellaswag_due:
-            acc_norm, acc, n = hellaswag.evaluate(model, hellaswag_data, device, autocast_ctx, env.rank, env.world_size)
-            log({"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
-                f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
-
+    run.model = torch.compile(run.raw_model, dynamic=False) if cfg.compile else run.raw_model
+    run.train_model = run.model
+    if env.world_size > 1:  # all-reduces the gradients; its constructor gives every rank rank 0's weights
+        run.train_model = nn.parallel.DistributedDataParallel(run.model, device_ids=[env.local_rank] if env.device_type == "cuda" else None)
     if cfg.eval_only:
-        evaluate(start_step)
+        evaluate(run)
         return
-
-    stop_signal = []
-
-    def on_signal(signum, frame):  # preemption: finish the step, checkpoint, exit cleanly; a second signal kills
-        stop_signal.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    inject_nan = {int(s) for s in os.environ.get("TRAIN_GPT2_NAN_STEPS", "").split(",") if s}  # test hook
-    mfu_peak = peak_flops(device_type)
-    flops_per_step = flops_per_token(model_config, cfg.seq_len) * cfg.total_batch_size
-    bad_steps_in_a_row = 0
-    stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
-    step = start_step
-    while True:
-        already_evaluated = step == start_step and start_evaluated  # by the run that saved the checkpoint
-        if not stop_agreed and not already_evaluated and any(evaluations_due(step)):
-            # a preempted run saves before a long evaluation: the grace period before SIGKILL is short
-            stop_agreed = any_rank(bool(stop_signal), device)
-            if not stop_agreed:
-                evaluate(step)
-        stopping = step == cfg.max_steps or stop_agreed
-        if step > start_step and (stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-            save_checkpoint(cfg, step, not stop_agreed, raw_model, optimizer, scaler, stream, val_loss, env)
-        if stopping:
-            break
-
-        t0 = time.perf_counter()
-        batches = stream.next_step(cfg.batch_size, cfg.seq_len, accum_steps, env.rank, env.world_size, cfg.vocab_size)
-        lr = get_lr(step, cfg)
-        loss_value, norm_value, stop_votes, finite = train_step(
-            train_model, optimizer, scaler, batches, autocast_ctx, device, lr, cfg.grad_clip, stop_signal, step in inject_nan)
-        stop_agreed = stop_votes > 0
-        if device_type == "cuda":
-            torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
-        dt = time.perf_counter() - t0
-        tok_per_sec = cfg.total_batch_size / dt
-        record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size, "train_loss": loss_value if finite else None,
-                  "lr": lr, "grad_norm": norm_value if math.isfinite(norm_value) else None, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
-        line = f"step {step:5d} | loss {loss_value:.6f} | lr {lr:.4e} | norm {norm_value:.4f} | {dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s"
-        if mfu_peak:
-            record["mfu"] = flops_per_step / dt / (mfu_peak * env.world_size)
-            line += f" | mfu {100 * record['mfu']:.1f}%"
-        if device_type == "cuda":
-            record["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        if not finite:
-            bad_steps_in_a_row += 1
-            record["skipped"] = True
-            line += f" | non-finite: update skipped ({bad_steps_in_a_row} in a row)"
-        else:
-            bad_steps_in_a_row = 0
-            if not math.isfinite(norm_value):  # fp16 gradients overflowed: the scaler skipped the update, lowering its scale
-                record["skipped"] = True
-        log(record, line)
-        if bad_steps_in_a_row >= cfg.max_bad_steps:
-            last = checkpoint_paths(cfg.log_dir)
-            raise UsageError(f"{bad_steps_in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {step}); "
-                             f"stopping. Lower --max-lr and resume from {last[-1] if last else 'scratch'}")
-        step += 1
-
-    if stop_agreed and master:
-        left = " (the last: only its final evaluation is left)" if step == cfg.max_steps else ""
-        same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
-        print(f"stopped by signal at step {step}{left}, checkpoint saved; resume with {same} (it picks up {cfg.log_dir})")
+    t0 = time.perf_counter()
+    stopped_by_signal = training_loop(run)
+    finish(run, stopped_by_signal, time.perf_counter() - t0)
 
 
 def sample_from_checkpoint(cfg):

@@ -74,8 +74,7 @@ def reference_logits(w, idx):
 
 
 def openai_gpt2(**kwargs):
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(**train_gpt2.MODEL_SIZES["gpt2"]))
-    return hellaswag.load_openai_weights(model, "gpt2", **kwargs)
+    return train_gpt2.GPT.from_pretrained("gpt2", **kwargs)
 
 
 @pytest.fixture
