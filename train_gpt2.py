@@ -11,7 +11,6 @@ Without FineWeb shards (make them with `python fineweb.py`) it trains a small mo
 import argparse
 import contextlib
 import datetime
-import glob
 import json
 import math
 import os
@@ -435,15 +434,25 @@ class TokenStream:
         self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
 
 
+def files_in(directory, pattern):
+    """The files of directory whose names fully match the regex pattern. Not glob: "run[a]" is a name, not a pattern."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(os.path.join(directory, name) for name in names if re.fullmatch(pattern, name))
+
+
 def load_data(cfg):
     """The train stream and the fixed validation tokens, from a shard directory or a text file."""
     if not os.path.exists(cfg.data):
         raise UsageError(f"--data {cfg.data}: no such file or directory; make FineWeb shards with `python fineweb.py`, or pass a text file")
     if os.path.isdir(cfg.data):
         splits = {"train": [], "val": []}
-        for path in sorted(glob.glob(os.path.join(cfg.data, "*"))):
+        try:
+            paths = files_in(cfg.data, r"[^.].*\.(npy|bin)")  # not hidden files, such as macOS's ._x_train_000001.npy
+        except OSError as e:
+            raise UsageError(f"--data {cfg.data}: cannot list it ({e.strerror})")
+        for path in paths:
             # the split is a whole word of the name (x_val_000000.npy, x_train.bin), so that "interval_train" is no val shard
-            words = set(SPLIT_WORD.findall(os.path.basename(path))) if path.endswith((".npy", ".bin")) else set()
+            words = set(SPLIT_WORD.findall(os.path.basename(path)))
             if len(words) > 1:
                 raise UsageError(f"{path}: its name says both train and val; rename it to one of them")
             for word in words:
@@ -686,8 +695,7 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed):
 
 def checkpoint_paths(log_dir):
     """Checkpoints in log_dir, oldest first."""
-    found = glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
-    return sorted(p for p in found if re.fullmatch(r"ckpt_\d+\.pt", os.path.basename(p)))
+    return files_in(log_dir, r"ckpt_\d+\.pt")
 
 
 def load_checkpoint(path):
@@ -748,7 +756,7 @@ def prepare_log_dir(log_dir, resumed_step):
     """A fresh run (resumed_step None) moves an old run's directory aside; a resumed run moves aside the
     checkpoints newer than its own (abandoned, or unreadable), so that they are never resumed later."""
     if resumed_step is not None:
-        for stale in glob.glob(os.path.join(log_dir, "ckpt_*.pt.tmp")):  # a save cut short by a crash
+        for stale in files_in(log_dir, r"ckpt_\d+\.pt\.tmp"):  # a save cut short by a crash
             os.remove(stale)
         for path in checkpoint_paths(log_dir):
             if int(os.path.basename(path)[5:-3]) > resumed_step:

@@ -15,7 +15,8 @@ import torch
 
 import train_gpt2
 from helpers import (TINY, assert_tensors_equal, checkpoint_path, expect_usage_error, load_ckpt, one_thread,  # noqa: F401
-                     read_log, run_main, run_script, script_command, script_env, shards, train_records, val_records)
+                     read_log, run_main, run_script, script_command, script_env, shards, train_records, val_records,
+                     write_shards)
 
 
 def logged_train_steps(log_dir):
@@ -415,3 +416,18 @@ def test_a_checkpoint_that_would_run_code_is_refused(shards, tmp_path, capsys):
     assert not marker.exists()
     assert "warning: skipping unreadable checkpoint" in out and "ckpt_000002.pt" in out
     assert "resuming from the checkpoint of step 1" in out
+
+
+def test_directory_names_are_paths_not_glob_patterns(tmp_path, capsys):
+    """A data dir `data[1]` and a log dir `run[a]`: read as glob patterns, the shards were not found and the second
+    start found no checkpoint, started fresh and moved the whole run aside."""
+    data = write_shards(tmp_path / "data[1]")
+    log_dir = tmp_path / "run[a]"
+    args = TINY + ["--data", data, "--log-dir", log_dir]
+    code, _, err = run_main(args + ["--max-steps", "2"], capsys)
+    assert code == 0, err
+    code, out, err = run_main(args + ["--max-steps", "3"], capsys)
+    assert code == 0, err
+    assert "resuming from the checkpoint of step 2" in out and "starting fresh" not in out
+    assert sorted(train_records(read_log(log_dir))) == [0, 1, 2]
+    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt", "ckpt_000003.pt"]
