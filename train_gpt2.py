@@ -693,9 +693,13 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed):
         print(f"sample {i}: {enc.decode(tokens)!r}")
 
 
+def checkpoint_step(path):
+    return int(os.path.basename(path)[len("ckpt_"):-len(".pt")])
+
+
 def checkpoint_paths(log_dir):
-    """Checkpoints in log_dir, oldest first."""
-    return files_in(log_dir, r"ckpt_\d+\.pt")
+    """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
+    return sorted(files_in(log_dir, r"ckpt_\d+\.pt"), key=checkpoint_step)
 
 
 def load_checkpoint(path):
@@ -759,7 +763,7 @@ def prepare_log_dir(log_dir, resumed_step):
         for stale in files_in(log_dir, r"ckpt_\d+\.pt\.tmp"):  # a save cut short by a crash
             os.remove(stale)
         for path in checkpoint_paths(log_dir):
-            if int(os.path.basename(path)[5:-3]) > resumed_step:
+            if checkpoint_step(path) > resumed_step:
                 os.replace(path, path + ".abandoned")
                 print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
     elif os.path.isdir(log_dir) and os.listdir(log_dir):

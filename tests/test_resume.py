@@ -431,3 +431,22 @@ def test_directory_names_are_paths_not_glob_patterns(tmp_path, capsys):
     assert "resuming from the checkpoint of step 2" in out and "starting fresh" not in out
     assert sorted(train_records(read_log(log_dir))) == [0, 1, 2]
     assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt", "ckpt_000003.pt"]
+
+
+def test_checkpoints_past_step_999999_are_ordered_by_step(shards, tmp_path, capsys):
+    """ckpt_999999.pt sorts after ckpt_1000000.pt as text: pruning deleted the new one and resume took the old."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "1"]
+    assert run_main(args + ["--max-steps", "1"], capsys)[0] == 0
+    ckpt = load_ckpt(checkpoint_path(log_dir, 1))
+    ckpt["step"] = 999_999  # as if this run had come that far
+    os.remove(checkpoint_path(log_dir, 1))
+    torch.save(ckpt, checkpoint_path(log_dir, 999_999))
+    args += ["--max-steps", "1000001"]
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err
+    assert "resuming from the checkpoint of step 999999" in out
+    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_1000000.pt", "ckpt_1000001.pt"]
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err
+    assert "nothing left to do" in out and "ckpt_1000001.pt" in out
