@@ -855,6 +855,7 @@ class Run:
     train_model: Optional[nn.Module] = None  # model, wrapped in DDP when there are several processes
     step: int = 0  # optimizer steps taken
     val_loss: Optional[float] = None  # the latest
+    val_step: Optional[int] = None  # the step val_loss was measured at
     evaluated: bool = False  # step's evaluations are done (by the run that saved the checkpoint this one resumed)
     resumed_from: Optional[str] = None  # that checkpoint's path
 
@@ -899,7 +900,8 @@ def restore(run, ckpt, path):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    run.step, run.val_loss, run.evaluated, run.resumed_from = ckpt["step"], ckpt["val_loss"], ckpt.get("evaluated", False), path
+    run.step, run.evaluated, run.resumed_from = ckpt["step"], ckpt.get("evaluated", False), path
+    run.val_loss, run.val_step = ckpt["val_loss"], ckpt.get("val_step")
     if run.step > run.cfg.max_steps and not run.cfg.eval_only:
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {run.cfg.max_steps}; pass a larger --max-steps "
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
@@ -963,6 +965,7 @@ def evaluate(run):
     extra = {"eval_only": True, "init_from": run.resumed_from or cfg.init_from} if cfg.eval_only else {}
     if val_due:
         run.val_loss = evaluate_val(run.model, run.val, cfg.batch_size, cfg.seq_len, env.device, run.autocast_ctx, env.rank, env.world_size)
+        run.val_step = step
         log(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra}, f"step {step:5d} | val loss {run.val_loss:.4f}")
         if run.master and cfg.num_samples > 0:
             print_samples(run.raw_model, cfg, run.enc, env.device, run.autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
@@ -984,7 +987,7 @@ def save_checkpoint(run, evaluated):
         ckpt = {
             "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
             "step": run.step, "evaluated": evaluated, "stream": run.stream.state_dict(), "rng": rng_per_rank,
-            "val_loss": run.val_loss, "model_config": asdict(run.raw_model.config), "train_config": asdict(run.cfg),
+            "val_loss": run.val_loss, "val_step": run.val_step, "model_config": asdict(run.raw_model.config), "train_config": asdict(run.cfg),
         }
         write_checkpoint(run.cfg.log_dir, run.step, ckpt, run.cfg.keep_checkpoints)
     if env.world_size > 1:
@@ -1015,13 +1018,17 @@ def training_loop(run):
     stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
     while True:
         already_evaluated = run.step == start_step and run.evaluated  # by the run that saved the checkpoint
+        evaluated_now = False
         if not stop_agreed and not already_evaluated and any(evaluations_due(run, run.step)):
             # a preempted run saves before a long evaluation: the grace period before SIGKILL is short
             stop_agreed = any_rank(bool(stop_signal), env.device)
             if not stop_agreed:
                 evaluate(run)
+                evaluated_now = True
         stopping = run.step == cfg.max_steps or stop_agreed
-        if run.step > start_step and (stopping or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0)):
+        # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it again
+        unsaved = run.step > start_step or (run.resumed_from and stopping and evaluated_now)
+        if unsaved and (stopping or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0)):
             save_checkpoint(run, evaluated=not stop_agreed)
         if stopping:
             return stop_agreed
@@ -1103,6 +1110,18 @@ def train(cfg, given):
     finish(run, stopped_by_signal, time.perf_counter() - t0)
 
 
+def checkpoint_val_loss(ckpt):
+    """The validation loss of the checkpoint's weights, in words: a signal may have saved them before their evaluation."""
+    step, val_step, val_loss = ckpt["step"], ckpt.get("val_step"), ckpt["val_loss"]
+    if val_loss is None:
+        return "not evaluated"
+    if val_step == step:
+        return f"val loss {val_loss:.4f}"
+    if val_step is None:  # saved before checkpoints recorded the step of their validation loss
+        return f"val loss {val_loss:.4f} at its last evaluation, at or before this step"
+    return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"
+
+
 def sample_from_checkpoint(cfg):
     """--sample PATH: print samples from a checkpoint, without any training setup."""
     require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
@@ -1113,7 +1132,7 @@ def sample_from_checkpoint(cfg):
         raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({e})")
     model = model_from_checkpoint(ckpt).to(env.device)
     dtype = resolve_dtype(cfg.dtype, env.device_type)
-    print(f"checkpoint of step {ckpt['step']} (val loss {ckpt['val_loss']}), prompt {cfg.prompt!r}")
+    print(f"checkpoint of step {ckpt['step']} ({checkpoint_val_loss(ckpt)}), prompt {cfg.prompt!r}")
     print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed)
 
 

@@ -450,3 +450,43 @@ def test_checkpoints_past_step_999999_are_ordered_by_step(shards, tmp_path, caps
     code, out, err = run_main(args, capsys)
     assert code == 0, err
     assert "nothing left to do" in out and "ckpt_1000001.pt" in out
+
+
+def test_a_signal_in_the_last_step_leaves_a_run_that_finishes(shards, tmp_path, capsys, monkeypatch):
+    """SIGTERM in the last step saves the final checkpoint unevaluated. The next start evaluates it and records that,
+    so the start after says "nothing left to do" instead of evaluating (and logging) the end again each time; and
+    --sample never passes off an older step's validation loss as the checkpoint's."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--max-steps", "3", "--eval-every", "10", "--log-dir", log_dir]
+    real_train_step = train_gpt2.train_step
+
+    def train_step_then_signal(*a, **k):
+        if len(logged_train_steps(log_dir)) == 2:  # step 2, the last, before its vote
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_train_step(*a, **k)
+
+    monkeypatch.setattr(train_gpt2, "train_step", train_step_then_signal)
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err
+    assert "stopped by signal at step 3" in out
+    monkeypatch.undo()
+    assert load_ckpt(checkpoint_path(log_dir, 3))["evaluated"] is False
+    sample = ["--sample", checkpoint_path(log_dir, 3), "--device", "cpu", "--num-samples", "0"]
+    code, out, err = run_main(sample, capsys)
+    assert code == 0, err
+    step0_loss = val_records(read_log(log_dir))[0]["val_loss"]
+    assert "not evaluated" in out.splitlines()[0] and f"{step0_loss:.4f} at step 0" in out.splitlines()[0]
+
+    code, out, err = run_main(args, capsys)  # evaluates the end, once
+    assert code == 0, err
+    assert sorted(val_records(read_log(log_dir))) == [0, 3]
+    final_loss = val_records(read_log(log_dir))[3]["val_loss"]
+    assert load_ckpt(checkpoint_path(log_dir, 3))["evaluated"] is True
+    finished = open(log_dir / "log.jsonl").read()
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err
+    assert "nothing left to do" in out
+    assert open(log_dir / "log.jsonl").read() == finished
+    code, out, err = run_main(sample, capsys)
+    assert code == 0, err
+    assert f"val loss {final_loss:.4f}" in out.splitlines()[0]
