@@ -641,6 +641,12 @@ def prepare(args):
 def usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS has no affinity
 
+def default_prefix(output):
+    """The output directory's name less its split words: shakespeare_train/ gets shakespeare_val_000000.npy, ...
+    where shakespeare_train_val_000000.npy would name both splits, and the trainer would refuse it."""
+    name = SPLIT_WORD.sub("", os.path.basename(os.path.abspath(output))).strip("_.-")
+    return name or "shard"
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -648,7 +654,8 @@ def parse_args(argv=None):
                         help="local .txt (one document each), .jsonl or .parquet files or directories of them, "
                              "instead of the hub dataset")
     parser.add_argument("--output", help="shard directory (default: edu_fineweb10B for the hub dataset)")
-    parser.add_argument("--prefix", help="shard name prefix (default: edufineweb for the hub, else the --output name)")
+    parser.add_argument("--prefix", help="shard name prefix (default: edufineweb for the hub, else the --output name "
+                                         "less any word train or val)")
     parser.add_argument("--shard-size", type=int, default=10**8, help="tokens per shard (default: 100M)")
     parser.add_argument("--max-tokens", type=int, help="stop after this many tokens, for trials")
     parser.add_argument("--workers", type=int, default=usable_cores(), help="tokenizer processes (default: all cores)")
@@ -664,7 +671,11 @@ def parse_args(argv=None):
     if args.input and not args.output:
         sys.exit("error: --input needs --output DIR, the directory for the shards")
     args.output = args.output or "edu_fineweb10B"
-    args.prefix = args.prefix or ("edufineweb" if not args.input else os.path.basename(os.path.abspath(args.output)))
+    if not args.prefix:
+        args.prefix = "edufineweb" if not args.input else default_prefix(args.output)
+    elif SPLIT_WORD.search(args.prefix):
+        sys.exit(f"error: --prefix {args.prefix} holds the word {SPLIT_WORD.search(args.prefix).group(1)!r}, which "
+                 "train_gpt2.py reads as a shard's split; choose a prefix without train or val as a word")
     args.endpoint = args.endpoint.rstrip("/")
     if not args.endpoint.startswith(("http://", "https://")):
         sys.exit(f"error: --endpoint (or HF_ENDPOINT) {args.endpoint!r} is not a URL; e.g. https://huggingface.co")

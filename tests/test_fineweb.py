@@ -704,3 +704,23 @@ def test_shakespeare_shards_for_the_trainer(tmp_path):
     assert train.returncode == 0, train.stderr[-2000:]
     log = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
     assert any("val_loss" in entry for entry in log) and any("train_loss" in entry for entry in log)
+
+
+def test_the_default_prefix_never_names_a_split(tmp_path):
+    """Shards are named after the output directory: `--output shakespeare_train` made shakespeare_train_val_000000.npy,
+    which the trainer refuses (its name says both train and val). The split word is left out of the default prefix,
+    and a --prefix holding one is refused before any work."""
+    import train_gpt2
+
+    (tmp_path / "a.txt").write_text("plenty of words to fill a shard " * 2000)
+    output = tmp_path / "shakespeare_train"
+    result = run_fineweb("--input", tmp_path / "a.txt", "--output", output, "--shard-size", 10_000)
+    assert result.returncode == 0, result.stderr
+    assert list(shards_in(output)) == ["shakespeare_train_000001.npy", "shakespeare_val_000000.npy"]
+    cfg = train_gpt2.TrainConfig(data=str(output), vocab_size=50257, seq_len=32, total_batch_size=256, val_tokens=256)
+    _, _, train_tokens = train_gpt2.load_data(cfg)  # the trainer takes them as they are
+    assert train_tokens == sum(len(np.load(output / name)) for name in shards_in(output) if "_train_" in name)
+    for prefix in ("my_train", "val", "data.val"):
+        assert_error(run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "other", "--prefix", prefix),
+                     "--prefix", prefix)
+    assert not os.path.exists(tmp_path / "other")
