@@ -756,6 +756,25 @@ def check_same_shapes(ckpt, model_config, path):
 RUN_FILES = re.compile(r"log\.jsonl|curves\.png|ckpt_\d+\.pt(\.tmp|\.abandoned)?")
 
 
+def check_log_dir(log_dir):
+    """Fails now if this run cannot write in log_dir, not at its first log line after an evaluation (10M tokens on
+    FineWeb). The directories it makes to find out are removed again: a run stopped by a later error leaves none."""
+    missing = []  # deepest first
+    path = os.path.abspath(log_dir)
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        probe = os.path.join(log_dir, f".write_test.{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--log-dir {log_dir}: cannot write in it ({e.strerror}); pass a directory this run may write to")
+    for directory in missing:
+        os.rmdir(directory)
+
+
 def prepare_log_dir(log_dir, resumed_step):
     """A fresh run (resumed_step None) moves an old run's directory aside; a resumed run moves aside the
     checkpoints newer than its own (abandoned, or unreadable), so that they are never resumed later."""
@@ -1089,6 +1108,8 @@ def finish(run, stopped_by_signal, seconds):
 def train(cfg, given):
     env = setup_distributed(cfg.device)
     cfg = resolve_config(cfg, given, env)
+    if env.rank == 0:
+        check_log_dir(cfg.log_dir)
     ckpt, ckpt_path = find_resume_checkpoint(cfg, env)
     run = set_up(cfg, env, pretrained=ckpt is None and cfg.init_from != "scratch")
     if ckpt is not None:

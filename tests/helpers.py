@@ -2,6 +2,8 @@
 or the script in a subprocess (plain or under torchrun), and reading log.jsonl."""
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -57,7 +59,11 @@ def run_main(argv, capsys):
 
 def expect_usage_error(argv, capsys, *fragments):
     """main(argv) must exit 2 with a single 'error: ...' line on stderr holding every fragment, no traceback."""
-    code, out, err = run_main(argv, capsys)
+    return check_usage_error(*run_main(argv, capsys), *fragments)
+
+
+def check_usage_error(code, out, err, *fragments):
+    """What expect_usage_error checks, of a run's exit code, stdout and stderr; returns the error line."""
     assert code == 2, (code, out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -87,6 +93,23 @@ def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, **env):
     """The script (train_gpt2.py unless given) in a subprocess, under torchrun when nproc > 1: the CompletedProcess."""
     return subprocess.run(script_command(args, nproc, script), cwd=cwd, env=script_env(**env), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_script_on_tmpfs(args, cwd, mount, options, timeout=240):
+    """The script with a tmpfs of its own mounted at mount (options: "ro", or "size=256k" for a small disk), in a private
+    mount namespace (unshare: as root, or where user namespaces are allowed), so that its writes meet a real read-only
+    or full file system. The files left in the mount are listed on the last line of stdout. Skips where no such
+    namespace can be made."""
+    os.makedirs(mount, exist_ok=True)
+    unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
+    mount_it = f"mount -t tmpfs -o {shlex.quote(options)} tmpfs {shlex.quote(str(mount))}"
+    probe = subprocess.run(unshare + [mount_it], capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"no private tmpfs mount here ({probe.stderr.strip() if probe else 'no unshare command'})")
+    command = " ".join(shlex.quote(part) for part in script_command(args))
+    listing = f"ls -A {shlex.quote(str(mount))} | tr '\\n' ' '"
+    shell = f"{mount_it} && {{ {command}; code=$?; echo; {listing}; exit $code; }}"
+    return subprocess.run(unshare + [shell], cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def read_log(log_dir):

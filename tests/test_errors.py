@@ -5,7 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from helpers import TINY, expect_usage_error, one_thread, shards, write_shards  # noqa: F401 (fixtures)
+from helpers import (TINY, check_usage_error, expect_usage_error, one_thread, run_main, run_script_on_tmpfs,  # noqa: F401
+                     shards, write_shards)
 
 
 def args(data, log_dir, *extra):
@@ -192,3 +193,22 @@ def test_fresh_start_never_moves_a_directory_it_did_not_make(tmp_path, capsys):
     (log_dir / "notes.txt").write_text("mine")
     expect_usage_error(args(d, log_dir, "--no-resume"), capsys, "--log-dir", "notes.txt")
     assert (log_dir / "notes.txt").read_text() == "mine" and not os.path.exists(log_dir / "log.jsonl")
+
+
+def test_a_log_dir_that_cannot_be_written_is_refused_at_start_up(shards, tmp_path, capsys):
+    """Found before any data is read or evaluation run (10M tokens on FineWeb), not at the first log line after it."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    log_dir.chmod(0o555)
+    argv = args(shards, log_dir, "--eval-every", "1")
+    try:
+        if not os.access(log_dir, os.W_OK):  # a user's own directory without write permission
+            code, out, err = run_main(argv, capsys)
+        else:  # root writes regardless of permissions: a read-only file system stops it
+            result = run_script_on_tmpfs(argv, tmp_path, log_dir, "ro")
+            code, out, err = result.returncode, result.stdout, result.stderr
+    finally:
+        log_dir.chmod(0o755)
+    line = check_usage_error(code, out, err, "--log-dir", str(log_dir))
+    assert "read-only" in line.lower() or "permission" in line.lower()
+    assert "val loss" not in out and "data:" not in out
