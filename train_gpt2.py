@@ -11,10 +11,12 @@ Without FineWeb shards (make them with `python fineweb.py`) it trains a small mo
 import argparse
 import contextlib
 import datetime
+import errno
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -801,14 +803,49 @@ def prepare_log_dir(log_dir, resumed_step):
         print(f"starting fresh: moved the old {log_dir} aside to {aside}")
 
 
+def storage_bytes(obj):
+    """About the size of obj saved: the bytes of the tensors in it, each storage once (wte and lm_head share one)."""
+    storages, todo = {}, [obj]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return sum(storages.values())
+
+
+def out_of_space(error, directory, needed):
+    """Whether a failed write ran out of room; torch.save raises a RuntimeError that keeps the OSError as its context."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    return shutil.disk_usage(directory).free < needed
+
+
 def write_checkpoint(log_dir, step, ckpt, keep):
     """Saves ckpt as log_dir/ckpt_<step>.pt, whole or not at all, then deletes all but the latest keep."""
     path = os.path.join(log_dir, f"ckpt_{step:06d}.pt")
     t0 = time.perf_counter()
-    with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")
+        needed = storage_bytes(ckpt)
+        if not out_of_space(e, log_dir, needed):
+            raise
+        last = checkpoint_paths(log_dir)
+        raise UsageError(f"disk full writing {path}: a checkpoint needs about {needed / 2**20:,.1f} MiB, "
+                         f"{shutil.disk_usage(log_dir).free / 2**20:,.1f} MiB are free (saving needs room for "
+                         f"--keep-checkpoints {keep} of them and one more); free some space, then run the same command "
+                         f"again: it resumes from {last[-1] if last else 'the start'}") from None
     os.replace(path + ".tmp", path)
     print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
     for old in checkpoint_paths(log_dir)[:-keep]:

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import (TINY, assert_tensors_equal, checkpoint_path, expect_usage_error, load_ckpt, one_thread,  # noqa: F401
-                     read_log, run_main, run_script, script_command, script_env, shards, train_records, val_records,
-                     write_shards)
+from helpers import (TINY, assert_tensors_equal, check_usage_error, checkpoint_path, expect_usage_error, load_ckpt,  # noqa: F401
+                     one_thread, read_log, run_main, run_script, run_script_on_tmpfs, script_command, script_env, shards,
+                     train_records, val_records, write_shards)
 
 
 def logged_train_steps(log_dir):
@@ -490,3 +490,18 @@ def test_a_signal_in_the_last_step_leaves_a_run_that_finishes(shards, tmp_path, 
     code, out, err = run_main(sample, capsys)
     assert code == 0, err
     assert f"val loss {final_loss:.4f}" in out.splitlines()[0]
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(shards, tmp_path, capsys):
+    """A real ENOSPC: the log dir is a tmpfs with room for one checkpoint, not two. torch.save's error used to end the run
+    with a traceback (RuntimeError: [enforce fail at inline_container.cc]) and leave the partial .tmp behind."""
+    args = TINY + ["--data", shards, "--max-steps", "3", "--checkpoint-every", "1"]
+    assert run_main(args + ["--max-steps", "1", "--log-dir", tmp_path / "sized"], capsys)[0] == 0
+    size = os.path.getsize(checkpoint_path(tmp_path / "sized", 1))
+    log_dir = tmp_path / "log"
+    result = run_script_on_tmpfs(args + ["--log-dir", log_dir], tmp_path, log_dir, f"size={size * 3 // 2 // 4096 * 4}k")
+    line = check_usage_error(result.returncode, result.stdout, result.stderr, "disk full", checkpoint_path(log_dir, 2),
+                             "MiB", "ckpt_000001.pt")
+    assert re.search(r"needs about [\d.]+ MiB", line), line
+    assert f"saved {checkpoint_path(log_dir, 1)}" in result.stdout
+    assert result.stdout.splitlines()[-1].split() == ["ckpt_000001.pt", "log.jsonl"]  # no partial ckpt_000002.pt.tmp
