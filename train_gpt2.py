@@ -755,7 +755,9 @@ def check_same_shapes(ckpt, model_config, path):
         raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
 
 
-RUN_FILES = re.compile(r"log\.jsonl|curves\.png|ckpt_\d+\.pt(\.tmp|\.abandoned)?")
+# What a run writes in its --log-dir, as regexes of names: a fresh start moves an earlier run's aside, and every other
+# file there (the shell's out.txt, the user's notes) stays where it is, untouched.
+RUN_FILES = [r"log\.jsonl", r"curves\.png", r"ckpt_\d+\.pt", r"ckpt_\d+\.pt\.tmp", r"ckpt_\d+\.pt\.abandoned"]
 
 
 def check_log_dir(log_dir):
@@ -778,29 +780,34 @@ def check_log_dir(log_dir):
 
 
 def prepare_log_dir(log_dir, resumed_step):
-    """A fresh run (resumed_step None) moves an old run's directory aside; a resumed run moves aside the
-    checkpoints newer than its own (abandoned, or unreadable), so that they are never resumed later."""
-    if resumed_step is not None:
-        for stale in files_in(log_dir, r"ckpt_\d+\.pt\.tmp"):  # a save cut short by a crash
-            os.remove(stale)
-        for path in checkpoint_paths(log_dir):
-            if checkpoint_step(path) > resumed_step:
-                os.replace(path, path + ".abandoned")
-                print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
-    elif os.path.isdir(log_dir) and os.listdir(log_dir):
-        foreign = [name for name in os.listdir(log_dir) if not RUN_FILES.fullmatch(name)]
-        aside = stamped = f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}"
-        for n in range(1, 1000):  # two fresh starts within a second must not collide
-            if not os.path.exists(aside):
-                break
-            aside = f"{stamped}.{n}"
-        try:
-            if foreign:
-                raise OSError(f"it holds files no run wrote, such as {foreign[0]}")
-            os.rename(log_dir, aside)
-        except OSError as e:
-            raise UsageError(f"--log-dir {log_dir}: cannot move the old run aside ({e}); give this run a directory of its own")
-        print(f"starting fresh: moved the old {log_dir} aside to {aside}")
+    """A fresh run (resumed_step None) moves an earlier run's files aside; a resumed run moves aside the checkpoints
+    newer than its own (abandoned, or unreadable), so that they are never resumed later."""
+    if resumed_step is None:
+        move_old_run_aside(log_dir)
+        return
+    for stale in files_in(log_dir, r"ckpt_\d+\.pt\.tmp"):  # a save cut short by a crash
+        os.remove(stale)
+    for path in checkpoint_paths(log_dir):
+        if checkpoint_step(path) > resumed_step:
+            os.replace(path, path + ".abandoned")
+            print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
+
+
+def move_old_run_aside(log_dir):
+    """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>."""
+    old = files_in(log_dir, "|".join(RUN_FILES))
+    if not old:
+        return
+    aside = stamped = f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 0
+    while os.path.exists(aside):  # two fresh starts within a second must not collide
+        n += 1
+        aside = f"{stamped}.{n}"
+    os.mkdir(aside)
+    for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
+        os.rename(path, os.path.join(aside, os.path.basename(path)))
+    names = ", ".join(os.path.basename(path) for path in old)
+    print(f"starting fresh: moved the old run's files ({names}) from {log_dir} aside to {aside}")
 
 
 def storage_bytes(obj):

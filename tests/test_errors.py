@@ -186,13 +186,17 @@ def test_unreadable_checkpoint_path(shards, tmp_path, capsys, what):
 
 
 def test_fresh_start_never_moves_a_directory_it_did_not_make(tmp_path, capsys):
-    """--log-dir pointing at a folder of other things (a project, a parent of runs) is refused, not renamed."""
+    """--log-dir pointing at a folder of other things (a project, a parent of runs): the run starts there, and a
+    fresh start moves nothing but an earlier run's own files; the folder and the user's files stay."""
     d = write_shards(tmp_path / "data")
     log_dir = tmp_path / "runs"
     log_dir.mkdir()
     (log_dir / "notes.txt").write_text("mine")
-    expect_usage_error(args(d, log_dir, "--no-resume"), capsys, "--log-dir", "notes.txt")
-    assert (log_dir / "notes.txt").read_text() == "mine" and not os.path.exists(log_dir / "log.jsonl")
+    code, out, err = run_main(args(d, log_dir, "--no-resume"), capsys)
+    assert code == 0, err
+    assert "aside" not in out  # nothing to move: no run was there
+    assert (log_dir / "notes.txt").read_text() == "mine" and os.path.exists(log_dir / "log.jsonl")
+    assert sorted(os.listdir(tmp_path)) == ["data", "runs"]
 
 
 def test_a_log_dir_that_cannot_be_written_is_refused_at_start_up(shards, tmp_path, capsys):

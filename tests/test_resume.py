@@ -256,7 +256,7 @@ def test_no_resume_moves_the_old_log_dir_aside(shards, tmp_path, capsys, monkeyp
     assert second.startswith(first) and len(second) > len(first)
     code, out, _ = run_main(args + ["--max-steps", "1", "--no-resume"], capsys)
     assert code == 0
-    moved = re.search(r"moved the old (\S+) aside to (\S+)", out)
+    moved = re.search(r"from (\S+) aside to (\S+)", out)
     assert moved and moved.group(1) == str(log_dir)
     aside = moved.group(2)
     assert os.path.dirname(aside) == str(tmp_path)
@@ -505,3 +505,28 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(sha
     assert re.search(r"needs about [\d.]+ MiB", line), line
     assert f"saved {checkpoint_path(log_dir, 1)}" in result.stdout
     assert result.stdout.splitlines()[-1].split() == ["ckpt_000001.pt", "log.jsonl"]  # no partial ckpt_000002.pt.tmp
+
+
+def test_files_of_the_users_own_in_the_log_dir_stay_where_they_are(shards, tmp_path, capsys):
+    """`mkdir run1; python train_gpt2.py --log-dir run1 > run1/out.txt`: there is no earlier run, only the shell's
+    out.txt, and the run must start in run1 as it is. A fresh start later moves only the earlier run's own files aside."""
+    log_dir = tmp_path / "run1"
+    log_dir.mkdir()
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "2"]
+    with open(log_dir / "out.txt", "w") as out:
+        result = subprocess.run(script_command(args), cwd=tmp_path, env=script_env(), stdout=out, stderr=subprocess.PIPE,
+                                text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: step 2" in (log_dir / "out.txt").read_text()
+    (log_dir / "notes").mkdir()
+    (log_dir / "notes" / "plan.md").write_text("mine")
+    first = (log_dir / "log.jsonl").read_text()
+    code, out, err = run_main(args + ["--no-resume", "--max-steps", "1"], capsys)
+    assert code == 0, err
+    moved = re.search(r"moved the old run's files \(ckpt_000002.pt, log.jsonl\) from (\S+) aside to (\S+)$", out, re.M)
+    assert moved and moved.group(1) == str(log_dir), out
+    aside = moved.group(2)
+    assert os.path.dirname(aside) == str(tmp_path) and os.path.basename(aside).startswith("run1.")
+    assert sorted(os.listdir(aside)) == ["ckpt_000002.pt", "log.jsonl"] and open(os.path.join(aside, "log.jsonl")).read() == first
+    assert sorted(os.listdir(log_dir)) == ["ckpt_000001.pt", "log.jsonl", "notes", "out.txt"]
+    assert "done: step 2" in (log_dir / "out.txt").read_text() and (log_dir / "notes" / "plan.md").read_text() == "mine"
