@@ -89,7 +89,8 @@ class TrainConfig:
     hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)")
     hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
     cache_dir: str = setting("", "where HellaSwag and OpenAI's weights are downloaded to (empty: $GPT2_CACHE_DIR, else ~/.cache/train_gpt2)")
-    eval_only: bool = setting(False, "evaluate the initial or resumed model, log it, and stop")
+    eval_only: bool = setting(False, "evaluate the latest checkpoint in --log-dir (or --resume's, or --init-from's weights), "
+                                     "log it, and stop")
     prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
     num_samples: int = setting(4, "samples printed at each evaluation")
     max_new_tokens: int = setting(32, "length of each sample")
@@ -724,8 +725,8 @@ def model_from_checkpoint(ckpt):
 def find_resume_checkpoint(cfg, env):
     """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
     unreadable ones, and every rank loads that same one."""
-    if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto"):
-        return None, None
+    if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
+        return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
     ckpt, chosen = None, [None]
     if env.rank == 0:
         for path in [cfg.resume] if cfg.resume != "auto" else reversed(checkpoint_paths(cfg.log_dir)):
@@ -957,7 +958,8 @@ def restore(run, ckpt, path):
         group.update(flags)
     if ckpt["scaler"]:  # empty unless the run used fp16
         run.scaler.load_state_dict(ckpt["scaler"])
-    run.stream.load_state_dict(ckpt["stream"])
+    if not run.cfg.eval_only:  # evaluation needs no data position: a checkpoint may be evaluated on any --data
+        run.stream.load_state_dict(ckpt["stream"])
     rank = run.env.rank
     if rank < len(ckpt["rng"]):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])

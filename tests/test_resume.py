@@ -530,3 +530,16 @@ def test_files_of_the_users_own_in_the_log_dir_stay_where_they_are(shards, tmp_p
     assert sorted(os.listdir(aside)) == ["ckpt_000002.pt", "log.jsonl"] and open(os.path.join(aside, "log.jsonl")).read() == first
     assert sorted(os.listdir(log_dir)) == ["ckpt_000001.pt", "log.jsonl", "notes", "out.txt"]
     assert "done: step 2" in (log_dir / "out.txt").read_text() and (log_dir / "notes" / "plan.md").read_text() == "mine"
+
+
+def test_eval_only_evaluates_the_latest_checkpoint(shards, tmp_path, capsys):
+    """--eval-only in a run's log dir, without --resume: its help says it evaluates the resumed model; it evaluated
+    random weights and appended them to the run's log."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-lr", "1e-2", "--warmup-steps", "1"]
+    assert run_main(args + ["--max-steps", "4", "--checkpoint-every", "2"], capsys)[0] == 0
+    trained = val_records(read_log(log_dir))[4]["val_loss"]
+    code, out, err = run_main(args + ["--eval-only"], capsys)
+    assert code == 0, err
+    last = read_log(log_dir)[-1]
+    assert last == {"step": 4, "tokens": 4 * 256, "val_loss": trained, "eval_only": True, "init_from": checkpoint_path(log_dir, 4)}
