@@ -427,14 +427,35 @@ class TokenStream:
         self.epoch, self.index, self.offset = self.seek(self.epoch, self.index, self.offset, accum_steps * world_size * B * T)
         return batches
 
+    def shard_sizes(self):
+        """[name, tokens] of each shard, by file name only: the same shards moved to another directory are the same."""
+        return [[os.path.basename(name), len(shard)] for name, shard in zip(self.names, self.shards)]
+
     def state_dict(self):
-        return {"epoch": self.epoch, "index": self.index, "offset": self.offset, "seed": self.seed, "n_shards": len(self.shards)}
+        return {"epoch": self.epoch, "index": self.index, "offset": self.offset, "seed": self.seed,
+                "n_shards": len(self.shards), "shards": self.shard_sizes()}
 
     def load_state_dict(self, state):
-        if (state["seed"], state["n_shards"]) != (self.seed, len(self.shards)):
-            raise UsageError(f"the checkpoint's data position is for --seed {state['seed']} and {state['n_shards']} training shard(s), "
-                             f"not --seed {self.seed} and {len(self.shards)}: the shard order depends on both; pass the same --data and --seed")
+        """The position of a checkpoint, which means something only over the same shards in the same order."""
+        if state["seed"] != self.seed:
+            raise UsageError(f"the checkpoint's data position is for --seed {state['seed']}, not --seed {self.seed}: the shard "
+                             f"order depends on it; pass --seed {state['seed']}, or --no-resume to start over")
+        change = shards_changed(state.get("shards"), self.shard_sizes(), state["n_shards"])  # older checkpoints: the count
+        if change:
+            raise UsageError(f"the checkpoint's data position is in other training shards than those of --data: {change}; "
+                             f"pass the --data it was trained on, or --no-resume to start over")
         self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
+
+
+def shards_changed(saved, now, n_saved):
+    """What differs between the shards a checkpoint was trained on and these, in words ("" if nothing)."""
+    if saved is None:
+        return f"{n_saved} training shard(s) then, {len(now)} now" if n_saved != len(now) else ""
+    before, after = dict(saved), dict(now)
+    changes = [f"{name} is gone" if name not in after else f"{name} had {tokens:,} tokens, now {after[name]:,}"
+               for name, tokens in before.items() if after.get(name) != tokens]
+    changes += [f"{name} is new" for name in after if name not in before]
+    return "; ".join(changes) or ("the shards are in another order" if saved != now else "")
 
 
 def files_in(directory, pattern):
@@ -960,6 +981,7 @@ def restore(run, ckpt, path):
         run.scaler.load_state_dict(ckpt["scaler"])
     if not run.cfg.eval_only:  # evaluation needs no data position: a checkpoint may be evaluated on any --data
         run.stream.load_state_dict(ckpt["stream"])
+        check_same_batch(ckpt, run.cfg.total_batch_size, path)
     rank = run.env.rank
     if rank < len(ckpt["rng"]):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
@@ -970,6 +992,14 @@ def restore(run, ckpt, path):
     if run.step > run.cfg.max_steps and not run.cfg.eval_only:
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {run.cfg.max_steps}; pass a larger --max-steps "
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
+
+
+def check_same_batch(ckpt, total_batch_size, path):
+    saved = ckpt["train_config"]["total_batch_size"]
+    if saved != total_batch_size:
+        raise UsageError(f"{path} was trained with --total-batch-size {saved}, not {total_batch_size}: its {ckpt['step']} steps "
+                         f"stand for {ckpt['step'] * saved:,} tokens, and the schedule and the log count steps; pass "
+                         f"--total-batch-size {saved}, or --no-resume to start over")
 
 
 def finished(run):

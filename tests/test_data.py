@@ -106,7 +106,9 @@ def test_one_epoch_covers_every_token_once_without_overlap():
     assert sorted(order) == list(range(5))
     # targets are the inputs one token later, across shard ends too; the last one opens the next epoch
     assert np.array_equal(targets[:-1], inputs[1:])
-    assert all(s.state_dict() == {"epoch": 1, "index": 0, "offset": 0, "seed": 5, "n_shards": 5} for s in streams)
+    shard_sizes = [[f"s{i}", n] for i, n in enumerate(lengths)]
+    assert all(s.state_dict() == {"epoch": 1, "index": 0, "offset": 0, "seed": 5, "n_shards": 5, "shards": shard_sizes}
+               for s in streams)
     next_epoch_first = streams[0].next_step(1, 1, 1, 0, 1, BIG_VOCAB)[0][0].item()
     assert targets[-1] == next_epoch_first
 

@@ -543,3 +543,35 @@ def test_eval_only_evaluates_the_latest_checkpoint(shards, tmp_path, capsys):
     assert code == 0, err
     last = read_log(log_dir)[-1]
     assert last == {"step": 4, "tokens": 4 * 256, "val_loss": trained, "eval_only": True, "init_from": checkpoint_path(log_dir, 4)}
+
+
+def test_resuming_on_other_data_or_batch_is_refused(shards, tmp_path, capsys):
+    """The saved position is an offset into the shards in their shuffled order, and the steps count batches of
+    --total-batch-size tokens: other shards with the same count, or another batch, made it meaningless."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--log-dir", log_dir, "--max-steps", "3"]
+    assert run_main(args + ["--data", shards, "--max-steps", "2"], capsys)[0] == 0
+    other = write_shards(tmp_path / "other", train_lengths=(3000, 2400))
+    expect_usage_error(args + ["--data", other], capsys, "synth_train_000001.npy", "2,500", "2,400", "--data", "--no-resume")
+    renamed = write_shards(tmp_path / "renamed")
+    os.rename(os.path.join(renamed, "synth_train_000001.npy"), os.path.join(renamed, "synth_train_000009.npy"))
+    expect_usage_error(args + ["--data", renamed], capsys, "synth_train_000001.npy", "synth_train_000009.npy", "--no-resume")
+    expect_usage_error(args + ["--data", shards, "--total-batch-size", "512"], capsys,
+                       "--total-batch-size 256", "not 512", "--no-resume")
+    moved = shutil.copytree(shards, tmp_path / "moved")  # the same shards elsewhere: the same position
+    code, out, err = run_main(args + ["--data", moved], capsys)
+    assert code == 0 and "resuming from the checkpoint of step 2" in out, err
+
+
+def test_a_checkpoint_without_shard_names_still_resumes(shards, tmp_path, capsys):
+    """Checkpoints saved before the shards' names and sizes were recorded hold only their count."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    ckpt = load_ckpt(checkpoint_path(log_dir, 2))
+    del ckpt["stream"]["shards"]
+    torch.save(ckpt, checkpoint_path(log_dir, 2))
+    expect_usage_error(args + ["--max-steps", "3", "--data", write_shards(tmp_path / "three", (1000, 1000, 1000))], capsys,
+                       "2 training shard(s) then, 3 now", "--no-resume")
+    code, out, err = run_main(args + ["--max-steps", "3"], capsys)
+    assert code == 0 and "resuming from the checkpoint of step 2" in out, err
