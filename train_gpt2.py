@@ -855,6 +855,16 @@ def out_of_space(error, directory, needed):
     return shutil.disk_usage(directory).free < needed
 
 
+def sync_directory(path):
+    """Makes the renames in a directory durable (where directories can be opened: not on Windows)."""
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def write_checkpoint(log_dir, step, ckpt, keep):
     """Saves ckpt as log_dir/ckpt_<step>.pt, whole or not at all, then deletes all but the latest keep."""
     path = os.path.join(log_dir, f"ckpt_{step:06d}.pt")
@@ -876,6 +886,7 @@ def write_checkpoint(log_dir, step, ckpt, keep):
                          f"--keep-checkpoints {keep} of them and one more); free some space, then run the same command "
                          f"again: it resumes from {last[-1] if last else 'the start'}") from None
     os.replace(path + ".tmp", path)
+    sync_directory(log_dir)  # the new name on disk before the old checkpoints go: a power cut must not leave none
     print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
     for old in checkpoint_paths(log_dir)[:-keep]:
         os.remove(old)

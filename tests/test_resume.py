@@ -7,6 +7,7 @@ import random
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import time
 
@@ -575,3 +576,25 @@ def test_a_checkpoint_without_shard_names_still_resumes(shards, tmp_path, capsys
                        "2 training shard(s) then, 3 now", "--no-resume")
     code, out, err = run_main(args + ["--max-steps", "3"], capsys)
     assert code == 0 and "resuming from the checkpoint of step 2" in out, err
+
+
+def test_the_new_checkpoint_is_durable_before_old_ones_are_deleted(shards, tmp_path, capsys, monkeypatch):
+    """The renamed checkpoint's directory entry is synced before pruning: else a power cut could keep the deletion of
+    the old checkpoints but lose the new one's name, leaving none."""
+    log_dir = tmp_path / "log"
+    events = []
+    real_fsync, real_replace, real_remove = os.fsync, os.replace, os.remove
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("sync dir", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("rename", str(dst))), real_replace(src, dst))[1])
+    monkeypatch.setattr(os, "remove", lambda path: (events.append(("remove", str(path))), real_remove(path))[1])
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "2", "--checkpoint-every", "1", "--keep-checkpoints", "1"]
+    assert run_main(args, capsys)[0] == 0
+    saving_2 = events[events.index(("rename", checkpoint_path(log_dir, 2))):]
+    assert saving_2[:3] == [("rename", checkpoint_path(log_dir, 2)), ("sync dir", str(log_dir)),
+                            ("remove", checkpoint_path(log_dir, 1))]
