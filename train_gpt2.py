@@ -630,7 +630,25 @@ def resolve_config(cfg, given, env):
         cfg.hellaswag_every = 0  # too slow on a CPU; and HellaSwag's text needs every GPT-2 token
     cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
     check_config(cfg, env.world_size)
+    fit_warmup(cfg, given, env.rank == 0)
     return cfg
+
+
+def fit_warmup(cfg, given, master):
+    """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps for
+    FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about."""
+    if cfg.eval_only or cfg.max_steps == 0 or cfg.warmup_steps < cfg.max_steps:
+        return
+    if "warmup_steps" in given:
+        if master:
+            print(f"warning: --warmup-steps {cfg.warmup_steps} is not shorter than --max-steps {cfg.max_steps}: the learning "
+                  f"rate rises for the whole run and never decays")
+        return
+    warmup = cfg.max_steps // 10
+    if master:
+        print(f"--max-steps {cfg.max_steps} is shorter than the {cfg.warmup_steps} warmup steps: warming up for {warmup} "
+              f"step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
+    cfg.warmup_steps = warmup
 
 
 def require(cfg, names, ok, what):

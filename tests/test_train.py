@@ -34,6 +34,20 @@ def test_lr_schedule():
                                                                       0.5 * (1 + math.cos(3 * math.pi / 4)) * 1e-3, 0.0], abs=1e-15)
 
 
+def test_a_run_shorter_than_the_warmup_gets_a_warmup_that_fits(shards, tmp_path, capsys):
+    """--max-steps 10 with the default 715 warmup steps left the learning rate rising to the end, never at its peak,
+    never decaying. Unless --warmup-steps was given, the warmup is cut to a tenth of the run, and a line says so."""
+    code, out, err = run_main(TINY + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "10"], capsys)
+    assert code == 0, err
+    assert "--max-steps 10 is shorter than the 715 warmup steps: warming up for 1 step instead" in out
+    lrs = [r["lr"] for r in train_records(read_log(tmp_path / "log")).values()]
+    assert lrs[0] == pytest.approx(6e-4) and lrs[-1] == pytest.approx(6e-5)  # at the peak after 1 step, then down the cosine
+    env = train_gpt2.Dist(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
+    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--data", shards, "--max-steps", "10", "--warmup-steps", "20"]), env)
+    assert cfg.warmup_steps == 20  # the user's choice stands, with a warning
+    assert "warning: --warmup-steps 20 is not shorter than --max-steps 10" in capsys.readouterr().out
+
+
 def test_adamw_decays_only_the_weight_matrices():
     model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
     optimizer = train_gpt2.make_optimizer(model, TrainConfig(weight_decay=0.1, max_lr=6e-4), "cpu")
@@ -254,7 +268,8 @@ def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
     assert f"data: {REPO}/input.txt" in out and "1 x 128 x 1 accumulation steps" in out  # its seq_len 128, our batch
     records = read_log(tmp_path / "log")
     assert abs(train_records(records)[0]["train_loss"] - math.log(50257)) < 0.3
-    assert train_records(records)[0]["lr"] == pytest.approx(2e-3 / 30)  # the preset's max_lr and warmup
+    assert "warming up for 0 steps instead" in out  # one step leaves no room for the preset's 30 warmup steps
+    assert train_records(records)[0]["lr"] == pytest.approx(2e-3)  # the preset's max_lr
 
 
 def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypatch):
@@ -263,10 +278,10 @@ def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     env = train_gpt2.Dist(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
     cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--model", "gpt2-medium"]), env)
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_lr) == (24, 16, 1024, 2e-3)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_lr, cfg.warmup_steps) == (24, 16, 1024, 2e-3, 30)
     cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--init-from", "gpt2"]), env)
     assert (cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.block_size) == (12, 768, 50304, 1024)
-    assert (cfg.max_lr, cfg.max_steps, cfg.data) == (3e-5, 100, os.path.join(REPO, "input.txt"))
+    assert (cfg.max_lr, cfg.max_steps, cfg.warmup_steps, cfg.data) == (3e-5, 100, 10, os.path.join(REPO, "input.txt"))
     cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--init-from", "gpt2", "--max-lr", "1e-4"]), env)
     assert cfg.max_lr == 1e-4
 
