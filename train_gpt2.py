@@ -609,7 +609,9 @@ def resolve_config(cfg, given, env):
     """Fills in the defaults that depend on the data, the model preset and the device, then checks everything."""
     if "data" not in given and not os.path.exists(cfg.data):
         if env.rank == 0:
-            print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): training a small model on tiny Shakespeare instead")
+            doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
+                     else f"fine-tuning OpenAI's {cfg.init_from}")
+            print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): {doing} on tiny Shakespeare instead")
         preset = SHAKESPEARE if cfg.init_from == "scratch" else {**SHAKESPEARE, **SHAKESPEARE_FINETUNE}
         keep = set(given) | (set(MODEL_SIZES[cfg.model]) if "model" in given else set())  # --model gpt2-medium means it
         cfg.__dict__.update({k: v for k, v in preset.items() if k not in keep})
@@ -1053,15 +1055,29 @@ def start_log(run):
         os.makedirs(cfg.log_dir, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may write to")
+    print(what_runs(run))
     n_params = sum(p.numel() for p in run.raw_model.parameters())
     print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
           f"{env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
     print(f"data: {cfg.data}, {run.train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
           f"{cfg.batch_size} x {cfg.seq_len} x {run.accum_steps} accumulation steps x {env.world_size} process(es)")
+    if run.resumed_from and not cfg.eval_only:  # plot.py drops the points logged after it: they are being trained again
+        log(run, {"step": run.step, "event": "resume"})
+
+
+def what_runs(run):
+    """What this run does, in words: the first line it prints."""
+    cfg = run.cfg
+    if cfg.eval_only:
+        if run.resumed_from:
+            return f"evaluating {run.resumed_from} (step {run.step})"
+        if cfg.init_from != "scratch":
+            return f"evaluating OpenAI's {cfg.init_from}"
+        return "evaluating the initial model: random weights (no checkpoint in --log-dir)"
     if run.resumed_from:
-        print(f"resuming from the checkpoint of step {run.step}")
-        if not cfg.eval_only:  # plot.py drops the points logged after it: they are being trained again
-            log(run, {"step": run.step, "event": "resume"})
+        return f"resuming from the checkpoint of step {run.step} ({run.resumed_from}), training to step {cfg.max_steps}"
+    start = "training from scratch" if cfg.init_from == "scratch" else f"fine-tuning OpenAI's {cfg.init_from}"
+    return f"{start} for {cfg.max_steps} steps"
 
 
 def log(run, record, line=None):

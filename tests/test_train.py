@@ -286,6 +286,33 @@ def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypat
     assert cfg.max_lr == 1e-4
 
 
+@pytest.mark.parametrize("flags, doing", [([], "training a small model"), (["--init-from", "gpt2"], "fine-tuning OpenAI's gpt2"),
+                                          (["--eval-only"], "evaluating"), (["--eval-only", "--init-from", "gpt2"], "evaluating")])
+def test_the_shakespeare_line_says_what_is_run(tmp_path, monkeypatch, capsys, flags, doing):
+    """It said "training a small model on tiny Shakespeare" for fine-tuning OpenAI's GPT-2 and for --eval-only too."""
+    monkeypatch.chdir(tmp_path)
+    env = train_gpt2.Dist(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
+    train_gpt2.resolve_config(*train_gpt2.parse_args(flags), env)
+    assert f"(make them with `python fineweb.py`): {doing} on tiny Shakespeare instead" in capsys.readouterr().out
+
+
+def test_the_first_line_of_a_run_says_what_it_does(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]
+    code, out, err = run_main(args + ["--eval-only"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[0] == "evaluating the initial model: random weights (no checkpoint in --log-dir)"
+    code, out, err = run_main(args + ["--no-resume", "--max-steps", "2", "--warmup-steps", "1"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[1] == "training from scratch for 2 steps"  # after the line that moved the old log aside
+    code, out, err = run_main(args + ["--max-steps", "3", "--warmup-steps", "1"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[0] == f"resuming from the checkpoint of step 2 ({log_dir / 'ckpt_000002.pt'}), training to step 3"
+    code, out, err = run_main(args + ["--eval-only"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[0] == f"evaluating {log_dir / 'ckpt_000003.pt'} (step 3)"
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_shakespeare_preset_splits_its_batch_over_processes(tmp_path, monkeypatch, world_size):
     """`torchrun --nproc_per_node=N train_gpt2.py` with no shards: the preset's 1024-token step is split over the
