@@ -672,7 +672,13 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
     return (totals[0] / totals[1]).item()
 
 
-def print_samples(model, cfg, enc, device, autocast_ctx, seed):
+# Control characters a model samples (escape, carriage return, bell, backspace) would garble the terminal: each is
+# shown as its Unicode symbol (␛, ␍, ␇, ␈) instead. Line breaks and tabs stay as they are.
+CONTROL_SYMBOLS = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
+
+
+def print_samples(model, cfg, enc, device, autocast_ctx, seed, step):
+    """Prints --num-samples continuations of --prompt as text, line breaks and all, each under a header line."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
     if max(prompt) >= model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
         print(f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's {model.n_tokens}")
@@ -681,7 +687,9 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed):
     with autocast_ctx:
         samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
     for i, tokens in enumerate(samples):
-        print(f"sample {i}: {enc.decode(tokens)!r}")
+        print(f"--- sample {i + 1}/{len(samples)} (step {step}) ---")
+        print(enc.decode(tokens).translate(CONTROL_SYMBOLS))
+    print("--- end of samples ---", flush=True)
 
 
 def checkpoint_paths(log_dir):
@@ -953,7 +961,7 @@ def evaluate(run):
         run.val_loss = evaluate_val(run.model, run.val, cfg.batch_size, cfg.seq_len, env.device, run.autocast_ctx, env.rank, env.world_size)
         log(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra}, f"step {step:5d} | val loss {run.val_loss:.4f}")
         if run.master and cfg.num_samples > 0:
-            print_samples(run.raw_model, cfg, run.enc, env.device, run.autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
+            print_samples(run.raw_model, cfg, run.enc, env.device, run.autocast_ctx, cfg.seed, step)  # eager, so growing lengths never recompile
     if hellaswag_due:
         acc_norm, acc, n = hellaswag.evaluate(run.model, run.hellaswag_data, env.device, run.autocast_ctx, env.rank, env.world_size)
         log(run, {"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
@@ -1102,7 +1110,7 @@ def sample_from_checkpoint(cfg):
     model = model_from_checkpoint(ckpt).to(env.device)
     dtype = resolve_dtype(cfg.dtype, env.device_type)
     print(f"checkpoint of step {ckpt['step']} (val loss {ckpt['val_loss']}), prompt {cfg.prompt!r}")
-    print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed)
+    print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed, ckpt["step"])
 
 
 def main(argv=None):
