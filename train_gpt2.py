@@ -97,6 +97,9 @@ class TrainConfig:
     keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep")
     resume: str = setting("auto", "auto: from the latest checkpoint in --log-dir; or a checkpoint path; --no-resume: start fresh")
     max_bad_steps: int = setting(5, "stop after this many steps in a row with a non-finite loss or gradient norm")
+    # experiment tracking
+    wandb_project: str = setting("", "also log to this Weights & Biases project, from rank 0 (empty: off; needs pip install wandb)")
+    wandb_run_name: str = setting("", "the W&B run's name (empty: W&B makes one up)")
     # hardware and speed
     device: str = setting("auto", "auto picks cuda, then mps, then cpu", ["auto", "cpu", "cuda", "mps"])
     dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere", ["auto", "fp32", "tf32", "bf16", "fp16"])
@@ -615,6 +618,10 @@ def check_config(cfg, world_size):
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    if cfg.wandb_run_name and not cfg.wandb_project:
+        raise UsageError(f"--wandb-run-name {cfg.wandb_run_name} names a W&B run, but W&B is off; pass --wandb-project too")
+    if cfg.wandb_project:
+        import_wandb(cfg)  # now rather than after the set-up: a missing package should cost no time
     if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
         raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size is {cfg.vocab_size}; "
                          f"pass --hellaswag-every 0")
@@ -749,7 +756,7 @@ def check_same_shapes(ckpt, model_config, path):
         raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
 
 
-RUN_FILES = re.compile(r"log\.jsonl|curves\.png|ckpt_\d+\.pt(\.tmp|\.abandoned)?")
+RUN_FILES = re.compile(r"log\.jsonl|curves\.png|ckpt_\d+\.pt(\.tmp|\.abandoned)?|wandb")
 
 
 def prepare_log_dir(log_dir, resumed_step):
@@ -853,6 +860,8 @@ class Run:
     val_loss: Optional[float] = None  # the latest
     evaluated: bool = False  # step's evaluations are done (by the run that saved the checkpoint this one resumed)
     resumed_from: Optional[str] = None  # that checkpoint's path
+    wandb: object = None  # the W&B run, on rank 0 with --wandb-project
+    wandb_id: Optional[str] = None  # its id, kept in the checkpoints: a resumed run continues the same W&B run
 
     @property
     def master(self):
@@ -896,6 +905,7 @@ def restore(run, ckpt, path):
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     run.step, run.val_loss, run.evaluated, run.resumed_from = ckpt["step"], ckpt["val_loss"], ckpt.get("evaluated", False), path
+    run.wandb_id = ckpt.get("wandb_id")  # None from a checkpoint written before W&B support
     if run.step > run.cfg.max_steps and not run.cfg.eval_only:
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {run.cfg.max_steps}; pass a larger --max-steps "
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
@@ -934,11 +944,50 @@ def start_log(run):
             log(run, {"step": run.step, "event": "resume"})
 
 
+def import_wandb(cfg):
+    """wandb, an optional dependency: imported only when --wandb-project asks for it."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError(f"--wandb-project {cfg.wandb_project} needs the wandb package: pip install wandb (or leave out --wandb-project)")
+    return wandb
+
+
+def start_wandb(run):
+    """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well, kept under <log-dir>/wandb (where
+    WANDB_MODE=offline leaves it, for `wandb sync`). A resumed run continues the W&B run of its checkpoint."""
+    cfg = run.cfg
+    if not (cfg.wandb_project and run.master):
+        return
+    wandb = import_wandb(cfg)
+    try:
+        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, id=run.wandb_id, resume="allow",
+                               dir=cfg.log_dir, config=asdict(cfg))
+    except wandb.errors.Error as e:  # not logged in, no network, ...
+        reason = str(e).strip().partition("\n")[0]  # its hints run over several lines
+        raise UsageError(f"--wandb-project {cfg.wandb_project}: W&B cannot start the run ({reason}); log in with `wandb login`, "
+                         f"or set WANDB_MODE=offline on a machine with no internet (and `wandb sync` later)")
+    run.wandb_id = run.wandb.id
+    # W&B's own step (_step) only goes up, but a resumed run trains, and logs, the steps after its checkpoint again.
+    # So W&B numbers the records itself, and every chart's x-axis is the training step: a step trained again is drawn
+    # again (with the same loss, on a deterministic run), rather than refused as a step gone back in time.
+    run.wandb.define_metric("*", step_metric="step")
+
+
+def stop_wandb(cfg, failed):
+    """Ends the W&B run of --wandb-project, if it got as far as starting one: failed, if an error stopped the training."""
+    wandb = sys.modules.get("wandb") if cfg.wandb_project else None  # not an importing caller's own W&B run
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)
+
+
 def log(run, record, line=None):
-    """Appends record to <log-dir>/log.jsonl (never truncated) and prints line, on rank 0."""
+    """Appends record to <log-dir>/log.jsonl (never truncated) and to the W&B run, and prints line, on rank 0."""
     if run.master:
         with open(os.path.join(run.cfg.log_dir, "log.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
+        if run.wandb:
+            run.wandb.log(record)
         if line:
             print(line, flush=True)
 
@@ -981,6 +1030,7 @@ def save_checkpoint(run, evaluated):
             "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
             "step": run.step, "evaluated": evaluated, "stream": run.stream.state_dict(), "rng": rng_per_rank,
             "val_loss": run.val_loss, "model_config": asdict(run.raw_model.config), "train_config": asdict(run.cfg),
+            "wandb_id": run.wandb_id,
         }
         write_checkpoint(run.cfg.log_dir, run.step, ckpt, run.cfg.keep_checkpoints)
     if env.world_size > 1:
@@ -1086,6 +1136,7 @@ def train(cfg, given):
         if finished(run):
             return
     start_log(run)
+    start_wandb(run)
     # fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one dynamic graph for all
     run.model = torch.compile(run.raw_model, dynamic=False) if cfg.compile else run.raw_model
     run.train_model = run.model
@@ -1125,6 +1176,7 @@ def main(argv=None):
     except (UsageError, hellaswag.EvalError) as e:
         error = str(e)  # not e: its traceback holds train()'s DDP model, which must be freed before its process group
     finally:
+        stop_wandb(cfg, failed=error is not None or sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
         teardown_distributed()
         for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
             signal.signal(sig, handler)
