@@ -99,6 +99,9 @@ class TrainConfig:
     keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep")
     resume: str = setting("auto", "auto: from the latest checkpoint in --log-dir; or a checkpoint path; --no-resume: start fresh")
     max_bad_steps: int = setting(5, "stop after this many steps in a row with a non-finite loss or gradient norm")
+    # experiment tracking
+    wandb_project: str = setting("", "also log to this Weights & Biases project, from rank 0 (empty: off; needs pip install wandb)")
+    wandb_run_name: str = setting("", "the W&B run's name (empty: W&B makes one up)")
     # hardware and speed
     device: str = setting("auto", "auto picks cuda, then mps, then cpu", ["auto", "cpu", "cuda", "mps"])
     dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere", ["auto", "fp32", "tf32", "bf16", "fp16"])
@@ -668,6 +671,10 @@ def check_config(cfg, world_size):
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    if cfg.wandb_run_name and not cfg.wandb_project:
+        raise UsageError(f"--wandb-run-name {cfg.wandb_run_name} names a W&B run, but W&B is off; pass --wandb-project too")
+    if cfg.wandb_project:
+        import_wandb(cfg)  # now rather than after the set-up: a missing package should cost no time
     if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
         raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size is {cfg.vocab_size}; "
                          f"pass --hellaswag-every 0")
@@ -725,7 +732,13 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
     return (totals[0] / totals[1]).item()
 
 
-def print_samples(model, cfg, enc, device, autocast_ctx, seed):
+# Control characters a model samples (escape, carriage return, bell, backspace) would garble the terminal: each is
+# shown as its Unicode symbol (␛, ␍, ␇, ␈) instead. Line breaks and tabs stay as they are.
+CONTROL_SYMBOLS = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
+
+
+def print_samples(model, cfg, enc, device, autocast_ctx, seed, step):
+    """Prints --num-samples continuations of --prompt as text, line breaks and all, each under a header line."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
     if max(prompt) >= model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
         print(f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's {model.n_tokens}")
@@ -734,7 +747,9 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed):
     with autocast_ctx:
         samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
     for i, tokens in enumerate(samples):
-        print(f"sample {i}: {enc.decode(tokens)!r}")
+        print(f"--- sample {i + 1}/{len(samples)} (step {step}) ---")
+        print(enc.decode(tokens).translate(CONTROL_SYMBOLS))
+    print("--- end of samples ---", flush=True)
 
 
 def checkpoint_step(path):
@@ -799,7 +814,7 @@ def check_same_shapes(ckpt, model_config, path):
 
 # What a run writes in its --log-dir, as regexes of names: a fresh start moves an earlier run's aside, and every other
 # file there (the shell's out.txt, the user's notes) stays where it is, untouched.
-RUN_FILES = [r"log\.jsonl", r"curves\.png", r"ckpt_\d+\.pt", r"ckpt_\d+\.pt\.tmp", r"ckpt_\d+\.pt\.abandoned"]
+RUN_FILES = [r"log\.jsonl", r"curves\.png", r"ckpt_\d+\.pt", r"ckpt_\d+\.pt\.tmp", r"ckpt_\d+\.pt\.abandoned", r"wandb"]
 
 
 def check_log_dir(log_dir):
@@ -974,6 +989,8 @@ class Run:
     val_step: Optional[int] = None  # the step val_loss was measured at
     evaluated: bool = False  # step's evaluations are done (by the run that saved the checkpoint this one resumed)
     resumed_from: Optional[str] = None  # that checkpoint's path
+    wandb: object = None  # the W&B run, on rank 0 with --wandb-project
+    wandb_id: Optional[str] = None  # its id, kept in the checkpoints: a resumed run continues the same W&B run
 
     @property
     def master(self):
@@ -1020,6 +1037,7 @@ def restore(run, ckpt, path):
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     run.step, run.evaluated, run.resumed_from = ckpt["step"], ckpt.get("evaluated", False), path
     run.val_loss, run.val_step = ckpt["val_loss"], ckpt.get("val_step")
+    run.wandb_id = ckpt.get("wandb_id")  # None from a checkpoint written before W&B support
     if run.step > run.cfg.max_steps and not run.cfg.eval_only:
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {run.cfg.max_steps}; pass a larger --max-steps "
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
@@ -1080,11 +1098,50 @@ def what_runs(run):
     return f"{start} for {cfg.max_steps} steps"
 
 
+def import_wandb(cfg):
+    """wandb, an optional dependency: imported only when --wandb-project asks for it."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError(f"--wandb-project {cfg.wandb_project} needs the wandb package: pip install wandb (or leave out --wandb-project)")
+    return wandb
+
+
+def start_wandb(run):
+    """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well, kept under <log-dir>/wandb (where
+    WANDB_MODE=offline leaves it, for `wandb sync`). A resumed run continues the W&B run of its checkpoint."""
+    cfg = run.cfg
+    if not (cfg.wandb_project and run.master):
+        return
+    wandb = import_wandb(cfg)
+    try:
+        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, id=run.wandb_id, resume="allow",
+                               dir=cfg.log_dir, config=asdict(cfg))
+    except wandb.errors.Error as e:  # not logged in, no network, ...
+        reason = str(e).strip().partition("\n")[0]  # its hints run over several lines
+        raise UsageError(f"--wandb-project {cfg.wandb_project}: W&B cannot start the run ({reason}); log in with `wandb login`, "
+                         f"or set WANDB_MODE=offline on a machine with no internet (and `wandb sync` later)")
+    run.wandb_id = run.wandb.id
+    # W&B's own step (_step) only goes up, but a resumed run trains, and logs, the steps after its checkpoint again.
+    # So W&B numbers the records itself, and every chart's x-axis is the training step: a step trained again is drawn
+    # again (with the same loss, on a deterministic run), rather than refused as a step gone back in time.
+    run.wandb.define_metric("*", step_metric="step")
+
+
+def stop_wandb(cfg, failed):
+    """Ends the W&B run of --wandb-project, if it got as far as starting one: failed, if an error stopped the training."""
+    wandb = sys.modules.get("wandb") if cfg.wandb_project else None  # not an importing caller's own W&B run
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)
+
+
 def log(run, record, line=None):
-    """Appends record to <log-dir>/log.jsonl (never truncated) and prints line, on rank 0."""
+    """Appends record to <log-dir>/log.jsonl (never truncated) and to the W&B run, and prints line, on rank 0."""
     if run.master:
         with open(os.path.join(run.cfg.log_dir, "log.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
+        if run.wandb:
+            run.wandb.log(record)
         if line:
             print(line, flush=True)
 
@@ -1108,7 +1165,7 @@ def evaluate(run):
         run.val_step = step
         log(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra}, f"step {step:5d} | val loss {run.val_loss:.4f}")
         if run.master and cfg.num_samples > 0:
-            print_samples(run.raw_model, cfg, run.enc, env.device, run.autocast_ctx, cfg.seed)  # eager, so growing lengths never recompile
+            print_samples(run.raw_model, cfg, run.enc, env.device, run.autocast_ctx, cfg.seed, step)  # eager, so growing lengths never recompile
     if hellaswag_due:
         acc_norm, acc, n = hellaswag.evaluate(run.model, run.hellaswag_data, env.device, run.autocast_ctx, env.rank, env.world_size)
         log(run, {"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
@@ -1128,6 +1185,7 @@ def save_checkpoint(run, evaluated):
             "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
             "step": run.step, "evaluated": evaluated, "stream": run.stream.state_dict(), "rng": rng_per_rank,
             "val_loss": run.val_loss, "val_step": run.val_step, "model_config": asdict(run.raw_model.config), "train_config": asdict(run.cfg),
+            "wandb_id": run.wandb_id,
         }
         write_checkpoint(run.cfg.log_dir, run.step, ckpt, run.cfg.keep_checkpoints)
     if env.world_size > 1:
@@ -1239,6 +1297,7 @@ def train(cfg, given):
         if finished(run):
             return
     start_log(run)
+    start_wandb(run)
     # fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one dynamic graph for all
     run.model = torch.compile(run.raw_model, dynamic=False) if cfg.compile else run.raw_model
     run.train_model = run.model
@@ -1275,7 +1334,7 @@ def sample_from_checkpoint(cfg):
     model = model_from_checkpoint(ckpt).to(env.device)
     dtype = resolve_dtype(cfg.dtype, env.device_type)
     print(f"checkpoint of step {ckpt['step']} ({checkpoint_val_loss(ckpt)}), prompt {cfg.prompt!r}")
-    print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed)
+    print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed, ckpt["step"])
 
 
 def main(argv=None):
@@ -1290,6 +1349,7 @@ def main(argv=None):
     except (UsageError, hellaswag.EvalError) as e:
         error = str(e)  # not e: its traceback holds train()'s DDP model, which must be freed before its process group
     finally:
+        stop_wandb(cfg, failed=error is not None or sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
         teardown_distributed()
         for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
             signal.signal(sig, handler)
