@@ -192,3 +192,11 @@ def test_fresh_start_never_moves_a_directory_it_did_not_make(tmp_path, capsys):
     (log_dir / "notes.txt").write_text("mine")
     expect_usage_error(args(d, log_dir, "--no-resume"), capsys, "--log-dir", "notes.txt")
     assert (log_dir / "notes.txt").read_text() == "mine" and not os.path.exists(log_dir / "log.jsonl")
+
+
+def test_compile_mode_without_compile(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--compile-mode", "max-autotune"), capsys, "--compile-mode max-autotune", "--compile")
+
+
+def test_chunked_loss_with_fp16(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--loss", "chunked", "--dtype", "fp16"), capsys, "--loss chunked", "--dtype fp16")
