@@ -197,7 +197,7 @@ def ending_losses(model, tokens, mask):
     """
     B, _, L = tokens.shape
     tokens = tokens.view(B * 4, L)
-    logits, _ = model(tokens)  # (B*4, L, V), possibly bf16 under autocast
+    logits, _ = model(tokens)  # (B*4, L, V): a padded vocabulary's extra ids at -inf, out of the softmax
     V = logits.size(-1)
     # the logits at position t predict the token at t+1
     losses = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), tokens[:, 1:].reshape(-1), reduction="none")

@@ -106,11 +106,15 @@ class TrainConfig:
     device: str = setting("auto", "auto picks cuda, then mps, then cpu", ["auto", "cpu", "cuda", "mps"])
     dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere", ["auto", "fp32", "tf32", "bf16", "fp16"])
     compile: Optional[bool] = setting(None, "torch.compile the model (default: on for CUDA)")
+    compile_mode: str = setting("default", "torch.compile's mode: max-autotune searches for faster matmul kernels (compiles for "
+                                "minutes), reduce-overhead adds CUDA graphs", ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
+    loss: str = setting("full", "full: one cross-entropy over all the (B*T, vocab) logits, which compile fuses; chunked: the lm_head "
+                        "matmul and the cross-entropy a chunk of rows at a time, never holding all the logits (less memory)", ["full", "chunked"])
 
 
 # A model that learns tiny Shakespeare in a few minutes on a laptop CPU: the default when no shards are there.
-# Its vocab is not padded: padding speeds up GPU matmuls, but on a CPU slicing the padded logits off costs more.
+# Its vocab is not padded: padding speeds up GPU matmuls, not a CPU's.
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
     batch_size=8, seq_len=128, total_batch_size=1024, max_steps=320, warmup_steps=30, max_lr=2e-3,
@@ -152,6 +156,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     attn: str = "sdpa"
+    loss: str = "full"
 
 
 def naive_attention(q, k, v):
@@ -214,11 +219,62 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of the logits x @ weight.T + mask over the targets that are not -1, a chunk of rows at a
+    time: only (chunk, V) logits ever exist, never all (N, V). Each chunk's gradients are computed in the forward pass,
+    while its logits exist; backward only scales them by the loss's own gradient (1 / accumulation steps)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, mask, dtype, chunk_rows, need_grads):
+        ctx.dtypes = x.dtype, weight.dtype
+        xd, wd = x.to(dtype), weight.to(dtype)  # (N, C), (V, C): the matmuls in the autocast dtype, as lm_head's are
+        valid = targets != -1  # (N,)
+        safe_targets = targets.clamp(min=0)  # -1 would index out of range; those rows count for nothing anyway
+        loss_sum = torch.zeros((), device=x.device)
+        grad_x = torch.empty(x.shape, device=x.device) if need_grads else None  # float32 sums, cast back in backward
+        grad_w = torch.zeros(weight.shape, device=x.device) if need_grads else None
+        for start in range(0, x.size(0), chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits = (xd[rows] @ wd.T).float()  # (n, V)
+            if mask is not None:
+                logits += mask
+            lse = logits.logsumexp(dim=-1)  # (n,)
+            target_logits = logits.gather(1, safe_targets[rows, None]).squeeze(1)  # (n,)
+            loss_sum += ((lse - target_logits) * valid[rows]).sum()
+            if need_grads:  # d loss_i / d logits_i = softmax_i - one_hot(target_i), zero for the rows left out
+                grad_logits = logits.sub_(lse[:, None]).exp_()  # (n, V) the softmax, in place of the logits
+                grad_logits[torch.arange(len(lse), device=x.device), safe_targets[rows]] -= 1.0
+                grad_logits = grad_logits.mul_(valid[rows, None]).to(dtype)
+                grad_x[rows] = grad_logits @ wd  # (n, C)
+                grad_w += grad_logits.T @ xd[rows]  # (V, C)
+        n_valid = valid.sum()
+        ctx.save_for_backward(grad_x, grad_w, n_valid)
+        return loss_sum / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w, n_valid = ctx.saved_tensors
+        scale = grad_loss / n_valid
+        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None, None, None
+
+
+def chunked_cross_entropy(x, weight, targets, mask=None, chunk_rows=8192):
+    """F.cross_entropy(x @ weight.T + mask, targets, ignore_index=-1) with no (N, V) tensor: 8192 rows of 50304
+    float32 logits are 1.6 GB, where all of a 64 x 1024 micro-batch's are 13 GB (and its gradient as much again)."""
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    need_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation computes no gradients
+    return ChunkedCrossEntropy.apply(x, weight, targets, mask, dtype, chunk_rows, need_grads)
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.n_tokens = min(config.vocab_size, GPT2_VOCAB)  # rows past this are padding
+        vocab_mask = torch.zeros(config.vocab_size)  # added to the logits: 0 for GPT-2's tokens,
+        vocab_mask[GPT2_VOCAB:] = float("-inf")  # -inf for the padding ids, which get no probability and no gradient
+        self.register_buffer("vocab_mask", vocab_mask if config.vocab_size > GPT2_VOCAB else None, persistent=False)  # not saved
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -240,19 +296,27 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, return_logits=True):
+        """(logits, loss): logits (B, T, vocab_size), the padding ids at -inf; the loss if targets are given.
+        Training passes return_logits=False: then compile need not write the (B, T, V) logits out for the caller."""
         B, T = idx.size()
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, None if kv_cache is None else kv_cache[i])
-        x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)[..., : self.n_tokens]  # (B, T, n_tokens): padded ids are never sampled or scored
-        loss = None
-        if targets is not None:  # mean over the targets that are not -1 (padding)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return logits, loss
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        chunked = targets is not None and self.config.loss == "chunked"
+        logits = loss = None
+        if return_logits or not chunked:
+            logits = self.lm_head(x)  # (B, T, V)
+            if self.vocab_mask is not None:  # float32, as the loss wants it; compile fuses the add into the loss kernels
+                logits = logits + self.vocab_mask
+        if chunked:  # the loss a chunk of rows at a time: no (B*T, V) logits in memory
+            loss = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
+        elif targets is not None:  # mean over the targets that are not -1 (evaluate_val's filler rows)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return (logits if return_logits else None), loss
 
     @classmethod
     def from_pretrained(cls, name, config=None, cache_dir=None):
@@ -324,7 +388,7 @@ def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k
     logits, _ = model(idx, kv_cache=kv_cache)
     out = [idx]
     for _ in range(max_new_tokens):
-        probs = F.softmax(logits[:, -1].float(), dim=-1)  # (N, n_tokens)
+        probs = F.softmax(logits[:, -1].float(), dim=-1)  # (N, V): exactly 0 for the padding ids, at -inf
         top_probs, top_ids = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)  # (N, k)
         choice = torch.multinomial(top_probs, 1, generator=generator)  # (N, 1)
         next_ids = torch.gather(top_ids, -1, choice)  # (N, 1)
@@ -595,6 +659,12 @@ def autocast_context(device_type, dtype):
     return contextlib.nullcontext()
 
 
+def compile_model(model, cfg):
+    """torch.compile fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one
+    dynamic graph for all."""
+    return torch.compile(model, dynamic=False, mode=cfg.compile_mode) if cfg.compile else model
+
+
 PEAK_FLOPS = {  # dense bf16/fp16 tensor-core peak, by a part of the GPU's name, for MFU
     "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
     "A10G": 70e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
@@ -631,6 +701,8 @@ def resolve_config(cfg, given, env):
             setattr(cfg, key, value)
     if cfg.compile is None:
         cfg.compile = env.device_type == "cuda"
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass --compile or drop it")
     if "hellaswag_every" not in given and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
         cfg.hellaswag_every = 0  # too slow on a CPU; and HellaSwag's text needs every GPT-2 token
     cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
@@ -678,6 +750,9 @@ def check_config(cfg, world_size):
     if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
         raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size is {cfg.vocab_size}; "
                          f"pass --hellaswag-every 0")
+    if cfg.loss == "chunked" and cfg.dtype == "fp16":  # its gradients are computed in the forward pass, before the loss is scaled
+        raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the gradient "
+                         "scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, or --loss full")
     if cfg.seq_len > cfg.block_size:
         raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; shorten it")
     tokens_per_pass = cfg.batch_size * cfg.seq_len * world_size
@@ -725,7 +800,7 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
         y = torch.full((B, T), -1, dtype=torch.long)
         x[:rows], y[:rows] = buf[:-1].view(rows, T), buf[1:].view(rows, T)
         with autocast_ctx:
-            _, loss = model(x.to(device), y.to(device))
+            _, loss = model(x.to(device), y.to(device), return_logits=False)
         totals += torch.stack([loss.float() * rows * T, torch.tensor(float(rows * T), device=device)])
     if world_size > 1:
         dist.all_reduce(totals)
@@ -941,7 +1016,7 @@ def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr
         sync_context = train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
         with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
             with autocast_ctx:
-                _, loss = train_model(x, y)
+                _, loss = train_model(x, y, return_logits=False)
             if poison:  # a test hook: TRAIN_GPT2_NAN_STEPS
                 loss = loss * float("nan")
             loss = loss / len(batches)  # the gradients add up to those of the mean over the whole batch
@@ -1298,8 +1373,7 @@ def train(cfg, given):
             return
     start_log(run)
     start_wandb(run)
-    # fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one dynamic graph for all
-    run.model = torch.compile(run.raw_model, dynamic=False) if cfg.compile else run.raw_model
+    run.model = compile_model(run.raw_model, cfg)
     run.train_model = run.model
     if env.world_size > 1:  # all-reduces the gradients; its constructor gives every rank rank 0's weights
         run.train_model = nn.parallel.DistributedDataParallel(run.model, device_ids=[env.local_rank] if env.device_type == "cuda" else None)

@@ -7,13 +7,15 @@ the most time: self CUDA time on a GPU, self CPU time elsewhere. The place to st
     python benchmarks/profile_step.py --device cpu --n-layer 2 --n-head 2 --n-embd 64 --batch-size 4 --seq-len 32
 
 The model, batch and speed settings are train_gpt2.py's own flags, with its defaults (--model, --n-layer, --n-head,
---n-embd, --vocab-size, --attn, --batch-size, --seq-len, --dtype, --compile, --fused-adamw, --device). Each step is
-one micro-batch of random tokens: forward, backward, gradient clipping and the AdamW update.
+--n-embd, --vocab-size, --attn, --loss, --batch-size, --seq-len, --dtype, --compile, --compile-mode, --fused-adamw,
+--device), and the model is built and compiled as train_gpt2.py does it. Each step is one micro-batch of random
+tokens: forward, backward, gradient clipping and the AdamW update.
 """
 
 import argparse
 import os
 import sys
+from dataclasses import fields
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -48,8 +50,8 @@ def main(argv=None):
     device, device_type = env.device, env.device_type
     train_gpt2.set_tf32(cfg.dtype != "fp32")
     torch.manual_seed(cfg.seed)
-    raw_model = GPT(GPTConfig(cfg.block_size, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.attn)).to(device)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
+    raw_model = GPT(GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})).to(device)  # as train() builds it
+    model = train_gpt2.compile_model(raw_model, cfg)
     optimizer = make_optimizer(raw_model, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")
     autocast_ctx = autocast_context(device_type, cfg.dtype)
@@ -75,8 +77,8 @@ def main(argv=None):
 
     # on a GPU the CPU only launches kernels, so the time that counts is the device's
     sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
-    print(f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab {cfg.vocab_size}, attn {cfg.attn} | "
-          f"B={cfg.batch_size}, T={cfg.seq_len}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'} | "
+    print(f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab {cfg.vocab_size}, attn {cfg.attn}, loss {cfg.loss} | "
+          f"B={cfg.batch_size}, T={cfg.seq_len}, {cfg.dtype}, compile {cfg.compile_mode if cfg.compile else 'off'} | "
           f"{args.steps} profiled steps on {torch.cuda.get_device_name() if device_type == 'cuda' else device_type}, sorted by {sort_by}")
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.top))
     if args.trace:

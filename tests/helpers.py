@@ -74,8 +74,9 @@ def check_usage_error(code, out, err, *fragments):
 
 
 def script_env(**extra):
-    # one thread: on a loaded 2-core machine, 2 OpenMP threads spin-wait and make a tiny step 50x slower
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    # one thread: on a loaded 2-core machine, 2 OpenMP threads spin-wait and make a tiny step 50x slower;
+    # no GPU: these runs are not about CUDA, and on a GPU machine they must run as on a CPU one (tests/test_cuda.py is)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.pop("TRAIN_GPT2_NAN_STEPS", None)
     env.update(extra)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -216,3 +216,11 @@ def test_a_log_dir_that_cannot_be_written_is_refused_at_start_up(shards, tmp_pat
     line = check_usage_error(code, out, err, "--log-dir", str(log_dir))
     assert "read-only" in line.lower() or "permission" in line.lower()
     assert "val loss" not in out and "data:" not in out
+
+
+def test_compile_mode_without_compile(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--compile-mode", "max-autotune"), capsys, "--compile-mode max-autotune", "--compile")
+
+
+def test_chunked_loss_with_fp16(shards, tmp_path, capsys):
+    expect_usage_error(args(shards, tmp_path / "log", "--loss", "chunked", "--dtype", "fp16"), capsys, "--loss chunked", "--dtype fp16")

@@ -267,7 +267,7 @@ def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path, monkeypat
 def torchrun_hellaswag(script, hellaswag_url, *flags):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
                "--device", "cpu", *map(str, flags)]
-    env = dict(os.environ, HELLASWAG_URL=hellaswag_url, OMP_NUM_THREADS="1")
+    env = dict(os.environ, HELLASWAG_URL=hellaswag_url, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 

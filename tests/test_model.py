@@ -29,9 +29,13 @@ def test_shapes():
     assert logits.shape == (3, 32, 128) and loss is None
     logits, loss = model(idx, idx)
     assert loss.shape == () and loss.dtype == torch.float32
-    padded = tiny(vocab_size=50304)  # the padding rows exist in the table but are cut from the logits
+    assert model(idx, idx, return_logits=False)[0] is None  # training's call: the loss alone
+    padded = tiny(vocab_size=50304)  # the padding ids have logits, at -inf (tests/test_loss.py)
     assert padded.transformer.wte.weight.shape == (50304, 64)
-    assert padded(random_ids(2, 5, GPT2_VOCAB))[0].shape == (2, 5, GPT2_VOCAB)
+    logits = padded(random_ids(2, 5, GPT2_VOCAB))[0]
+    assert logits.shape == (2, 5, 50304) and logits.dtype == torch.float32
+    assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf")) and torch.all(logits[..., :GPT2_VOCAB].isfinite())
+    assert set(padded.state_dict()) == set(model.state_dict())  # the mask is a constant, not saved in checkpoints
 
 
 def test_weight_tying():

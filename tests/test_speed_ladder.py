@@ -3,41 +3,93 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU_RUNGS = ["1. fp32", "3. bf16 autocast", "5. flash attention", "6. vocab 50304"]
+from helpers import REPO, script_env
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import speed_ladder  # noqa: E402
+
+CPU_RUNGS = ["1. fp32", "3. bf16 autocast", "5. flash attention", "6. vocab 50304", "8. micro-batch 8", "9. chunked loss",
+             "10. trainer defaults"]
 SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW"]
 
 
 def run(script, *flags):
     return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script), *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=script_env())
 
 
 def test_tiny_ladder_on_cpu(tmp_path):
     result = run("speed_ladder.py", "--tiny", "--device", "cpu", "--json", str(tmp_path / "ladder.json"))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    rows = {line[:20].strip(): line[20:] for line in lines if line[:2] in {f"{n}." for n in range(1, 8)}}
-    assert list(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS)
-    for name in CPU_RUNGS:  # ms/step, tok/s, MFU, peak mem, speed-up
-        ms, tok_per_sec, mfu, mem, speedup = rows[name].split()
-        assert float(ms) > 0 and float(tok_per_sec.replace(",", "")) > 0, rows[name]
+    rows = {line[:22].strip(): line[22:] for line in lines if line.split(".")[0].isdigit()}
+    assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS)
+    for name in CPU_RUNGS:  # B, first step ("0.1 s"), ms/step, tok/s, MFU, peak mem, speed-up
+        B, first, _, ms, tok_per_sec, mfu, mem, speedup = rows[name].split()
+        assert int(B) == (4 if int(name.split(".")[0]) <= 7 else 8), rows[name]  # the lecture's rungs, then ours
+        assert float(first) > 0 and float(ms) > 0 and float(tok_per_sec.replace(",", "")) > 0, rows[name]
         assert (mfu, mem) == ("-", "-")  # both need CUDA
         assert speedup == "-" if name == CPU_RUNGS[0] else float(speedup.rstrip("x")) > 0
     for name in SKIPPED_RUNGS:
         assert rows[name].strip().startswith("skipped: "), rows[name]
-    assert lines[-1] == f"CPU ({os.cpu_count()} cores) | torch {torch.__version__} | batch 4 x 32 = 128 tokens per step"
+    assert lines[-1].startswith(f"CPU ({os.cpu_count()} cores) | torch {torch.__version__} | T=32, B as in each row | the ladder took ")
 
     saved = json.loads((tmp_path / "ladder.json").read_text())
-    assert (saved["batch_size"], saved["seq_len"], saved["n_layer"]) == (4, 32, 2)
-    statuses = [rung["status"] for rung in saved["rungs"]]
-    assert statuses == ["ok", "skipped", "ok", "skipped", "ok", "ok", "skipped"]
-    last = saved["rungs"][5]  # cumulative: the vocab rung keeps bf16 and SDPA, and compile stays off on the CPU
-    assert last["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304", "--no-fused-adamw"]
-    assert len(last["timed_ms"]) == 2 and last["ms_per_step"] in last["timed_ms"]
+    assert (saved["lecture_batch_size"], saved["batch_size"], saved["seq_len"], saved["n_layer"]) == (4, 8, 32, 2)
+    rungs = saved["rungs"]
+    assert [rung["status"] for rung in rungs] == ["ok", "skipped", "ok", "skipped", "ok", "ok", "skipped", "ok", "ok", "ok"]
+    # cumulative: the vocab rung keeps bf16 and SDPA, and compile stays off on the CPU
+    assert rungs[5]["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304", "--no-fused-adamw"]
+    assert rungs[8]["flags"] == rungs[5]["flags"] + ["--loss", "chunked"] and rungs[8]["batch_size"] == 8
+    assert rungs[9]["flags"] == []  # the trainer's own defaults
+    for rung in rungs[8:]:
+        assert len(rung["timed_ms"]) == 2 and rung["ms_per_step"] in rung["timed_ms"] and rung["first_step_s"] > 0
+    assert rungs[1]["reason"] == "needs CUDA: TF32 is a mode of NVIDIA tensor cores"
+
+
+FAKE_TRAINER = """
+import json, os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # as compile workers are
+with open(sys.argv[1] + ".pids", "w") as f:
+    f.write(f"{os.getpid()} {worker.pid}")
+with open(sys.argv[1], "a") as f:
+    for step in range(int(sys.argv[2])):
+        f.write(json.dumps({"step": step, "dt_ms": 1.0}) + "\\n")
+        f.flush()
+        time.sleep(0.05)
+    f.write('{"step": 99, "dt')  # half a line, then a final evaluation that would take long
+    f.flush()
+    time.sleep(60)
+"""
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, waiting to be reaped
+    except FileNotFoundError:
+        return False
+
+
+def test_a_rung_is_stopped_once_its_steps_are_logged(tmp_path):
+    log = tmp_path / "log.jsonl"
+    command = [sys.executable, "-c", FAKE_TRAINER, str(log), "5"]
+    t0 = time.perf_counter()
+    steps = speed_ladder.train_until_logged(command, str(log), 5, str(tmp_path / "out.txt"), timeout=30)
+    assert [r["step"] for r in steps] == [0, 1, 2, 3, 4] and time.perf_counter() - t0 < 15
+    pids = [int(pid) for pid in (tmp_path / "log.jsonl.pids").read_text().split()]
+    time.sleep(0.5)
+    assert not any(alive(pid) for pid in pids)  # the trainer and the workers it started
+    log.unlink()
+    steps = speed_ladder.train_until_logged(command, str(log), 6, str(tmp_path / "out.txt"), timeout=2)
+    assert steps == "timed out after 2 s, at 5 of 6 steps"
+    failing = [sys.executable, "-c", "import sys; print('CUDA out of memory. Tried to allocate 1 GiB'); sys.exit(1)"]
+    assert speed_ladder.train_until_logged(failing, str(tmp_path / "none.jsonl"), 5, str(tmp_path / "out.txt"), timeout=30) == \
+        "CUDA out of memory. Tried to allocate 1 GiB"
 
 
 def test_ladder_rejects_bad_input():

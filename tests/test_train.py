@@ -1,5 +1,6 @@
 """Training: the learning-rate schedule, an end-to-end run and its log.jsonl, 2 processes under torchrun (on one
 node, and as two nodes) against 1 process with 2 accumulation steps, and the default run on tiny Shakespeare."""
+import functools
 import json
 import math
 import os
@@ -74,6 +75,15 @@ def test_train_step_clips_the_gradient_norm():
     update = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]).norm().item()
     assert stepped and norm > 0.1  # the raw norm, as logged
     assert update == pytest.approx(0.01, rel=1e-4)
+
+
+def test_compile_model_passes_the_mode(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or "compiled")
+    model = torch.nn.Linear(2, 2)
+    assert train_gpt2.compile_model(model, TrainConfig(compile=False, compile_mode="max-autotune")) is model
+    assert train_gpt2.compile_model(model, TrainConfig(compile=True, compile_mode="max-autotune")) == "compiled"
+    assert calls == [{"dynamic": False, "mode": "max-autotune"}]
 
 
 NO_SYNC_SCRIPT = """
@@ -162,6 +172,27 @@ def test_samples_with_a_small_vocab(shards, tmp_path, capsys):
     assert code == 0, err
     assert "Traceback" not in err and "no samples: the prompt needs token ids" in out
     assert sorted(val_records(read_log(tmp_path / "log"))) == [0, 1]  # evaluated at the start and the end
+
+
+def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypatch):
+    """--loss chunked through the whole trainer, eager and compiled (aot_eager: dynamo and AOTAutograd as for
+    inductor, no code generated), with a padded vocabulary: the same training and validation losses as --loss full."""
+    args = [a if a != str(VOCAB) else "50304" for a in TINY] + ["--data", shards, "--max-steps", "3", "--eval-every", "3",
+                                                               "--warmup-steps", "1", "--max-lr", "1e-2",
+                                                               "--val-tokens", "192"]  # 6 sequences: a last batch with -1 rows
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    logs = {}
+    for name, flags in [("full", []), ("chunked", ["--loss", "chunked"]), ("compiled", ["--loss", "chunked", "--compile"])]:
+        code, _, err = run_main(args + flags + ["--log-dir", tmp_path / name], capsys)
+        assert code == 0, err
+        logs[name] = read_log(tmp_path / name)
+    for name in ("chunked", "compiled"):
+        for mine, full in zip(logs[name], logs["full"]):
+            assert mine.keys() == full.keys()
+            for key in ("train_loss", "val_loss", "grad_norm"):
+                if key in full:
+                    assert mine[key] == pytest.approx(full[key], rel=1e-5), (name, mine["step"], key)
 
 
 def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, capsys):

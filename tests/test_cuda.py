@@ -1,0 +1,85 @@
+"""On a CUDA GPU only, skipped elsewhere: the trainer's default step (inductor, bf16 autocast, fused AdamW) on a tiny
+model, and both losses compiled by inductor against float64. The rest of the suite pins the CPU."""
+import copy
+import math
+
+import pytest
+import torch
+
+import train_gpt2
+from test_loss import chunked_case, float64_loss_and_grads, reference, with_loud_padding
+from train_gpt2 import GPT, GPTConfig, TrainConfig, chunked_cross_entropy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPT2_VOCAB = 50257
+
+
+def tiny(loss="full"):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=64, loss=loss)).cuda()
+
+
+def batch(B=4, T=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, GPT2_VOCAB, (B, T), generator=g), torch.randint(0, GPT2_VOCAB, (B, T), generator=g)
+    y[1, 40:] = -1
+    return x, y
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    torch._dynamo.reset()
+    yield
+    train_gpt2.set_tf32(False)
+
+
+@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
+def test_compiled_bf16_training_step(loss_impl):
+    """train_step as train() runs it with the CUDA defaults (and --loss chunked): the loss at init is ln(50257), as
+    the float32 eager model computes it to bf16's precision, and three steps on one batch lower it."""
+    cfg = TrainConfig(compile=True, dtype="bf16", loss=loss_impl)
+    train_gpt2.set_tf32(True)
+    model = with_loud_padding(tiny(loss_impl))
+    x, y = batch()  # on the CPU: train_step pins and copies them, as in training
+    with torch.no_grad():
+        want = copy.deepcopy(model)(x.cuda(), y.cuda())[1].item()
+    optimizer = train_gpt2.make_optimizer(model, cfg, "cuda")
+    assert optimizer.defaults["fused"]
+    compiled = train_gpt2.compile_model(model, cfg)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    autocast_ctx = train_gpt2.autocast_context("cuda", cfg.dtype)
+    losses = [train_gpt2.train_step(compiled, optimizer, scaler, [(x, y)], autocast_ctx, "cuda", 1e-3, 1.0)[0] for _ in range(3)]
+    assert losses[0] == pytest.approx(want, rel=1e-2)
+    assert abs(losses[0] - math.log(GPT2_VOCAB)) < 0.1, losses
+    assert losses[2] < losses[0] - 0.01, losses
+    assert torch.all(model.lm_head.weight.grad[GPT2_VOCAB:] == 0)
+
+
+@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
+def test_loss_compiled_by_inductor_matches_float64(loss_impl):
+    """In float32 (TF32 off), the compiled loss and every gradient against a float64 cross-entropy over the 50257
+    real ids, computed on a float64 copy of the model."""
+    train_gpt2.set_tf32(False)
+    model = with_loud_padding(tiny(loss_impl))
+    reference_model = copy.deepcopy(model).double()
+    x, y = (t.cuda() for t in batch())
+    want = reference(reference_model, x, y)
+    want.backward()
+    _, loss = torch.compile(model, dynamic=False)(x, y, return_logits=False)
+    loss.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_chunked_cross_entropy_on_cuda():
+    x, w, targets, mask = (t.cuda() for t in chunked_case(N=300, C=64, V=1024))
+    want_loss, want_dx, want_dw = float64_loss_and_grads(x, w, targets, mask)
+    for autocast, tolerance in ((False, 1e-5), (True, 2e-2)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = chunked_cross_entropy(xi, wi, targets, mask, chunk_rows=128)
+        loss.backward()
+        assert abs(loss.item() - want_loss.item()) < tolerance * want_loss.item()
+        assert (xi.grad.double() - want_dx).norm() < tolerance * want_dx.norm()
+        assert (wi.grad.double() - want_dw).norm() < tolerance * want_dw.norm()

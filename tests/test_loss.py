@@ -1,0 +1,249 @@
+"""The loss: the padding ids of a 50304-row vocabulary kept out of the softmax by an additive mask, and the chunked
+linear + cross-entropy (--loss chunked), each against a float64 cross-entropy over GPT-2's 50257 real ids."""
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hellaswag
+import train_gpt2
+from helpers import REPO, one_thread, run_script  # noqa: F401 (autouse fixture)
+from train_gpt2 import GPT, GPTConfig, chunked_cross_entropy
+
+GPT2_VOCAB = 50257
+LOSSES = ["full", "chunked"]
+
+
+def tiny(vocab_size=50304, loss="full", seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=32, vocab_size=vocab_size, n_layer=2, n_head=4, n_embd=64, loss=loss))
+
+
+def random_ids(B, T, high=GPT2_VOCAB, seed=1):
+    return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def with_loud_padding(model):
+    """Padding rows of the tied lm_head/wte that would take nearly all the probability if they were in the softmax."""
+    with torch.no_grad():
+        model.lm_head.weight[GPT2_VOCAB:] = 5.0
+    return model
+
+
+def reference(model, idx, targets):
+    """The float64 mean cross-entropy over the first 50257 columns of the final hidden states times lm_head."""
+    hidden = []
+    handle = model.transformer.ln_f.register_forward_hook(lambda module, args, out: hidden.append(out))
+    model(idx)
+    handle.remove()
+    logits = hidden[0].double() @ model.lm_head.weight.double().T  # (B, T, V)
+    return F.cross_entropy(logits[..., :GPT2_VOCAB].flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+@pytest.mark.parametrize("loss_impl", LOSSES)
+def test_padding_ids_are_out_of_the_loss(loss_impl):
+    model = with_loud_padding(tiny(loss=loss_impl))
+    idx, targets = random_ids(2, 32), random_ids(2, 32, seed=2)
+    targets[1, 20:] = -1  # left out of the mean
+    logits, loss = model(idx, targets)
+    assert loss.item() == pytest.approx(reference(model, idx, targets).item(), rel=1e-6)
+    assert logits.shape == (2, 32, 50304)
+    probs = logits.softmax(-1)
+    assert torch.all(probs[..., GPT2_VOCAB:] == 0) and probs[..., :GPT2_VOCAB].sum(-1).sub(1).abs().max() < 1e-5
+    loss.backward()
+    grad = model.lm_head.weight.grad
+    assert torch.all(grad[GPT2_VOCAB:] == 0)  # padding ids never appear as inputs, and the loss gives them no gradient
+    assert grad[:GPT2_VOCAB].abs().sum() > 0
+
+
+def test_uniform_logits_give_the_log_of_the_real_vocab():
+    """Every logit equal (a zero lm_head): the uniform distribution over the 50257 real ids, ln(50257) = 10.8249, not
+    ln(50304) = 10.8260 as with the padding in the softmax. At init the loss is near both (within ~0.05)."""
+    model = tiny()
+    idx, targets = random_ids(4, 32), random_ids(4, 32, seed=3)
+    assert abs(model(idx, targets)[1].item() - math.log(GPT2_VOCAB)) < 0.05
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    for loss_impl in LOSSES:
+        model.config.loss = loss_impl
+        assert model(idx, targets, return_logits=False)[1].item() == pytest.approx(math.log(GPT2_VOCAB), rel=1e-6, abs=0)
+
+
+def test_weight_decay_still_shrinks_the_padding_rows():
+    """The padding rows get no gradient, so AdamW's update to them is its decoupled weight decay alone."""
+    model = with_loud_padding(tiny())
+    cfg = train_gpt2.TrainConfig(weight_decay=0.1, max_lr=1e-2)
+    optimizer = train_gpt2.make_optimizer(model, cfg, "cpu")
+    before = model.lm_head.weight[GPT2_VOCAB:].detach().clone()
+    train_gpt2.train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), [(random_ids(2, 32), random_ids(2, 32, seed=2))],
+                          contextlib.nullcontext(), "cpu", lr=1e-2, grad_clip=1.0)
+    torch.testing.assert_close(model.lm_head.weight[GPT2_VOCAB:], before * (1 - 1e-2 * 0.1), rtol=1e-6, atol=0)
+
+
+def test_generate_gives_padding_ids_no_probability():
+    model = with_loud_padding(tiny()).eval()
+    out = train_gpt2.generate(model, [1, 2, 3], 4, 20, torch.Generator().manual_seed(0))
+    assert max(max(row) for row in out) < GPT2_VOCAB
+    with torch.no_grad():
+        logits, _ = model(torch.tensor(out))
+    assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf"))
+
+
+def test_hellaswag_scores_ignore_the_padding_rows():
+    model = tiny().eval()
+    tokens = random_ids(2, 4 * 24).view(2, 4, 24)
+    mask = torch.zeros(2, 4, 24, dtype=torch.bool)
+    mask[..., 10:] = True
+    with torch.no_grad():
+        before, count = hellaswag.ending_losses(model, tokens, mask)
+        with_loud_padding(model)
+        after, _ = hellaswag.ending_losses(model, tokens, mask)
+    assert torch.equal(before, after) and torch.all(count == 14)
+
+
+# -----------------------------------------------------------------------------
+# chunked_cross_entropy on its own, against float64
+
+
+def chunked_case(N=37, C=16, V=300, n_pad=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, generator=g)
+    w = torch.randn(V, C, generator=g) * 0.5
+    targets = torch.randint(0, V - n_pad, (N,), generator=g)
+    targets[3:9] = -1  # -1 rows, and a whole chunk of them when chunk_rows is 5
+    mask = torch.zeros(V)
+    mask[V - n_pad:] = float("-inf")
+    return x, w, targets, mask
+
+
+def float64_loss_and_grads(x, w, targets, mask):
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    loss = F.cross_entropy(x64 @ w64.T + mask.double(), targets, ignore_index=-1)
+    loss.backward()
+    return loss.detach(), x64.grad, w64.grad
+
+
+@pytest.mark.parametrize("chunk_rows", [5, 16, 1000])
+def test_chunked_cross_entropy_matches_float64(chunk_rows):
+    x, w, targets, mask = chunked_case()
+    want_loss, want_dx, want_dw = float64_loss_and_grads(x, w, targets, mask)
+    x.requires_grad_(), w.requires_grad_()
+    loss = chunked_cross_entropy(x, w, targets, mask, chunk_rows=chunk_rows)
+    (0.5 * loss).backward()  # the gradient of the loss is 1 / accumulation steps in train_step
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(x.grad.double(), 0.5 * want_dx, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad.double(), 0.5 * want_dw, rtol=1e-5, atol=1e-7)
+    assert torch.all(w.grad[-20:] == 0) and torch.all(x.grad[3:9] == 0)
+    (0.5 * chunked_cross_entropy(x, w, targets, mask, chunk_rows=chunk_rows)).backward()  # accumulation: gradients add
+    torch.testing.assert_close(w.grad.double(), want_dw, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_cross_entropy_under_bf16_autocast():
+    """The matmuls in bf16 as lm_head's are under autocast, the softmax and the sums in float32: within bf16's rounding
+    of the float64 numbers, and as close to them as the full cross-entropy under the same autocast."""
+    x, w, targets, mask = chunked_case(N=64, C=64, V=512)
+    want_loss, want_dx, want_dw = float64_loss_and_grads(x, w, targets, mask)
+    results = {}
+    for impl in LOSSES:
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if impl == "chunked":
+                loss = chunked_cross_entropy(xi, wi, targets, mask, chunk_rows=24)
+            else:
+                loss = F.cross_entropy(F.linear(xi, wi) + mask, targets, ignore_index=-1)
+        loss.backward()
+        assert loss.dtype == xi.grad.dtype == wi.grad.dtype == torch.float32
+        results[impl] = [(loss.double() - want_loss).abs().item() / want_loss.item(),
+                         ((xi.grad.double() - want_dx).norm() / want_dx.norm()).item(),
+                         ((wi.grad.double() - want_dw).norm() / want_dw.norm()).item()]
+    for impl, errors in results.items():
+        assert max(errors) < 2e-2, (impl, errors)
+    assert all(c < 2 * f + 1e-3 for c, f in zip(results["chunked"], results["full"])), results
+
+
+def test_chunked_cross_entropy_computes_no_gradients_without_grad_mode():
+    x, w, targets, mask = chunked_case()
+    with torch.no_grad():
+        loss = chunked_cross_entropy(x.requires_grad_(), w.requires_grad_(), targets, mask, chunk_rows=8)
+    assert loss.grad_fn is None
+    assert loss.item() == pytest.approx(float64_loss_and_grads(x.detach(), w.detach(), targets, mask)[0].item(), rel=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# --loss chunked in the model: the same loss and gradients as --loss full, with weight tying, accumulation, compile
+
+
+def loss_and_grads(model, batches):
+    """train_step's forward and backward over micro-batches (SGD at lr 0, no clipping): the mean loss, the gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss, _, _, _ = train_gpt2.train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batches,
+                                          contextlib.nullcontext(), "cpu", lr=0.0, grad_clip=1e9)
+    return loss, {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}
+
+
+def test_chunked_model_matches_full_model_over_accumulated_micro_batches():
+    batches = [(random_ids(2, 32, seed=s), random_ids(2, 32, seed=s + 10)) for s in range(2)]
+    batches[1][1][0, :7] = -1
+    full, full_grads = loss_and_grads(with_loud_padding(tiny(loss="full")), batches)
+    chunked_model = with_loud_padding(tiny(loss="chunked"))
+    chunked, chunked_grads = loss_and_grads(chunked_model, batches)
+    assert chunked == pytest.approx(full, rel=1e-6)
+    for name, grad in full_grads.items():  # wte's gradient is the embedding's plus lm_head's: they are one tensor
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    logits, loss = chunked_model(*batches[0])  # logits asked for: computed besides the chunked loss
+    assert logits.shape == (2, 32, 50304) and loss.item() == pytest.approx(reference(chunked_model, *batches[0]).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_impl", LOSSES)
+def test_loss_under_compile_matches_eager(loss_impl):
+    """Traced by dynamo and AOTAutograd as for inductor, in one graph (backend aot_eager generates no code: inductor
+    takes ~30 s per tiny model on a CPU; tests/test_cuda.py compiles with inductor)."""
+    batches = [(random_ids(2, 32), random_ids(2, 32, seed=2))]
+    eager_loss, eager_grads = loss_and_grads(with_loud_padding(tiny(loss=loss_impl)), batches)
+    torch._dynamo.reset()
+    model = with_loud_padding(tiny(loss=loss_impl))
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False, fullgraph=True)
+    loss, grads = loss_and_grads(compiled, batches)
+    assert loss == pytest.approx(eager_loss, rel=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert torch.all(grads["transformer.wte.weight"][GPT2_VOCAB:] == 0)  # lm_head.weight, tied
+
+
+DDP_SCRIPT = """
+import contextlib, json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train_gpt2
+env = train_gpt2.setup_distributed("cpu")  # gloo
+def model(loss):
+    torch.manual_seed(0)
+    return train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=32, loss=loss))
+x = torch.randint(0, 50257, (4, 16), generator=torch.Generator().manual_seed(1))
+y = torch.randint(0, 50257, (4, 16), generator=torch.Generator().manual_seed(2))
+ddp = torch.nn.parallel.DistributedDataParallel(model("chunked"))
+mine = slice(2 * env.rank, 2 * env.rank + 2)  # each rank's half of the batch, 2 micro-batches of one sequence
+batches = [(x[mine][i:i + 1], y[mine][i:i + 1]) for i in range(2)]
+train_gpt2.train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), torch.amp.GradScaler("cpu", enabled=False), batches,
+                      contextlib.nullcontext(), "cpu", 0.0, 1e9)
+whole = model("full")  # the whole batch in one process, the full loss
+whole(x, y)[1].backward()
+diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ddp.module.parameters(), whole.parameters()))
+if env.rank == 0:
+    print(json.dumps(diff))
+del ddp
+train_gpt2.teardown_distributed()
+"""
+
+
+def test_chunked_loss_under_ddp(tmp_path):
+    """2 processes x 2 accumulation steps of the chunked loss: DDP's averaged gradients are the whole batch's."""
+    script = tmp_path / "ddp_chunked.py"
+    script.write_text(DDP_SCRIPT)
+    result = run_script([REPO], cwd=tmp_path, nproc=2, timeout=120, script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) < 1e-6
