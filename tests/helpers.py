@@ -113,6 +113,20 @@ def run_script_on_tmpfs(args, cwd, mount, options, timeout=240):
     return subprocess.run(unshare + [shell], cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_source(source, tmp_path, args=(), nproc=1, **env):
+    """Python source, written to tmp_path/script.py and run as the trainer would be, with the repo's path and args as
+    its arguments: the CompletedProcess."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return run_script([REPO, *args], cwd=tmp_path, nproc=nproc, timeout=120, script=script, **env)
+
+
+def last_json(result):
+    """The script's last line of output, read as JSON (one line from rank 0: the ranks' lines could interleave)."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def read_log(log_dir):
     with open(os.path.join(log_dir, "log.jsonl")) as f:
         return [json.loads(line) for line in f]

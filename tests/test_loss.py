@@ -1,7 +1,6 @@
 """The loss: the padding ids of a 50304-row vocabulary kept out of the softmax by an additive mask, and the chunked
 linear + cross-entropy (--loss chunked), each against a float64 cross-entropy over GPT-2's 50257 real ids."""
 import contextlib
-import json
 import math
 
 import pytest
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 
 import hellaswag
 import train_gpt2
-from helpers import REPO, one_thread, run_script  # noqa: F401 (autouse fixture)
+from helpers import last_json, one_thread, run_source  # noqa: F401 (autouse fixture)
 from train_gpt2 import GPT, GPTConfig, chunked_cross_entropy
 
 GPT2_VOCAB = 50257
@@ -242,8 +241,4 @@ train_gpt2.teardown_distributed()
 
 def test_chunked_loss_under_ddp(tmp_path):
     """2 processes x 2 accumulation steps of the chunked loss: DDP's averaged gradients are the whole batch's."""
-    script = tmp_path / "ddp_chunked.py"
-    script.write_text(DDP_SCRIPT)
-    result = run_script([REPO], cwd=tmp_path, nproc=2, timeout=120, script=script)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) < 1e-6
+    assert last_json(run_source(DDP_SCRIPT, tmp_path, nproc=2)) < 1e-6

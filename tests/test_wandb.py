@@ -15,8 +15,8 @@ import pytest
 import wandb
 from wandb.proto import wandb_internal_pb2
 
-from helpers import (REPO, TINY, checkpoint_path, expect_usage_error, load_ckpt, one_thread, read_log, run_main,  # noqa: F401
-                     run_script, script_command, script_env, shards, train_records)
+from helpers import (TINY, checkpoint_path, expect_usage_error, load_ckpt, one_thread, read_log, run_main,  # noqa: F401
+                     run_script, run_source, script_command, script_env, shards, train_records)
 from test_resume import wait_for_step
 
 
@@ -182,9 +182,7 @@ def test_without_wandb_installed_the_flag_is_a_one_line_error(shards, tmp_path, 
     expect_usage_error(args + ["--wandb-project", "tiny"], capsys, "--wandb-project tiny", "pip install wandb")
     assert not (tmp_path / "log").exists()  # refused before any work
     # without the flag, the trainer never imports wandb: not even at its own import, which this process did long ago
-    script = tmp_path / "without_wandb.py"
-    script.write_text(WITHOUT_WANDB_SCRIPT)
-    result = run_script([REPO] + args, cwd=tmp_path, script=script)
+    result = run_source(WITHOUT_WANDB_SCRIPT, tmp_path, args)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
