@@ -79,7 +79,7 @@ def loss_axis_limits(curves, reference):
     """
     The loss axis' (bottom, top), or None for no loss points. The losses of the first steps (~11 at init, falling
     fast) would squeeze the rest of the run into the bottom of the panel, so the range is that of the losses after
-    the first 5% of the steps: the 320-step CPU default, falling to ~5.7, shows ~8.4 and below, a 19073-step GPU run falling
+    the first 5% of the steps: the 900-step CPU default, falling to ~5.1, shows ~6.7 and below, a 19073-step GPU run falling
     to ~3.1 shows ~4 and below. The top is their 99th percentile, not their maximum, so that a late loss spike does
     not undo the cut. The reference line is always in view.
     """

@@ -115,7 +115,9 @@ class TrainConfig:
 
 
 # A model that learns tiny Shakespeare in a few minutes on a laptop CPU: the default when no shards are there.
-# Its vocab is not padded: padding speeds up GPU matmuls, not a CPU's.
+# Its vocab is not padded: padding speeds up GPU matmuls, not a CPU's. The 50257-wide output layer costs most of a
+# step, so depth is cheap: 8 layers reached a validation loss of 5.11 where 4, 6 and 12 reached 5.40, 5.35 and 5.45
+# in the same time; 900 steps are three passes over the text, ending where the validation text follows.
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=8, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
     batch_size=8, seq_len=128, total_batch_size=1024, max_steps=900, warmup_steps=50, max_lr=2e-3,

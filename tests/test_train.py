@@ -316,7 +316,7 @@ def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
     lines = out.splitlines()
     assert sum("python fineweb.py" in line for line in lines) == 1
     assert "no FineWeb shards in edu_fineweb10B" in lines[0] and "Shakespeare" in lines[0]
-    assert "model: 4 layers, 4 heads, width 128" in out  # the preset's model, not GPT-2 124M
+    assert "model: 8 layers, 4 heads, width 128" in out  # the preset's model, not GPT-2 124M
     assert f"data: {REPO}/input.txt" in out and "1 x 128 x 1 accumulation steps" in out  # its seq_len 128, our batch
     records = read_log(tmp_path / "log")
     assert abs(train_records(records)[0]["train_loss"] - math.log(50257)) < 0.3
@@ -330,7 +330,7 @@ def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     env = train_gpt2.Dist(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
     cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--model", "gpt2-medium"]), env)
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_lr, cfg.warmup_steps) == (24, 16, 1024, 2e-3, 30)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_lr, cfg.warmup_steps) == (24, 16, 1024, 2e-3, 50)
     cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--init-from", "gpt2"]), env)
     assert (cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.block_size) == (12, 768, 50304, 1024)
     assert (cfg.max_lr, cfg.max_steps, cfg.warmup_steps, cfg.data) == (3e-5, 100, 10, os.path.join(REPO, "input.txt"))
