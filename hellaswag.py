@@ -134,12 +134,19 @@ def download_once_per_node(url, path, check, what, hint, headers=None):
             download(url, path, check, what, hint, headers)
         except EvalError as e:
             error = str(e)
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)  # also the wait: it returns once every node's download has ended
-        error = next((e for e in errors if e is not None), None)
+    error = first_error_of_any_rank(error)  # also the wait: it returns once every node's download has ended
     if error is not None:
         raise EvalError(error)
+
+
+def first_error_of_any_rank(error):
+    """The first rank's error message (or None), on every rank: a rank that stopped alone would leave the others
+    waiting in their next collective, forever under NCCL, or dying in it with tracebacks. All ranks must call it."""
+    if dist.is_available() and dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    return error
 
 
 def load_examples(path=None, cache_dir=None):

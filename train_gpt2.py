@@ -142,7 +142,7 @@ def parse_args(argv=None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
             parser.add_argument(flag, type=f.type, choices=f.metadata["choices"], help=help)
-    parser.add_argument("--no-resume", dest="resume", action="store_const", const="none", help="start fresh, moving an old --log-dir aside")
+    parser.add_argument("--no-resume", dest="resume", action="store_const", const="none", help="start fresh, moving an earlier run's files in --log-dir aside")
     given = vars(parser.parse_args(argv))
     return TrainConfig(**given), set(given)
 
@@ -313,8 +313,8 @@ class GPT(nn.Module):
         logits = loss = None
         if return_logits or not chunked:
             logits = self.lm_head(x)  # (B, T, V)
-            if self.vocab_mask is not None:  # float32, as the loss wants it; compile fuses the add into the loss kernels
-                logits = logits + self.vocab_mask
+            if self.vocab_mask is not None:  # in the logits' own dtype: bf16 stays bf16; compile fuses the add into the loss
+                logits = logits + self.vocab_mask.to(logits.dtype)
         if chunked:  # the loss a chunk of rows at a time: no (B*T, V) logits in memory
             loss = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
         elif targets is not None:  # mean over the targets that are not -1 (evaluate_val's filler rows)
@@ -636,6 +636,20 @@ def teardown_distributed():
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def failing_together():
+    """A UsageError raised inside on any rank stops every rank with it: raised on one rank alone, as by work only rank 0
+    does, it would leave the others waiting in their next collective. Every rank must enter; it is also a barrier."""
+    error = None
+    try:
+        yield
+    except UsageError as e:
+        error = str(e)
+    error = hellaswag.first_error_of_any_rank(error)
+    if error is not None:
+        raise UsageError(error)
+
+
 def keep_freed_memory():
     """On Linux, glibc gives every freed block over 32 MB back to the OS, and the next step faults its pages back in,
     zeroed: on a CPU, GPT-2's 50257-wide logits made that 40% of a small model's step. Freed memory stays in the heap."""
@@ -796,6 +810,42 @@ def get_lr(step, cfg):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
+def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr, grad_clip, stop_signal=(), poison=False):
+    """One optimizer step over this rank's micro-batches, skipped if the loss or gradient norm is not finite.
+    Returns the mean loss over all ranks, the gradient norm, how many ranks voted to stop, and whether it stepped."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    optimizer.zero_grad(set_to_none=True)
+    loss_accum = torch.zeros((), device=device)
+    for micro, (x, y) in enumerate(batches):
+        if x.device.type == "cpu" and torch.device(device).type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()  # lets the copy overlap with the GPU's work
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last_micro = micro == len(batches) - 1
+        sync_context = train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
+        with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
+            with autocast_ctx:
+                _, loss = train_model(x, y, return_logits=False)
+            if poison:  # a test hook: TRAIN_GPT2_NAN_STEPS
+                loss = loss * float("nan")
+            loss = loss / len(batches)  # the gradients add up to those of the mean over the whole batch
+            loss_accum += loss.detach()
+            scaler.scale(loss).backward()
+    # read after the forward and backward passes, so that a signal that came during them is voted on now
+    stats = torch.stack([loss_accum, torch.tensor(float(bool(stop_signal)), device=device)])
+    if world_size > 1:  # the loss summed over ranks, and how many ranks got a stop signal
+        dist.all_reduce(stats)
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(train_model.parameters(), grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_value, stop_votes, norm_value = stats[0].item() / world_size, stats[1].item(), norm.item()
+    finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
+    if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
+        scaler.step(optimizer)
+    scaler.update()
+    return loss_value, norm_value, stop_votes, finite
+
+
 # -----------------------------------------------------------------------------
 # Evaluation and checkpoints.
 
@@ -839,13 +889,22 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step):
     print("--- end of samples ---", flush=True)
 
 
+CHECKPOINT = r"ckpt_\d+\.pt"  # a checkpoint's name, ckpt_<step>.pt, as a regex
+
+
 def checkpoint_step(path):
     return int(os.path.basename(path)[len("ckpt_"):-len(".pt")])
 
 
 def checkpoint_paths(log_dir):
     """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
-    return sorted(files_in(log_dir, r"ckpt_\d+\.pt"), key=checkpoint_step)
+    return sorted(files_in(log_dir, CHECKPOINT), key=checkpoint_step)
+
+
+def latest_checkpoint(log_dir):
+    """The path of the latest checkpoint in log_dir, or None."""
+    paths = checkpoint_paths(log_dir)
+    return paths[-1] if paths else None
 
 
 def load_checkpoint(path):
@@ -871,17 +930,19 @@ def find_resume_checkpoint(cfg, env):
     if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
         return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
     ckpt, chosen = None, [None]
-    if env.rank == 0:
-        for path in [cfg.resume] if cfg.resume != "auto" else reversed(checkpoint_paths(cfg.log_dir)):
-            try:
-                ckpt, chosen = load_checkpoint(path), [path]
-                break
-            except Exception as e:
-                if cfg.resume != "auto":
-                    raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
-                print(f"warning: skipping unreadable checkpoint {path} ({e})")
+    with failing_together():
+        if env.rank == 0:
+            for path in [cfg.resume] if cfg.resume != "auto" else reversed(checkpoint_paths(cfg.log_dir)):
+                try:
+                    ckpt, chosen = load_checkpoint(path), [path]
+                    break
+                except Exception as e:
+                    if cfg.resume != "auto":
+                        raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
+                    print(f"warning: skipping unreadable checkpoint {path} ({e})")
     if env.world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
+    with failing_together():
         if env.rank != 0 and chosen[0] is not None:
             try:
                 ckpt = load_checkpoint(chosen[0])
@@ -899,9 +960,17 @@ def check_same_shapes(ckpt, model_config, path):
         raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
 
 
+def check_same_batch(ckpt, total_batch_size, path):
+    saved = ckpt["train_config"]["total_batch_size"]
+    if saved != total_batch_size:
+        raise UsageError(f"{path} was trained with --total-batch-size {saved}, not {total_batch_size}: its {ckpt['step']} steps "
+                         f"stand for {ckpt['step'] * saved:,} tokens, and the schedule and the log count steps; pass "
+                         f"--total-batch-size {saved}, or --no-resume to start over")
+
+
 # What a run writes in its --log-dir, as regexes of names: a fresh start moves an earlier run's aside, and every other
 # file there (the shell's out.txt, the user's notes) stays where it is, untouched.
-RUN_FILES = [r"log\.jsonl", r"curves\.png", r"ckpt_\d+\.pt", r"ckpt_\d+\.pt\.tmp", r"ckpt_\d+\.pt\.abandoned", r"wandb"]
+RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, CHECKPOINT + r"\.tmp", CHECKPOINT + r"\.abandoned", r"wandb"]
 
 
 def check_log_dir(log_dir):
@@ -929,7 +998,7 @@ def prepare_log_dir(log_dir, resumed_step):
     if resumed_step is None:
         move_old_run_aside(log_dir)
         return
-    for stale in files_in(log_dir, r"ckpt_\d+\.pt\.tmp"):  # a save cut short by a crash
+    for stale in files_in(log_dir, CHECKPOINT + r"\.tmp"):  # a save cut short by a crash
         os.remove(stale)
     for path in checkpoint_paths(log_dir):
         if checkpoint_step(path) > resumed_step:
@@ -1002,52 +1071,15 @@ def write_checkpoint(log_dir, step, ckpt, keep):
         needed = storage_bytes(ckpt)
         if not out_of_space(e, log_dir, needed):
             raise
-        last = checkpoint_paths(log_dir)
         raise UsageError(f"disk full writing {path}: a checkpoint needs about {needed / 2**20:,.1f} MiB, "
                          f"{shutil.disk_usage(log_dir).free / 2**20:,.1f} MiB are free (saving needs room for "
                          f"--keep-checkpoints {keep} of them and one more); free some space, then run the same command "
-                         f"again: it resumes from {last[-1] if last else 'the start'}") from None
+                         f"again: it resumes from {latest_checkpoint(log_dir) or 'the start'}") from None
     os.replace(path + ".tmp", path)
     sync_directory(log_dir)  # the new name on disk before the old checkpoints go: a power cut must not leave none
     print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
     for old in checkpoint_paths(log_dir)[:-keep]:
         os.remove(old)
-
-
-def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr, grad_clip, stop_signal=(), poison=False):
-    """One optimizer step over this rank's micro-batches, skipped if the loss or gradient norm is not finite.
-    Returns the mean loss over all ranks, the gradient norm, how many ranks voted to stop, and whether it stepped."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    optimizer.zero_grad(set_to_none=True)
-    loss_accum = torch.zeros((), device=device)
-    for micro, (x, y) in enumerate(batches):
-        if x.device.type == "cpu" and torch.device(device).type == "cuda":
-            x, y = x.pin_memory(), y.pin_memory()  # lets the copy overlap with the GPU's work
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last_micro = micro == len(batches) - 1
-        sync_context = train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
-        with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
-            with autocast_ctx:
-                _, loss = train_model(x, y, return_logits=False)
-            if poison:  # a test hook: TRAIN_GPT2_NAN_STEPS
-                loss = loss * float("nan")
-            loss = loss / len(batches)  # the gradients add up to those of the mean over the whole batch
-            loss_accum += loss.detach()
-            scaler.scale(loss).backward()
-    # read after the forward and backward passes, so that a signal that came during them is voted on now
-    stats = torch.stack([loss_accum, torch.tensor(float(bool(stop_signal)), device=device)])
-    if world_size > 1:  # the loss summed over ranks, and how many ranks got a stop signal
-        dist.all_reduce(stats)
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(train_model.parameters(), grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss_value, stop_votes, norm_value = stats[0].item() / world_size, stats[1].item(), norm.item()
-    finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
-    if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
-        scaler.step(optimizer)
-    scaler.update()
-    return loss_value, norm_value, stop_votes, finite
 
 
 # -----------------------------------------------------------------------------
@@ -1069,6 +1101,7 @@ class Run:
     scaler: torch.amp.GradScaler
     autocast_ctx: object
     accum_steps: int  # micro-batches per optimizer step, in each process
+    total_peak_flops: Optional[float]  # of all the GPUs together, for MFU; None where unknown
     model: Optional[nn.Module] = None  # raw_model, compiled: what evaluation runs
     train_model: Optional[nn.Module] = None  # model, wrapped in DDP when there are several processes
     step: int = 0  # optimizer steps taken
@@ -1078,6 +1111,7 @@ class Run:
     resumed_from: Optional[str] = None  # that checkpoint's path
     wandb: object = None  # the W&B run, on rank 0 with --wandb-project
     wandb_id: Optional[str] = None  # its id, kept in the checkpoints: a resumed run continues the same W&B run
+    wandb_step: int = 0  # W&B's step of the next record: its line in log.jsonl
 
     @property
     def master(self):
@@ -1099,54 +1133,63 @@ def set_up(cfg, env, pretrained):
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
     raw_model = GPT.from_pretrained(cfg.init_from, model_config, cfg.cache_dir or None) if pretrained else GPT(model_config)
     raw_model.to(env.device)
+    gpu_peak = peak_flops(env.device_type)
     return Run(cfg, env, enc, stream, train_tokens, val, hellaswag_data, raw_model,
                optimizer=make_optimizer(raw_model, cfg, env.device_type),
                scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow unless scaled
                autocast_ctx=autocast_context(env.device_type, cfg.dtype),
-               accum_steps=cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size))
+               accum_steps=cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size),
+               total_peak_flops=gpu_peak * env.world_size if gpu_peak else None)
 
 
 def restore(run, ckpt, path):
-    """Puts the run back where the checkpoint at path left it: weights, optimizer, data position, RNGs and step."""
+    """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizer,
+    the data position and the RNGs. Evaluating needs the weights alone, on any --data."""
+    cfg = run.cfg
     check_same_shapes(ckpt, run.raw_model.config, path)
     run.raw_model.load_state_dict(ckpt["model"])
+    run.step, run.evaluated, run.resumed_from = ckpt["step"], ckpt.get("evaluated", False), path
+    run.val_loss, run.val_step = ckpt["val_loss"], ckpt.get("val_step")
+    if cfg.eval_only:  # its own W&B run too: the training's may still be going on
+        return
+    if run.step > cfg.max_steps:
+        raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
+                         f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
+    check_same_batch(ckpt, cfg.total_batch_size, path)
+    run.stream.load_state_dict(ckpt["stream"])
     settings = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
     run.optimizer.load_state_dict(ckpt["optimizer"])
     for group, flags in zip(run.optimizer.param_groups, settings):  # the flags win: --weight-decay, fused, ...
         group.update(flags)
     if ckpt["scaler"]:  # empty unless the run used fp16
         run.scaler.load_state_dict(ckpt["scaler"])
-    if not run.cfg.eval_only:  # evaluation needs no data position: a checkpoint may be evaluated on any --data
-        run.stream.load_state_dict(ckpt["stream"])
-        check_same_batch(ckpt, run.cfg.total_batch_size, path)
     rank = run.env.rank
     if rank < len(ckpt["rng"]):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    run.step, run.evaluated, run.resumed_from = ckpt["step"], ckpt.get("evaluated", False), path
-    run.val_loss, run.val_step = ckpt["val_loss"], ckpt.get("val_step")
     run.wandb_id = ckpt.get("wandb_id")  # None from a checkpoint written before W&B support
-    if run.step > run.cfg.max_steps and not run.cfg.eval_only:
-        raise UsageError(f"{path} is at step {run.step}, past --max-steps {run.cfg.max_steps}; pass a larger --max-steps "
-                         f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
-
-
-def check_same_batch(ckpt, total_batch_size, path):
-    saved = ckpt["train_config"]["total_batch_size"]
-    if saved != total_batch_size:
-        raise UsageError(f"{path} was trained with --total-batch-size {saved}, not {total_batch_size}: its {ckpt['step']} steps "
-                         f"stand for {ckpt['step'] * saved:,} tokens, and the schedule and the log count steps; pass "
-                         f"--total-batch-size {saved}, or --no-resume to start over")
 
 
 def finished(run):
     """Whether the resumed checkpoint is the end of this run, evaluated: then there is nothing left to do."""
     done = run.step == run.cfg.max_steps and run.evaluated and not run.cfg.eval_only
     if done and run.master:
-        print(f"{run.resumed_from} is the end of this run (step {run.step}, val loss {run.val_loss}): nothing left to do; "
+        print(f"{run.resumed_from} is the end of this run (step {run.step}, val loss {run.val_loss:.4f}): nothing left to do; "
               f"pass a larger --max-steps to train on, or --no-resume to start over")
     return done
+
+
+def log(run, record, line=None):
+    """Appends record to <log-dir>/log.jsonl (never truncated) and to the W&B run, and prints line, on rank 0."""
+    if run.master:
+        with open(os.path.join(run.cfg.log_dir, "log.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if run.wandb:
+            run.wandb.log(record, step=run.wandb_step)
+            run.wandb_step += 1
+        if line:
+            print(line, flush=True)
 
 
 def start_log(run):
@@ -1154,14 +1197,16 @@ def start_log(run):
     cfg, env = run.cfg, run.env
     if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
         dist.barrier()
+    with failing_together():
+        if run.master:
+            try:
+                if not cfg.eval_only:
+                    prepare_log_dir(cfg.log_dir, run.step if run.resumed_from else None)
+                os.makedirs(cfg.log_dir, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may write to")
     if not run.master:
         return
-    try:
-        if not cfg.eval_only:
-            prepare_log_dir(cfg.log_dir, run.step if run.resumed_from else None)
-        os.makedirs(cfg.log_dir, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may write to")
     print(what_runs(run))
     n_params = sum(p.numel() for p in run.raw_model.parameters())
     print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
@@ -1200,44 +1245,39 @@ def start_wandb(run):
     """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well, kept under <log-dir>/wandb (where
     WANDB_MODE=offline leaves it, for `wandb sync`). A resumed run continues the W&B run of its checkpoint."""
     cfg = run.cfg
-    if not (cfg.wandb_project and run.master):
+    if not cfg.wandb_project:
         return
-    wandb = import_wandb(cfg)
-    try:
-        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, id=run.wandb_id, resume="allow",
-                               dir=cfg.log_dir, config=asdict(cfg))
-    except wandb.errors.Error as e:  # not logged in, no network, ...
-        reason = str(e).strip().partition("\n")[0]  # its hints run over several lines
-        raise UsageError(f"--wandb-project {cfg.wandb_project}: W&B cannot start the run ({reason}); log in with `wandb login`, "
-                         f"or set WANDB_MODE=offline on a machine with no internet (and `wandb sync` later)")
+    with failing_together():
+        if run.master:
+            wandb = import_wandb(cfg)
+            try:
+                run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, id=run.wandb_id,
+                                       resume="allow", dir=cfg.log_dir, config=asdict(cfg))
+            except wandb.errors.Error as e:  # not logged in, no network, ...
+                reason = str(e).strip().partition("\n")[0]  # its hints run over several lines
+                raise UsageError(f"--wandb-project {cfg.wandb_project}: W&B cannot start the run ({reason}); log in with "
+                                 f"`wandb login`, or set WANDB_MODE=offline on a machine with no internet (and `wandb sync` later)")
+    if run.wandb is None:
+        return
     run.wandb_id = run.wandb.id
-    # W&B's own step (_step) only goes up, but a resumed run trains, and logs, the steps after its checkpoint again.
-    # So W&B numbers the records itself, and every chart's x-axis is the training step: a step trained again is drawn
-    # again (with the same loss, on a deterministic run), rather than refused as a step gone back in time.
+    # W&B's step only goes up, but a resumed run logs the steps after its checkpoint again: W&B's step is the record's
+    # line in log.jsonl, which only grows, across resumes and offline runs alike, and every chart's x-axis is the
+    # training step, so a step trained again is drawn again rather than refused as a step back in time.
+    with open(os.path.join(cfg.log_dir, "log.jsonl"), "a+") as f:
+        f.seek(0)
+        run.wandb_step = sum(1 for _ in f)
     run.wandb.define_metric("*", step_metric="step")
 
 
-def stop_wandb(cfg, failed):
-    """Ends the W&B run of --wandb-project, if it got as far as starting one: failed, if an error stopped the training."""
-    wandb = sys.modules.get("wandb") if cfg.wandb_project else None  # not an importing caller's own W&B run
-    if wandb is not None and wandb.run is not None:
-        wandb.finish(exit_code=1 if failed else 0)
+def stop_wandb(run, failed):
+    """Ends the run's W&B run, if it started one: failed, if an error stopped the training."""
+    if run.wandb is not None:
+        run.wandb.finish(exit_code=1 if failed else 0)
 
 
-def log(run, record, line=None):
-    """Appends record to <log-dir>/log.jsonl (never truncated) and to the W&B run, and prints line, on rank 0."""
-    if run.master:
-        with open(os.path.join(run.cfg.log_dir, "log.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if run.wandb:
-            run.wandb.log(record)
-        if line:
-            print(line, flush=True)
-
-
-def evaluations_due(run, step):
-    """Whether the validation loss (with samples) and HellaSwag are due at this step."""
-    cfg = run.cfg
+def evaluations_due(run):
+    """Whether the validation loss (with samples) and HellaSwag are due at run.step."""
+    cfg, step = run.cfg, run.step
     final = cfg.eval_only or step == cfg.max_steps
     return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
             run.hellaswag_data is not None and (final or step % cfg.hellaswag_every == 0))
@@ -1246,7 +1286,7 @@ def evaluations_due(run, step):
 def evaluate(run):
     """The evaluations due at run.step, logged: the validation loss with samples, and HellaSwag."""
     cfg, env, step = run.cfg, run.env, run.step
-    val_due, hellaswag_due = evaluations_due(run, step)
+    val_due, hellaswag_due = evaluations_due(run)
     tokens = step * cfg.total_batch_size
     extra = {"eval_only": True, "init_from": run.resumed_from or cfg.init_from} if cfg.eval_only else {}
     if val_due:
@@ -1269,16 +1309,15 @@ def save_checkpoint(run, evaluated):
     if env.world_size > 1:  # every rank reaches here before rank 0 writes
         rng_per_rank = [None] * env.world_size
         dist.all_gather_object(rng_per_rank, rng)
-    if run.master:
-        ckpt = {
-            "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
-            "step": run.step, "evaluated": evaluated, "stream": run.stream.state_dict(), "rng": rng_per_rank,
-            "val_loss": run.val_loss, "val_step": run.val_step, "model_config": asdict(run.raw_model.config), "train_config": asdict(run.cfg),
-            "wandb_id": run.wandb_id,
-        }
-        write_checkpoint(run.cfg.log_dir, run.step, ckpt, run.cfg.keep_checkpoints)
-    if env.world_size > 1:
-        dist.barrier()
+    with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
+        if run.master:
+            ckpt = {
+                "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+                "step": run.step, "evaluated": evaluated, "stream": run.stream.state_dict(), "rng": rng_per_rank,
+                "val_loss": run.val_loss, "val_step": run.val_step, "model_config": asdict(run.raw_model.config),
+                "train_config": asdict(run.cfg), "wandb_id": run.wandb_id,
+            }
+            write_checkpoint(run.cfg.log_dir, run.step, ckpt, run.cfg.keep_checkpoints)
 
 
 def catch_stop_signals():
@@ -1306,7 +1345,7 @@ def training_loop(run):
     while True:
         already_evaluated = run.step == start_step and run.evaluated  # by the run that saved the checkpoint
         evaluated_now = False
-        if not stop_agreed and not already_evaluated and any(evaluations_due(run, run.step)):
+        if not stop_agreed and not already_evaluated and any(evaluations_due(run)):
             # a preempted run saves before a long evaluation: the grace period before SIGKILL is short
             stop_agreed = any_rank(bool(stop_signal), env.device)
             if not stop_agreed:
@@ -1331,9 +1370,8 @@ def training_loop(run):
         bad_steps_in_a_row = 0 if finite else bad_steps_in_a_row + 1
         log_step(run, loss, lr, norm, finite, time.perf_counter() - t0, bad_steps_in_a_row)
         if bad_steps_in_a_row >= cfg.max_bad_steps:
-            last = checkpoint_paths(cfg.log_dir)
             raise UsageError(f"{bad_steps_in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
-                             f"stopping. Lower --max-lr and resume from {last[-1] if last else 'scratch'}")
+                             f"stopping. Lower --max-lr and resume from {latest_checkpoint(cfg.log_dir) or 'scratch'}")
         run.step += 1
 
 
@@ -1344,11 +1382,10 @@ def log_step(run, loss, lr, norm, finite, dt, bad_steps_in_a_row):
     record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size, "train_loss": loss if finite else None,
               "lr": lr, "grad_norm": norm if math.isfinite(norm) else None, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
     line = f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | {dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s"
+    if run.total_peak_flops:
+        record["mfu"] = flops_per_token(run.raw_model.config, cfg.seq_len) * tok_per_sec / run.total_peak_flops
+        line += f" | mfu {100 * record['mfu']:.1f}%"
     if env.device_type == "cuda":
-        mfu_peak = peak_flops(env.device_type)
-        if mfu_peak:
-            record["mfu"] = flops_per_token(run.raw_model.config, cfg.seq_len) * tok_per_sec / (mfu_peak * env.world_size)
-            line += f" | mfu {100 * record['mfu']:.1f}%"
         record["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     if not finite:
         record["skipped"] = True
@@ -1363,21 +1400,24 @@ def finish(run, stopped_by_signal, seconds):
     cfg = run.cfg
     if not run.master:
         return
-    if stopped_by_signal:
+    last = latest_checkpoint(cfg.log_dir)
+    if stopped_by_signal and last is None:
+        print("stopped by signal before the first step: nothing to save")
+    elif stopped_by_signal:
         left = " (the last: only its final evaluation is left)" if run.step == cfg.max_steps else ""
         same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
         print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up {cfg.log_dir})")
     else:
-        last = checkpoint_paths(cfg.log_dir)
-        hint = f"; for more samples: python train_gpt2.py --sample {last[-1]}" if last else ""
+        hint = f"; for more samples: python train_gpt2.py --sample {last}" if last else ""
         print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {seconds / 60:.1f} min{hint}")
 
 
 def train(cfg, given):
     env = setup_distributed(cfg.device)
     cfg = resolve_config(cfg, given, env)
-    if env.rank == 0:
-        check_log_dir(cfg.log_dir)
+    with failing_together():
+        if env.rank == 0:
+            check_log_dir(cfg.log_dir)
     ckpt, ckpt_path = find_resume_checkpoint(cfg, env)
     run = set_up(cfg, env, pretrained=ckpt is None and cfg.init_from != "scratch")
     if ckpt is not None:
@@ -1387,16 +1427,21 @@ def train(cfg, given):
             return
     start_log(run)
     start_wandb(run)
-    run.model = compile_model(run.raw_model, cfg)
-    run.train_model = run.model
-    if env.world_size > 1:  # all-reduces the gradients; its constructor gives every rank rank 0's weights
-        run.train_model = nn.parallel.DistributedDataParallel(run.model, device_ids=[env.local_rank] if env.device_type == "cuda" else None)
-    if cfg.eval_only:
-        evaluate(run)
-        return
-    t0 = time.perf_counter()
-    stopped_by_signal = training_loop(run)
-    finish(run, stopped_by_signal, time.perf_counter() - t0)
+    try:
+        run.model = compile_model(run.raw_model, cfg)
+        run.train_model = run.model
+        if env.world_size > 1:  # all-reduces the gradients; its constructor gives every rank rank 0's weights
+            run.train_model = nn.parallel.DistributedDataParallel(
+                run.model, device_ids=[env.local_rank] if env.device_type == "cuda" else None,
+                broadcast_buffers=False)  # the only buffer, the vocab mask, never changes: no broadcast every forward
+        if cfg.eval_only:
+            evaluate(run)
+            return
+        t0 = time.perf_counter()
+        stopped_by_signal = training_loop(run)
+        finish(run, stopped_by_signal, time.perf_counter() - t0)
+    finally:
+        stop_wandb(run, failed=sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
 
 
 def checkpoint_val_loss(ckpt):
@@ -1437,7 +1482,6 @@ def main(argv=None):
     except (UsageError, hellaswag.EvalError) as e:
         error = str(e)  # not e: its traceback holds train()'s DDP model, which must be freed before its process group
     finally:
-        stop_wandb(cfg, failed=error is not None or sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
         teardown_distributed()
         for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
             signal.signal(sig, handler)

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import (TINY, check_usage_error, expect_usage_error, one_thread, run_main, run_script_on_tmpfs,  # noqa: F401
+from helpers import (TINY, check_usage_error, expect_usage_error, one_thread, run_main, run_script, run_script_on_tmpfs,  # noqa: F401
                      shards, write_shards)
 
 
@@ -224,3 +224,18 @@ def test_compile_mode_without_compile(shards, tmp_path, capsys):
 
 def test_chunked_loss_with_fp16(shards, tmp_path, capsys):
     expect_usage_error(args(shards, tmp_path / "log", "--loss", "chunked", "--dtype", "fp16"), capsys, "--loss chunked", "--dtype fp16")
+
+
+@pytest.mark.parametrize("problem", ["log dir", "resume"])
+def test_an_error_found_by_rank_0_alone_stops_every_rank_in_one_line(shards, tmp_path, problem):
+    """Work that rank 0 does alone (checking the log dir, picking the checkpoint): under torchrun its error must stop
+    rank 1 too, with the same line, not leave it waiting in a collective (a traceback under gloo, a hang under NCCL)."""
+    (tmp_path / "a_file").write_text("")
+    extra = {"log dir": ["--log-dir", tmp_path / "a_file" / "log"],
+             "resume": ["--log-dir", tmp_path / "log", "--resume", tmp_path / "a_file"]}[problem]
+    result = run_script(TINY + ["--data", shards, "--max-steps", "1", *extra], cwd=tmp_path, nproc=2, timeout=120)
+    assert result.returncode != 0
+    ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]  # torchrun's own report follows, with its traceback
+    errors = [line for line in ranks_stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in ranks_stderr and len(errors) == 2 and len(set(errors)) == 1, result.stderr
+    assert errors[0].startswith("error: --log-dir" if problem == "log dir" else "error: --resume"), errors[0]

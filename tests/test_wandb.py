@@ -65,7 +65,7 @@ def items(entries):
 def read_wandb_run(path):
     """What the trainer logged to one offline W&B run: its id, name, config, history rows (without W&B's own _keys),
     custom x-axes, and the exit code it ended with (None: it never ended)."""
-    run = {"history": [], "x_axes": {}, "exit_code": None}
+    run = {"history": [], "wandb_steps": [], "x_axes": {}, "exit_code": None}
     for record in read_transaction_log(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -73,7 +73,9 @@ def read_wandb_run(path):
                        config={k: v for k, v in items(record.run.config.update).items() if not k.startswith("_")},
                        start=record.run.start_time.ToNanoseconds())
         elif kind == "history":
-            run["history"].append({k: v for k, v in items(record.history.item).items() if not k.startswith("_")})
+            row = items(record.history.item)
+            run["history"].append({k: v for k, v in row.items() if not k.startswith("_")})
+            run["wandb_steps"].append(row["_step"])
         elif kind == "metric" and record.metric.step_metric:
             run["x_axes"][record.metric.glob_name or record.metric.name] = record.metric.step_metric
         elif kind == "exit":
@@ -106,6 +108,9 @@ def test_wandb_logs_what_log_jsonl_holds_and_a_resumed_run_continues_it(shards, 
     records = read_log(log_dir)
     resume = records.index({"step": 2, "event": "resume"})  # log.jsonl's marker for plot.py; W&B starts after it
     assert first["history"] == records[:resume] and second["history"] == records[resume + 1:]
+    # W&B's own step is the record's line in log.jsonl: it goes on growing across the resume, so that W&B can append
+    # the second offline run to the first (wandb sync --append) instead of writing over its history
+    assert first["wandb_steps"] == list(range(resume)) and second["wandb_steps"] == list(range(resume + 1, len(records)))
     assert [r["step"] for r in second["history"] if "train_loss" in r] == [2, 3, 4]  # steps 2 and 3 again
     assert [r["step"] for r in second["history"] if "val_loss" in r] == [4, 5]  # step 2 was evaluated before its checkpoint
     assert first["x_axes"] == second["x_axes"] == {"*": "step"}
@@ -113,6 +118,12 @@ def test_wandb_logs_what_log_jsonl_holds_and_a_resumed_run_continues_it(shards, 
     for run, max_steps in ((first, 4), (second, 5)):  # the resolved settings, flags and defaults alike
         assert run["config"]["max_steps"] == max_steps and run["config"]["n_layer"] == 2 and run["config"]["data"] == shards
         assert run["config"]["wandb_project"] == "tiny" and run["config"]["max_lr"] == 6e-4 and run["config"]["dtype"] == "fp32"
+    # --eval-only of the latest checkpoint logs to a W&B run of its own: the training's may still be going on
+    code, out, err = run_main(args + ["--max-steps", "5", "--eval-only"], capsys)
+    assert code == 0 and "evaluating" in out, err
+    *_, evaluation = wandb_runs(log_dir)
+    assert evaluation["id"] != first["id"] and evaluation["history"] == read_log(log_dir)[-1:]
+    assert evaluation["history"][0]["eval_only"] and evaluation["exit_code"] == 0
     # a fresh start sets the old run's W&B files aside with the rest of it, and starts another W&B run
     code, out, err = run_main(args + ["--max-steps", "1", "--no-resume"], capsys)
     assert code == 0 and "moved the old" in out, err
