@@ -1,16 +1,22 @@
-"""Shared pieces of the train_gpt2.py tests: synthetic shards, a tiny model's flags, running main() in-process
-or the script in a subprocess (plain or under torchrun), and reading log.jsonl."""
+"""Shared pieces of the tests: synthetic shards, a tiny model's flags, running main() in-process or the script in a
+subprocess (plain or under torchrun) and following it, reading log.jsonl, tiny models and the float64 loss they are
+checked against, and synthetic HellaSwag examples served as a download."""
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
+import hellaswag
 import train_gpt2
+from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "train_gpt2.py")
@@ -146,15 +152,11 @@ def checkpoint_path(log_dir, step):
 
 
 def load_ckpt(path):
-    import torch
-
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def assert_tensors_equal(a, b, exact=True, atol=1e-5):
     """Two state dicts (nested dicts of tensors) hold the same keys and equal tensors."""
-    import torch
-
     assert set(a) == set(b)
     for key in a:
         x, y = a[key], b[key]
@@ -172,8 +174,6 @@ def assert_tensors_equal(a, b, exact=True, atol=1e-5):
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny models run faster on one thread (and the same as in the subprocesses, which get OMP_NUM_THREADS=1)."""
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -183,3 +183,160 @@ def one_thread():
 @pytest.fixture
 def shards(tmp_path):
     return write_shards(tmp_path / "data")
+
+
+# -----------------------------------------------------------------------------
+# a script running in the background: its log, its process
+
+
+def start_script(args, cwd, stdout_path):
+    """The script started in a subprocess, its stdout and stderr going to stdout_path: the Popen."""
+    with open(stdout_path, "w") as out:
+        return subprocess.Popen(script_command(args), cwd=cwd, env=script_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def logged_train_steps(log_dir):
+    """The train steps in log.jsonl so far, reading only whole lines (the file may be mid-write)."""
+    try:
+        with open(os.path.join(log_dir, "log.jsonl")) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]
+    return [r["step"] for r in map(json.loads, lines) if "train_loss" in r]
+
+
+def wait_for_step(proc, log_dir, step, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        steps = logged_train_steps(log_dir)
+        if steps and max(steps) >= step:
+            return max(steps)
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before step {step}"
+        time.sleep(0.005)
+    proc.kill()
+    pytest.fail(f"no step {step} within {timeout} s")
+
+
+def process_stat(pid):
+    """(state, parent pid, cpu seconds) from Linux's /proc, or None once the process is gone or a zombie (dead,
+    waiting to be reaped)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -----------------------------------------------------------------------------
+# tiny models, and the float64 cross-entropy over GPT-2's real ids that their losses are checked against
+
+
+def tiny_gpt(vocab_size=50304, block_size=32, n_layer=2, n_head=4, n_embd=64, attn="sdpa", loss="full", seed=0):
+    """A small GPT of train_gpt2.py, the same weights for the same arguments; by default GPT-2's vocabulary padded
+    to 50304 rows, as the trainer has it."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                         attn=attn, loss=loss))
+
+
+def random_ids(B, T, high=GPT2_VOCAB, seed=1):
+    return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def with_loud_padding(model):
+    """Padding rows of the tied lm_head/wte that would take nearly all the probability if they were in the softmax."""
+    with torch.no_grad():
+        model.lm_head.weight[GPT2_VOCAB:] = 5.0
+    return model
+
+
+def reference(model, idx, targets):
+    """The float64 mean cross-entropy over the first 50257 columns of the final hidden states times lm_head."""
+    hidden = []
+    handle = model.transformer.ln_f.register_forward_hook(lambda module, args, out: hidden.append(out))
+    model(idx)
+    handle.remove()
+    logits = hidden[0].double() @ model.lm_head.weight.double().T  # (B, T, V)
+    return F.cross_entropy(logits[..., :GPT2_VOCAB].flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def chunked_case(N=37, C=16, V=300, n_pad=20, seed=0):
+    """Inputs of chunked_cross_entropy: hidden states x (N, C), weight (V, C), targets with -1 rows, and a mask that
+    puts the last n_pad ids out of the softmax."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, generator=g)
+    w = torch.randn(V, C, generator=g) * 0.5
+    targets = torch.randint(0, V - n_pad, (N,), generator=g)
+    targets[3:9] = -1  # -1 rows, and a whole chunk of them when chunk_rows is 5
+    mask = torch.zeros(V)
+    mask[V - n_pad:] = float("-inf")
+    return x, w, targets, mask
+
+
+def float64_loss_and_grads(x, w, targets, mask):
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    loss = F.cross_entropy(x64 @ w64.T + mask.double(), targets, ignore_index=-1)
+    loss.backward()
+    return loss.detach(), x64.grad, w64.grad
+
+
+# -----------------------------------------------------------------------------
+# HellaSwag: synthetic examples in the real file's format, served as its download
+
+# (context, 4 endings): real HellaSwag-like text, endings of different lengths so that acc and acc_norm differ
+SYNTHETIC = [
+    ("A man is sitting on a roof.", "He",
+     ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+      "is holding a rubik's cube.", "starts pulling up roofing on a roof."]),
+    ("A lady walks to a barbell. She", "bends down and grabs the pole.",
+     ["swings and lands in her arms.", "pulls the barbell forward.", "pulls a rope attached to the barbell.",
+      "stands and lifts the weight over her head."]),
+    ("Two women in a child are shown in a canoe while a man pulls the canoe while standing in the water, "
+     "with other individuals visible in the background.", "The child and a different man",
+     ["are then shown paddling down a river in a boat while a woman talks.", "are driving the canoe, they go "
+      "down the river flowing side to side.", "sit in a canoe while the man paddles.",
+      "walking go down the rapids, while the man in his helicopter almost falls and goes out of canoehood."]),
+    ("A boy is running down a track.", "The boy",
+     ["runs into a car.", "gets in a mat.", "lifts his body above the height of a pole.", "stands on his hands."]),
+    ("The boy lifts his body above the height of a pole.", "The boy",
+     ["turns his body around on the bar.", "falls over.", "lands on his back on to a red mat.",
+      "jumps up and down."]),
+    ("We see a person doing laundry.", "The person",
+     ["sorts the clothes by color.", "is seen.", "folds a shirt and puts it in a drawer very carefully.",
+      "dances."]),
+    ("A woman is outside with a bucket and a dog.", "The dog",
+     ["is running around trying to avoid a bath.", "gets into the bath tub.", "sits.",
+      "jumps out of the bucket and runs."]),
+]
+
+
+def synthetic_examples(labels):
+    """Examples in the real hellaswag_val.jsonl format."""
+    return [{"ind": 24 + i, "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": ctx_a + " " + ctx_b, "endings": endings,
+             "label": label, "activity_label": "Synthetic", "split": "val", "split_type": "indomain",
+             "source_id": f"synthetic~{i}"}
+            for i, ((ctx_a, ctx_b, endings), label) in enumerate(zip(SYNTHETIC, labels))]
+
+
+def write_jsonl(path, examples):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(example) + "\n" for example in examples))
+
+
+def serve_hellaswag(served, monkeypatch, examples):
+    """Serves examples as HELLASWAG_URL's hellaswag_val.jsonl; a download must hold that many (not 10042) examples."""
+    www, base_url = served
+    write_jsonl(www / hellaswag.HELLASWAG_FILE, examples)
+    monkeypatch.setenv("HELLASWAG_URL", base_url)
+    monkeypatch.setattr(hellaswag, "HELLASWAG_VAL_EXAMPLES", len(examples))
+
+
+def script_expecting(path, n_examples, module):
+    """Test hook: a script that runs module.main() (hellaswag or train_gpt2) with n_examples, not 10042, as the
+    size a HellaSwag download must have, for subprocesses that monkeypatch cannot reach. Returns its path."""
+    path.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag, {module}\n"
+                    f"hellaswag.HELLASWAG_VAL_EXAMPLES = {n_examples}\n{module}.main()\n")
+    return path

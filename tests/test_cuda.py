@@ -7,16 +7,14 @@ import pytest
 import torch
 
 import train_gpt2
-from test_loss import chunked_case, float64_loss_and_grads, reference, with_loud_padding
-from train_gpt2 import GPT, GPTConfig, TrainConfig, chunked_cross_entropy
+from helpers import chunked_case, float64_loss_and_grads, reference, tiny_gpt, with_loud_padding
+from train_gpt2 import GPT2_VOCAB, TrainConfig, chunked_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-GPT2_VOCAB = 50257
 
 
 def tiny(loss="full"):
-    torch.manual_seed(0)
-    return GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=64, loss=loss)).cuda()
+    return tiny_gpt(block_size=64, loss=loss).cuda()
 
 
 def batch(B=4, T=64, seed=1):

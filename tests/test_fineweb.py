@@ -21,7 +21,8 @@ import pytest
 import tiktoken
 import tiktoken.load
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO, process_stat
+
 FINEWEB = os.path.join(REPO, "fineweb.py")
 DATASET = "HuggingFaceFW/fineweb-edu"
 SUBSET = "sample/10BT"
@@ -276,16 +277,6 @@ def test_hub_pipeline_matches_tiktoken_per_document(hub, tmp_path):
     assert not (output / "downloads").exists()
     assert shards_in(output) == expected
 
-
-def process_stat(pid):
-    """(state, parent pid, cpu seconds) from /proc, or None once the process is gone or a zombie."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] == "Z":
-        return None
-    return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 @pytest.fixture(scope="module")
 def big_text(tmp_path_factory):

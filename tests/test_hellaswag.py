@@ -6,7 +6,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -14,64 +13,8 @@ import torch
 
 import hellaswag
 import train_gpt2
+from helpers import REPO, SYNTHETIC, run_script, script_expecting, serve_hellaswag, synthetic_examples, write_jsonl
 from train_gpt2 import GPT, GPTConfig, gpt2_tokenizer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# (context, 4 endings): real HellaSwag-like text, endings of different lengths so that acc and acc_norm differ
-SYNTHETIC = [
-    ("A man is sitting on a roof.", "He",
-     ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-      "is holding a rubik's cube.", "starts pulling up roofing on a roof."]),
-    ("A lady walks to a barbell. She", "bends down and grabs the pole.",
-     ["swings and lands in her arms.", "pulls the barbell forward.", "pulls a rope attached to the barbell.",
-      "stands and lifts the weight over her head."]),
-    ("Two women in a child are shown in a canoe while a man pulls the canoe while standing in the water, "
-     "with other individuals visible in the background.", "The child and a different man",
-     ["are then shown paddling down a river in a boat while a woman talks.", "are driving the canoe, they go "
-      "down the river flowing side to side.", "sit in a canoe while the man paddles.",
-      "walking go down the rapids, while the man in his helicopter almost falls and goes out of canoehood."]),
-    ("A boy is running down a track.", "The boy",
-     ["runs into a car.", "gets in a mat.", "lifts his body above the height of a pole.", "stands on his hands."]),
-    ("The boy lifts his body above the height of a pole.", "The boy",
-     ["turns his body around on the bar.", "falls over.", "lands on his back on to a red mat.",
-      "jumps up and down."]),
-    ("We see a person doing laundry.", "The person",
-     ["sorts the clothes by color.", "is seen.", "folds a shirt and puts it in a drawer very carefully.",
-      "dances."]),
-    ("A woman is outside with a bucket and a dog.", "The dog",
-     ["is running around trying to avoid a bath.", "gets into the bath tub.", "sits.",
-      "jumps out of the bucket and runs."]),
-]
-
-
-def synthetic_examples(labels):
-    """Examples in the real hellaswag_val.jsonl format."""
-    return [{"ind": 24 + i, "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": ctx_a + " " + ctx_b, "endings": endings,
-             "label": label, "activity_label": "Synthetic", "split": "val", "split_type": "indomain",
-             "source_id": f"synthetic~{i}"}
-            for i, ((ctx_a, ctx_b, endings), label) in enumerate(zip(SYNTHETIC, labels))]
-
-
-def write_jsonl(path, examples):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(example) + "\n" for example in examples))
-
-
-def serve_hellaswag(served, monkeypatch, examples):
-    """Serves examples as HELLASWAG_URL's hellaswag_val.jsonl; a download must hold that many (not 10042) examples."""
-    www, base_url = served
-    write_jsonl(www / hellaswag.HELLASWAG_FILE, examples)
-    monkeypatch.setenv("HELLASWAG_URL", base_url)
-    monkeypatch.setattr(hellaswag, "HELLASWAG_VAL_EXAMPLES", len(examples))
-
-
-def script_expecting(path, n_examples, module):
-    """Test hook: a script that runs module.main() (hellaswag or train_gpt2) with n_examples, not 10042, as the
-    size a HellaSwag download must have, for subprocesses that monkeypatch cannot reach. Returns its path."""
-    path.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag, {module}\n"
-                    f"hellaswag.HELLASWAG_VAL_EXAMPLES = {n_examples}\n{module}.main()\n")
-    return path
 
 
 def tiny_model(seed=0):
@@ -265,10 +208,7 @@ def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path, monkeypat
 
 
 def torchrun_hellaswag(script, hellaswag_url, *flags):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-               "--device", "cpu", *map(str, flags)]
-    env = dict(os.environ, HELLASWAG_URL=hellaswag_url, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return run_script(["--device", "cpu", *flags], cwd=REPO, nproc=2, timeout=120, script=script, HELLASWAG_URL=hellaswag_url)
 
 
 def test_failed_download_stops_both_ranks_with_one_line(tmp_path):

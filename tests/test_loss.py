@@ -9,42 +9,16 @@ import torch.nn.functional as F
 
 import hellaswag
 import train_gpt2
-from helpers import last_json, one_thread, run_source  # noqa: F401 (autouse fixture)
-from train_gpt2 import GPT, GPTConfig, chunked_cross_entropy
+from helpers import (chunked_case, float64_loss_and_grads, last_json, one_thread, random_ids, reference,  # noqa: F401
+                     run_source, tiny_gpt, with_loud_padding)
+from train_gpt2 import GPT2_VOCAB, ChunkedCrossEntropy, chunked_cross_entropy
 
-GPT2_VOCAB = 50257
 LOSSES = ["full", "chunked"]
-
-
-def tiny(vocab_size=50304, loss="full", seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=32, vocab_size=vocab_size, n_layer=2, n_head=4, n_embd=64, loss=loss))
-
-
-def random_ids(B, T, high=GPT2_VOCAB, seed=1):
-    return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def with_loud_padding(model):
-    """Padding rows of the tied lm_head/wte that would take nearly all the probability if they were in the softmax."""
-    with torch.no_grad():
-        model.lm_head.weight[GPT2_VOCAB:] = 5.0
-    return model
-
-
-def reference(model, idx, targets):
-    """The float64 mean cross-entropy over the first 50257 columns of the final hidden states times lm_head."""
-    hidden = []
-    handle = model.transformer.ln_f.register_forward_hook(lambda module, args, out: hidden.append(out))
-    model(idx)
-    handle.remove()
-    logits = hidden[0].double() @ model.lm_head.weight.double().T  # (B, T, V)
-    return F.cross_entropy(logits[..., :GPT2_VOCAB].flatten(0, 1), targets.flatten(), ignore_index=-1)
 
 
 @pytest.mark.parametrize("loss_impl", LOSSES)
 def test_padding_ids_are_out_of_the_loss(loss_impl):
-    model = with_loud_padding(tiny(loss=loss_impl))
+    model = with_loud_padding(tiny_gpt(loss=loss_impl))
     idx, targets = random_ids(2, 32), random_ids(2, 32, seed=2)
     targets[1, 20:] = -1  # left out of the mean
     logits, loss = model(idx, targets)
@@ -61,7 +35,7 @@ def test_padding_ids_are_out_of_the_loss(loss_impl):
 def test_uniform_logits_give_the_log_of_the_real_vocab():
     """Every logit equal (a zero lm_head): the uniform distribution over the 50257 real ids, ln(50257) = 10.8249, not
     ln(50304) = 10.8260 as with the padding in the softmax. At init the loss is near both (within ~0.05)."""
-    model = tiny()
+    model = tiny_gpt()
     idx, targets = random_ids(4, 32), random_ids(4, 32, seed=3)
     assert abs(model(idx, targets)[1].item() - math.log(GPT2_VOCAB)) < 0.05
     with torch.no_grad():
@@ -73,7 +47,7 @@ def test_uniform_logits_give_the_log_of_the_real_vocab():
 
 def test_weight_decay_still_shrinks_the_padding_rows():
     """The padding rows get no gradient, so AdamW's update to them is its decoupled weight decay alone."""
-    model = with_loud_padding(tiny())
+    model = with_loud_padding(tiny_gpt())
     cfg = train_gpt2.TrainConfig(weight_decay=0.1, max_lr=1e-2)
     optimizer = train_gpt2.make_optimizer(model, cfg, "cpu")
     before = model.lm_head.weight[GPT2_VOCAB:].detach().clone()
@@ -83,7 +57,7 @@ def test_weight_decay_still_shrinks_the_padding_rows():
 
 
 def test_generate_gives_padding_ids_no_probability():
-    model = with_loud_padding(tiny()).eval()
+    model = with_loud_padding(tiny_gpt()).eval()
     out = train_gpt2.generate(model, [1, 2, 3], 4, 20, torch.Generator().manual_seed(0))
     assert max(max(row) for row in out) < GPT2_VOCAB
     with torch.no_grad():
@@ -92,7 +66,7 @@ def test_generate_gives_padding_ids_no_probability():
 
 
 def test_hellaswag_scores_ignore_the_padding_rows():
-    model = tiny().eval()
+    model = tiny_gpt().eval()
     tokens = random_ids(2, 4 * 24).view(2, 4, 24)
     mask = torch.zeros(2, 4, 24, dtype=torch.bool)
     mask[..., 10:] = True
@@ -105,24 +79,6 @@ def test_hellaswag_scores_ignore_the_padding_rows():
 
 # -----------------------------------------------------------------------------
 # chunked_cross_entropy on its own, against float64
-
-
-def chunked_case(N=37, C=16, V=300, n_pad=20, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(N, C, generator=g)
-    w = torch.randn(V, C, generator=g) * 0.5
-    targets = torch.randint(0, V - n_pad, (N,), generator=g)
-    targets[3:9] = -1  # -1 rows, and a whole chunk of them when chunk_rows is 5
-    mask = torch.zeros(V)
-    mask[V - n_pad:] = float("-inf")
-    return x, w, targets, mask
-
-
-def float64_loss_and_grads(x, w, targets, mask):
-    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    loss = F.cross_entropy(x64 @ w64.T + mask.double(), targets, ignore_index=-1)
-    loss.backward()
-    return loss.detach(), x64.grad, w64.grad
 
 
 @pytest.mark.parametrize("chunk_rows", [5, 16, 1000])
@@ -164,10 +120,23 @@ def test_chunked_cross_entropy_under_bf16_autocast():
     assert all(c < 2 * f + 1e-3 for c, f in zip(results["chunked"], results["full"])), results
 
 
-def test_chunked_cross_entropy_computes_no_gradients_without_grad_mode():
+def test_chunked_cross_entropy_computes_no_gradients_without_grad_mode(monkeypatch):
+    """Its forward pass computes the gradients, while each chunk's logits exist, unless it is told they are not
+    needed: evaluation (torch.no_grad) must tell it so, though the weights it gets require grad."""
+    asked = []
+    real_forward = ChunkedCrossEntropy.forward
+
+    def spying_forward(ctx, x, weight, targets, mask, dtype, chunk_rows, need_grads):
+        asked.append(need_grads)
+        return real_forward(ctx, x, weight, targets, mask, dtype, chunk_rows, need_grads)
+
+    monkeypatch.setattr(ChunkedCrossEntropy, "forward", staticmethod(spying_forward))
     x, w, targets, mask = chunked_case()
+    x.requires_grad_(), w.requires_grad_()
     with torch.no_grad():
-        loss = chunked_cross_entropy(x.requires_grad_(), w.requires_grad_(), targets, mask, chunk_rows=8)
+        loss = chunked_cross_entropy(x, w, targets, mask, chunk_rows=8)
+    chunked_cross_entropy(x, w, targets, mask, chunk_rows=8)  # in grad mode: the spy sees the call that does need them
+    assert asked == [False, True]
     assert loss.grad_fn is None
     assert loss.item() == pytest.approx(float64_loss_and_grads(x.detach(), w.detach(), targets, mask)[0].item(), rel=1e-6)
 
@@ -187,8 +156,8 @@ def loss_and_grads(model, batches):
 def test_chunked_model_matches_full_model_over_accumulated_micro_batches():
     batches = [(random_ids(2, 32, seed=s), random_ids(2, 32, seed=s + 10)) for s in range(2)]
     batches[1][1][0, :7] = -1
-    full, full_grads = loss_and_grads(with_loud_padding(tiny(loss="full")), batches)
-    chunked_model = with_loud_padding(tiny(loss="chunked"))
+    full, full_grads = loss_and_grads(with_loud_padding(tiny_gpt(loss="full")), batches)
+    chunked_model = with_loud_padding(tiny_gpt(loss="chunked"))
     chunked, chunked_grads = loss_and_grads(chunked_model, batches)
     assert chunked == pytest.approx(full, rel=1e-6)
     for name, grad in full_grads.items():  # wte's gradient is the embedding's plus lm_head's: they are one tensor
@@ -202,9 +171,9 @@ def test_loss_under_compile_matches_eager(loss_impl):
     """Traced by dynamo and AOTAutograd as for inductor, in one graph (backend aot_eager generates no code: inductor
     takes ~30 s per tiny model on a CPU; tests/test_cuda.py compiles with inductor)."""
     batches = [(random_ids(2, 32), random_ids(2, 32, seed=2))]
-    eager_loss, eager_grads = loss_and_grads(with_loud_padding(tiny(loss=loss_impl)), batches)
+    eager_loss, eager_grads = loss_and_grads(with_loud_padding(tiny_gpt(loss=loss_impl)), batches)
     torch._dynamo.reset()
-    model = with_loud_padding(tiny(loss=loss_impl))
+    model = with_loud_padding(tiny_gpt(loss=loss_impl))
     compiled = torch.compile(model, backend="aot_eager", dynamic=False, fullgraph=True)
     loss, grads = loss_and_grads(compiled, batches)
     assert loss == pytest.approx(eager_loss, rel=1e-6)

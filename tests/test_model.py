@@ -1,5 +1,6 @@
 """The GPT-2 model of train_gpt2.py: shapes, tying, init, loss at init, causality, attention against a naive
 reference, overfitting one batch, the Hugging Face names, and sampling with a KV cache."""
+import functools
 import math
 
 import pytest
@@ -7,19 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2
-from helpers import one_thread  # noqa: F401 (autouse fixture)
-from train_gpt2 import GPT, GPTConfig, generate
+from helpers import VOCAB, one_thread, random_ids, tiny_gpt  # noqa: F401 (one_thread: autouse fixture)
+from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, generate
 
-GPT2_VOCAB = 50257
-
-
-def tiny(vocab_size=128, attn="sdpa", n_layer=2, n_embd=64, n_head=4, block_size=32, seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, attn=attn)).eval()
-
-
-def random_ids(B, T, high, seed=1):
-    return torch.randint(0, high, (B, T), generator=torch.Generator().manual_seed(seed))
+tiny = functools.partial(tiny_gpt, vocab_size=VOCAB)  # 128 ids, unless a test is about GPT-2's padded vocabulary
 
 
 def test_shapes():
@@ -133,7 +125,7 @@ def test_attention_matches_naive_reference():
 
 
 def test_overfits_one_batch():
-    model = tiny().train()
+    model = tiny()
     idx = random_ids(4, 33, 128)
     x, y = idx[:, :-1], idx[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -14,9 +14,8 @@ from safetensors.torch import save_file
 
 import hellaswag
 import train_gpt2
-from test_hellaswag import serve_hellaswag, synthetic_examples, write_jsonl
+from helpers import REPO, serve_hellaswag, synthetic_examples, write_jsonl
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
 
 

@@ -1,7 +1,6 @@
 """Checkpoints: SIGKILL and resume (bitwise, on CPU in fp32), SIGTERM, a damaged latest checkpoint, mismatched
 shapes, a different number of processes, non-finite steps, sampling from a checkpoint, --no-resume."""
 import fcntl
-import json
 import os
 import random
 import re
@@ -9,43 +8,14 @@ import shutil
 import signal
 import stat
 import subprocess
-import time
 
 import pytest
 import torch
 
 import train_gpt2
 from helpers import (TINY, assert_tensors_equal, check_usage_error, checkpoint_path, expect_usage_error, load_ckpt,  # noqa: F401
-                     one_thread, read_log, run_main, run_script, run_script_on_tmpfs, script_command, script_env, shards,
-                     train_records, val_records, write_shards)
-
-
-def logged_train_steps(log_dir):
-    """The train steps in log.jsonl so far, reading only whole lines (the file may be mid-write)."""
-    try:
-        with open(os.path.join(log_dir, "log.jsonl")) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return []
-    lines = text.split("\n")[:-1]
-    return [r["step"] for r in map(json.loads, lines) if "train_loss" in r]
-
-
-def start_script(args, cwd, stdout_path):
-    with open(stdout_path, "w") as out:
-        return subprocess.Popen(script_command(args), cwd=cwd, env=script_env(), stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_for_step(proc, log_dir, step, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        steps = logged_train_steps(log_dir)
-        if steps and max(steps) >= step:
-            return max(steps)
-        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before step {step}"
-        time.sleep(0.005)
-    proc.kill()
-    pytest.fail(f"no step {step} within {timeout} s")
+                     logged_train_steps, one_thread, read_log, run_main, run_script, run_script_on_tmpfs, script_command,
+                     script_env, shards, start_script, train_records, val_records, wait_for_step, write_shards)
 
 
 def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys):

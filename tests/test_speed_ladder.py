@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from helpers import REPO, script_env
+from helpers import REPO, process_stat, script_env
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import speed_ladder  # noqa: E402
@@ -67,14 +67,6 @@ with open(sys.argv[1], "a") as f:
 """
 
 
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, waiting to be reaped
-    except FileNotFoundError:
-        return False
-
-
 def test_a_rung_is_stopped_once_its_steps_are_logged(tmp_path):
     log = tmp_path / "log.jsonl"
     command = [sys.executable, "-c", FAKE_TRAINER, str(log), "5"]
@@ -83,7 +75,7 @@ def test_a_rung_is_stopped_once_its_steps_are_logged(tmp_path):
     assert [r["step"] for r in steps] == [0, 1, 2, 3, 4] and time.perf_counter() - t0 < 15
     pids = [int(pid) for pid in (tmp_path / "log.jsonl.pids").read_text().split()]
     time.sleep(0.5)
-    assert not any(alive(pid) for pid in pids)  # the trainer and the workers it started
+    assert not any(process_stat(pid) for pid in pids)  # the trainer and the workers it started: gone, or zombies
     log.unlink()
     steps = speed_ladder.train_until_logged(command, str(log), 6, str(tmp_path / "out.txt"), timeout=2)
     assert steps == "timed out after 2 s, at 5 of 6 steps"
