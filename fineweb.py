@@ -447,6 +447,11 @@ def open_manifest(args, config, stop):
     sources = local_sources(args.input) if args.input else None
     manifest = read_manifest(path, args.output)
     if manifest and manifest["next"]["tokens"]:  # with no tokens made yet there is nothing to mix: start afresh
+        old_prefix = manifest["config"]["--prefix"]
+        if SPLIT_WORD.search(old_prefix):  # fineweb.py once named shards after --output, split word and all
+            raise PrepareError(f"{args.output} holds shards named {shard_name(old_prefix, 0)}, which train_gpt2.py "
+                               f"refuses (the name says both splits); delete {args.output} to make them afresh, "
+                               "or choose another --output")
         for flag, value in config.items():
             old = manifest["config"].get(flag)
             if old != value:
@@ -676,6 +681,9 @@ def parse_args(argv=None):
     elif SPLIT_WORD.search(args.prefix):
         sys.exit(f"error: --prefix {args.prefix} holds the word {SPLIT_WORD.search(args.prefix).group(1)!r}, which "
                  "train_gpt2.py reads as a shard's split; choose a prefix without train or val as a word")
+    elif args.prefix.startswith(".") or "/" in args.prefix or os.sep in args.prefix:
+        sys.exit(f"error: --prefix {args.prefix} would name hidden files or files in another directory; "
+                 "choose a plain name such as edufineweb (the directory goes in --output)")
     args.endpoint = args.endpoint.rstrip("/")
     if not args.endpoint.startswith(("http://", "https://")):
         sys.exit(f"error: --endpoint (or HF_ENDPOINT) {args.endpoint!r} is not a URL; e.g. https://huggingface.co")

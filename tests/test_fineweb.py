@@ -715,3 +715,28 @@ def test_the_default_prefix_never_names_a_split(tmp_path):
         assert_error(run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "other", "--prefix", prefix),
                      "--prefix", prefix)
     assert not os.path.exists(tmp_path / "other")
+
+
+def test_a_prefix_that_is_a_path_or_hidden_is_refused(tmp_path):
+    """A --prefix with a / writes shards into another directory (or fails there, half done); one starting with a dot
+    names hidden files, which the trainer never reads."""
+    (tmp_path / "a.txt").write_text("plenty of words to fill a shard " * 200)
+    for prefix in ("sub/edu", ".edu", "../edu"):
+        assert_error(run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--prefix", prefix),
+                     "--prefix", prefix, "--output")
+    assert sorted(os.listdir(tmp_path)) == ["a.txt"]
+
+
+def test_shards_an_older_fineweb_named_after_a_split_word_get_a_way_out(tmp_path):
+    """Before the default prefix left out the split word, --output shakespeare_train made shakespeare_train_*.npy.
+    Resuming there asked for --prefix shakespeare_train, which is refused now: a dead end. It says to start afresh."""
+    (tmp_path / "a.txt").write_text("plenty of words to fill a shard " * 2000)
+    output = tmp_path / "shakespeare_train"
+    args = ("--input", tmp_path / "a.txt", "--output", output, "--shard-size", 10_000)
+    assert run_fineweb(*args).returncode == 0
+    manifest = json.loads((output / "manifest.json").read_text())
+    manifest["config"]["--prefix"] = "shakespeare_train"  # as the older fineweb.py wrote it
+    for done in (True, False):  # complete, or stopped part way
+        manifest["done"] = done
+        (output / "manifest.json").write_text(json.dumps(manifest))
+        assert_error(run_fineweb(*args), "shakespeare_train_val_000000.npy", f"delete {output}", "--output")

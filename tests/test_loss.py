@@ -32,6 +32,19 @@ def test_padding_ids_are_out_of_the_loss(loss_impl):
     assert grad[:GPT2_VOCAB].abs().sum() > 0
 
 
+def test_the_mask_keeps_bf16_logits_in_bf16():
+    """Under bf16 autocast lm_head gives bf16 logits; adding the float32 mask as it is would promote them to a float32
+    (B, T, V) copy, the memory the mask is there to save. The padding ids still get no probability, and the loss stays
+    within bf16's rounding of the float64 one."""
+    model = with_loud_padding(tiny_gpt())
+    idx, targets = random_ids(2, 32), random_ids(2, 32, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, targets)
+    assert logits.dtype == torch.bfloat16
+    assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf")) and torch.isfinite(logits[..., :GPT2_VOCAB]).all()
+    assert loss.item() == pytest.approx(reference(model, idx, targets).item(), rel=1e-2)
+
+
 def test_uniform_logits_give_the_log_of_the_real_vocab():
     """Every logit equal (a zero lm_head): the uniform distribution over the 50257 real ids, ln(50257) = 10.8249, not
     ln(50304) = 10.8260 as with the padding in the softmax. At init the loss is near both (within ~0.05)."""

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import struct
-import subprocess
 import sys
 import time
 
@@ -16,8 +15,7 @@ import wandb
 from wandb.proto import wandb_internal_pb2
 
 from helpers import (TINY, checkpoint_path, expect_usage_error, load_ckpt, one_thread, read_log, run_main,  # noqa: F401
-                     run_script, run_source, script_command, script_env, shards, train_records)
-from test_resume import wait_for_step
+                     run_script, run_source, shards, start_script, train_records, wait_for_step)
 
 
 @pytest.fixture(autouse=True)
@@ -135,9 +133,7 @@ def test_a_signal_stops_a_run_that_logs_to_wandb_promptly_and_its_resume_continu
     """W&B must not swallow the trainer's SIGTERM handling: the run saves, ends its W&B run and exits at once."""
     log_dir = tmp_path / "run"
     args = TINY + ["--data", shards, "--checkpoint-every", "0", "--log-dir", log_dir, "--wandb-project", "tiny"]
-    with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen(script_command(args + ["--max-steps", "100000"]), cwd=tmp_path, env=script_env(), stdout=out,
-                                stderr=subprocess.STDOUT)
+    proc = start_script(args + ["--max-steps", "100000"], tmp_path, tmp_path / "out.txt")
     wait_for_step(proc, log_dir, 2)
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
