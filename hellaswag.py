@@ -286,7 +286,7 @@ def main():
     finally:
         teardown_distributed()
     if error is not None:
-        print(f"error: {error}", file=sys.stderr)
+        sys.stderr.write(f"error: {error}\n")  # one write: under torchrun, the ranks' lines do not interleave
         sys.exit(2)
     if ddp.rank == 0:
         print(f"HellaSwag ({n} examples): acc_norm {acc_norm:.4f} (GPT-2 124M: 0.2945, GPT-3 124M: 0.337), acc {acc:.4f}")

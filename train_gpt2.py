@@ -1486,7 +1486,7 @@ def main(argv=None):
         for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
             signal.signal(sig, handler)
     if error is not None:
-        print(f"error: {error}", file=sys.stderr)
+        sys.stderr.write(f"error: {error}\n")  # one write: under torchrun, the ranks' lines do not interleave
         sys.exit(2)
 
 
