@@ -263,11 +263,14 @@ def main():
                         help="auto picks cuda, then mps, then cpu")
     args = parser.parse_args()
 
+    # run as a script, this module is __main__: train_gpt2's `import hellaswag` must find it rather than load a second
+    # copy, whose EvalError (raised by downloads of OpenAI's weights) would be another class, not caught as one
+    sys.modules.setdefault("hellaswag", sys.modules[__name__])
     # imported here, not at the top: train_gpt2.py imports this module
     from train_gpt2 import (GPT, UsageError, autocast_context, gpt2_tokenizer, load_checkpoint, model_from_checkpoint,
-                            resolve_dtype, setup_distributed, teardown_distributed)
-    error = None
-    try:
+                            resolve_dtype, run_then_tear_down, setup_distributed)
+
+    def evaluate_the_model():
         ddp = setup_distributed(args.device)
         if args.checkpoint:
             try:
@@ -280,15 +283,10 @@ def main():
         examples = load_examples(args.hellaswag_file, args.cache_dir)
         prepared = prepare(examples, gpt2_tokenizer(), model.config.block_size)
         autocast_ctx = autocast_context(ddp.device_type, resolve_dtype("auto", ddp.device_type))
-        acc_norm, acc, n = evaluate(model, prepared, ddp.device, autocast_ctx, ddp.rank, ddp.world_size)
-    except (UsageError, EvalError) as e:
-        error = str(e)  # not e, whose traceback would keep the model alive past the process group's end
-    finally:
-        teardown_distributed()
-    if error is not None:
-        sys.stderr.write(f"error: {error}\n")  # one write: under torchrun, the ranks' lines do not interleave
-        sys.exit(2)
-    if ddp.rank == 0:
+        return ddp.rank, evaluate(model, prepared, ddp.device, autocast_ctx, ddp.rank, ddp.world_size)
+
+    rank, (acc_norm, acc, n) = run_then_tear_down(evaluate_the_model)
+    if rank == 0:
         print(f"HellaSwag ({n} examples): acc_norm {acc_norm:.4f} (GPT-2 124M: 0.2945, GPT-3 124M: 0.337), acc {acc:.4f}")
         print(f"acc_norm={acc_norm:.6f} acc={acc:.6f} n={n}")
 

@@ -1470,24 +1470,29 @@ def sample_from_checkpoint(cfg):
     print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed, ckpt["step"])
 
 
+def run_then_tear_down(work):
+    """Returns work()'s result, once the process group is torn down. A UsageError or EvalError ends the process with
+    its one line on stderr and exit code 2, never a traceback. The command lines of this file and hellaswag.py."""
+    error = None
+    try:
+        return work()
+    except (UsageError, hellaswag.EvalError) as e:
+        error = str(e)  # not e: its traceback holds the (DDP) model, which must be freed before its process group
+    finally:
+        teardown_distributed()
+        if error is not None:
+            sys.stderr.write(f"error: {error}\n")  # one write: under torchrun, the ranks' lines do not interleave
+            sys.exit(2)
+
+
 def main(argv=None):
     cfg, given = parse_args(argv)
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    error = None
     try:
-        if cfg.sample:
-            sample_from_checkpoint(cfg)
-        else:
-            train(cfg, given)
-    except (UsageError, hellaswag.EvalError) as e:
-        error = str(e)  # not e: its traceback holds train()'s DDP model, which must be freed before its process group
+        run_then_tear_down(lambda: sample_from_checkpoint(cfg) if cfg.sample else train(cfg, given))
     finally:
-        teardown_distributed()
         for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
             signal.signal(sig, handler)
-    if error is not None:
-        sys.stderr.write(f"error: {error}\n")  # one write: under torchrun, the ranks' lines do not interleave
-        sys.exit(2)
 
 
 if __name__ == "__main__":

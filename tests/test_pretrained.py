@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import hellaswag
 import train_gpt2
-from helpers import REPO, serve_hellaswag, synthetic_examples, write_jsonl
+from helpers import REPO, run_script, serve_hellaswag, synthetic_examples, write_jsonl
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
 
@@ -153,6 +153,18 @@ def test_hellaswag_cli_init_from_gpt2(gpt2_server, tmp_path, monkeypatch, capsys
                                       "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--device", "cpu"])
     hellaswag.main()
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"acc_norm={acc_norm:.6f} acc={acc:.6f} n={n}"
+
+
+def test_hellaswag_script_that_cannot_download_gpt2_says_so_in_one_line(gpt2_server, tmp_path):
+    """`python hellaswag.py --init-from gpt2` with no hub to reach (an offline node): one line, not a traceback. The
+    script is __main__, and the EvalError of the download (raised in the hellaswag module train_gpt2 imports) was
+    another class than the one its main caught."""
+    gpt2_server[1].unlink()  # the hub answers 404
+    result = run_script(["--init-from", "gpt2", "--cache-dir", tmp_path / "cache", "--device", "cpu"], tmp_path,
+                        script=os.path.join(REPO, "hellaswag.py"), HF_ENDPOINT=os.environ["HF_ENDPOINT"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: could not download "), result.stderr
+    assert "HF_ENDPOINT" in result.stderr.strip().splitlines()[-1]
 
 
 def test_eval_only_init_from_gpt2_logs_the_reference(gpt2_server, tmp_path, monkeypatch):
