@@ -1118,21 +1118,31 @@ class Run:
         return self.env.rank == 0  # only rank 0 prints and writes files
 
 
-def set_up(cfg, env, pretrained):
-    """The data, the model (random, or OpenAI's weights if pretrained) on its device, and the optimizer."""
+def set_up_device(cfg, env):
+    """The process-wide settings a run's speed depends on: TF32 matmuls, and on a CPU, how freed memory is kept."""
     set_tf32(cfg.dtype != "fp32")
     if env.device_type == "cpu":
         keep_freed_memory()  # 1.75x faster steps for the Shakespeare model on a 2-core CPU
+
+
+def make_model(cfg, device, pretrained=False):
+    """The model the settings describe, on device: random weights, the same on every rank, or OpenAI's if pretrained."""
+    torch.manual_seed(cfg.seed)
+    model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+    model = GPT.from_pretrained(cfg.init_from, model_config, cfg.cache_dir or None) if pretrained else GPT(model_config)
+    return model.to(device)
+
+
+def set_up(cfg, env, pretrained):
+    """The data, the model (random, or OpenAI's weights if pretrained) on its device, and the optimizer."""
+    set_up_device(cfg, env)
     enc = gpt2_tokenizer()
     stream, val, train_tokens = load_data(cfg)
     hellaswag_data = None
     if cfg.hellaswag_every > 0:
         examples = hellaswag.load_examples(cfg.hellaswag_file or None, cfg.cache_dir or None)
         hellaswag_data = hellaswag.prepare(examples, enc, cfg.block_size)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
-    raw_model = GPT.from_pretrained(cfg.init_from, model_config, cfg.cache_dir or None) if pretrained else GPT(model_config)
-    raw_model.to(env.device)
+    raw_model = make_model(cfg, env.device, pretrained)
     gpu_peak = peak_flops(env.device_type)
     return Run(cfg, env, enc, stream, train_tokens, val, hellaswag_data, raw_model,
                optimizer=make_optimizer(raw_model, cfg, env.device_type),

@@ -15,14 +15,13 @@ tokens: forward, backward, gradient clipping and the AdamW update.
 import argparse
 import os
 import sys
-from dataclasses import fields
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
-from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, UsageError, autocast_context, make_optimizer  # noqa: E402
+from train_gpt2 import GPT2_VOCAB, UsageError, autocast_context, make_optimizer  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -48,9 +47,8 @@ def main(argv=None):
     except UsageError as e:
         sys.exit(f"error: {e}")
     device, device_type = env.device, env.device_type
-    train_gpt2.set_tf32(cfg.dtype != "fp32")
-    torch.manual_seed(cfg.seed)
-    raw_model = GPT(GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})).to(device)  # as train() builds it
+    train_gpt2.set_up_device(cfg, env)
+    raw_model = train_gpt2.make_model(cfg, device)  # as train() builds it
     model = train_gpt2.compile_model(raw_model, cfg)
     optimizer = make_optimizer(raw_model, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")
