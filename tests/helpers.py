@@ -3,6 +3,7 @@ subprocess (plain or under torchrun) and following it, reading log.jsonl, tiny m
 checked against, and synthetic HellaSwag examples served as a download."""
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -149,6 +150,15 @@ def val_records(records):
 
 def checkpoint_path(log_dir, step):
     return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+
+
+SAMPLE_HEADER = r"^--- sample (\d+)/(\d+) \(step (\d+)\) ---$"
+
+
+def printed_samples(out):
+    """[(number, of, step, text)] of each sample block in the output, whose text runs up to the next '--- ' line."""
+    blocks = re.findall(SAMPLE_HEADER.removesuffix("$") + r"\n(.*?)\n(?=^--- )", out, re.M | re.S)
+    return [(int(i), int(n), int(step), text) for i, n, step, text in blocks]
 
 
 def load_ckpt(path):

@@ -13,14 +13,13 @@ import torch
 
 import hellaswag
 import train_gpt2
-from helpers import REPO, SYNTHETIC, run_script, script_expecting, serve_hellaswag, synthetic_examples, write_jsonl
-from train_gpt2 import GPT, GPTConfig, gpt2_tokenizer
+from helpers import REPO, SYNTHETIC, run_script, script_expecting, serve_hellaswag, synthetic_examples, tiny_gpt, write_jsonl
+from train_gpt2 import gpt2_tokenizer
 
 
 def tiny_model(seed=0):
     """A random 2-layer model; weights larger than at init, so that the losses differ clearly between endings."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
+    model = tiny_gpt(block_size=64, n_head=2, n_embd=32, seed=seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:

@@ -9,8 +9,7 @@ import sys
 import pytest
 
 import plot
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
 PLOT = os.path.join(REPO, "plot.py")
 
 

@@ -14,7 +14,7 @@ import torch
 
 import train_gpt2
 from helpers import (TINY, assert_tensors_equal, check_usage_error, checkpoint_path, expect_usage_error, load_ckpt,  # noqa: F401
-                     logged_train_steps, one_thread, read_log, run_main, run_script, run_script_on_tmpfs, script_command,
+                     logged_train_steps, one_thread, printed_samples, read_log, run_main, run_script, run_script_on_tmpfs, script_command,
                      script_env, shards, start_script, train_records, val_records, wait_for_step, write_shards)
 
 
@@ -205,7 +205,9 @@ def test_sample_from_a_checkpoint(shards, tmp_path, capsys):
     assert lines[0].startswith("checkpoint of step 2") and repr("Hello, I'm") in lines[0]
     assert [line for line in lines if line.startswith("--- ")] == ["--- sample 1/2 (step 2) ---", "--- sample 2/2 (step 2) ---",
                                                                     "--- end of samples ---"]
-    for text in re.findall(r"^--- sample \d/2 \(step 2\) ---\n(.*?)\n--- ", out, re.M | re.S):  # printed as it is
+    samples = printed_samples(out)
+    assert [sample[:3] for sample in samples] == [(1, 2, 2), (2, 2, 2)]
+    for _, _, _, text in samples:  # printed as it is
         assert text.startswith("Hello, I'm") and len(text) > len("Hello, I'm")
     assert run_main(sample, capsys)[1] == out  # seeded: the same samples again
     # a tiny-vocab checkpoint cannot embed the prompt: a message, no crash

@@ -2,15 +2,7 @@
 header line and the last followed by an end line; never as a Python string literal."""
 import re
 
-from helpers import TINY, one_thread, read_log, run_main, shards, val_records  # noqa: F401
-
-HEADER = r"^--- sample (\d+)/(\d+) \(step (\d+)\) ---$"
-
-
-def printed_samples(out):
-    """[(number, of, step, text)] of each sample block in the output, whose text runs up to the next '--- ' line."""
-    blocks = re.findall(HEADER.removesuffix("$") + r"\n(.*?)\n(?=^--- )", out, re.M | re.S)
-    return [(int(i), int(n), int(step), text) for i, n, step, text in blocks]
+from helpers import SAMPLE_HEADER, TINY, one_thread, printed_samples, read_log, run_main, shards, val_records  # noqa: F401
 
 
 def test_samples_print_as_text_with_real_line_breaks(shards, tmp_path, capsys):
@@ -22,7 +14,7 @@ def test_samples_print_as_text_with_real_line_breaks(shards, tmp_path, capsys):
     assert code == 0 and err == "", err
     samples = printed_samples(out)
     assert [(i, n, step) for i, n, step, _ in samples] == [(1, 3, 0), (2, 3, 0), (3, 3, 0), (1, 3, 2), (2, 3, 2), (3, 3, 2)]
-    assert len(re.findall(HEADER, out, re.M)) == 6 and out.count("\n--- end of samples ---\n") == 2
+    assert len(re.findall(SAMPLE_HEADER, out, re.M)) == 6 and out.count("\n--- end of samples ---\n") == 2
     for *_, text in samples:
         lines = text.split("\n")
         assert lines[:2] == ["ROMEO:", "JULIET:"] and lines[2].startswith("NURSE:␛[2J") and len(text) > len("ROMEO:\nJULIET:\nNURSE:␛[2J")

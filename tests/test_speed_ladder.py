@@ -1,13 +1,12 @@
 """benchmarks/: the speed ladder end to end on a tiny CPU model (each rung a real train_gpt2.py run), and the profiler."""
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
-from helpers import REPO, process_stat, script_env
+from helpers import REPO, process_stat, run_script
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import speed_ladder  # noqa: E402
@@ -18,8 +17,7 @@ SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW"]
 
 
 def run(script, *flags):
-    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script), *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=script_env())
+    return run_script(flags, REPO, timeout=300, script=os.path.join(REPO, "benchmarks", script))
 
 
 def test_tiny_ladder_on_cpu(tmp_path):

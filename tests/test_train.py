@@ -211,9 +211,8 @@ def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypa
     """--loss chunked through the whole trainer, eager and compiled (aot_eager: dynamo and AOTAutograd as for
     inductor, no code generated), with a padded vocabulary: the same training and validation losses as --loss full.
     The two losses agree, so the runs count their chunked losses in training (grad mode) to show which one they ran."""
-    args = [a if a != str(VOCAB) else "50304" for a in TINY] + ["--data", shards, "--max-steps", "3", "--eval-every", "3",
-                                                               "--warmup-steps", "1", "--max-lr", "1e-2",
-                                                               "--val-tokens", "192"]  # 6 sequences: a last batch with -1 rows
+    args = TINY + ["--vocab-size", "50304", "--data", shards, "--max-steps", "3", "--eval-every", "3", "--warmup-steps", "1",
+                   "--max-lr", "1e-2", "--val-tokens", "192"]  # 6 sequences: a last batch with -1 rows
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     chunked_in_grad_mode = []
@@ -299,7 +298,7 @@ def test_two_nodes_match_one_process(shards, tmp_path, capsys, static_server, mo
     examples = synthetic_examples([0, 1, 2, 3, 1])
     serve_hellaswag(static_server, monkeypatch, examples)
     base_url = static_server[1]
-    args = [a if a != str(VOCAB) else str(GPT2_VOCAB) for a in TINY]  # HellaSwag needs all GPT-2 tokens
+    args = TINY + ["--vocab-size", str(GPT2_VOCAB)]  # HellaSwag needs all GPT-2 tokens
     args += ["--data", shards, "--max-steps", "2", "--warmup-steps", "1", "--hellaswag-every", "2"]
     monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache_one"))
     code, out, err = run_main(args + ["--log-dir", tmp_path / "one"], capsys)
