@@ -18,9 +18,7 @@ output directory and produces the same bytes as an uninterrupted run.
 """
 
 import argparse
-import contextlib
 import ctypes
-import errno
 import hashlib
 import json
 import multiprocessing
@@ -43,38 +41,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
 import tiktoken
-import tiktoken.load
 from tqdm import tqdm
 
-try:
-    import fcntl
-except ImportError:  # Windows: two runs on one output directory are not caught there
-    fcntl = None
+from plumbing import EOT, SPLIT_WORD, UsageError, directory_lock, gpt2_tokenizer, no_room, write_atomically
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EOT = 50256  # <|endoftext|>, the document delimiter GPT-2 was trained with
 JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
 DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-SPLIT_WORD = re.compile(r"(?:^|[_.-])(train|val)(?=[_.-]|$)")  # how train_gpt2.py tells a shard's split from its name
-
-
-class PrepareError(Exception):
-    """A problem the user can fix; main() prints it as one `error:` line."""
 
 # -----------------------------------------------------------------------------
 # tokenization, in worker processes: each job is one unit of a source file
 # (a parquet row group, a batch of jsonl lines or a whole .txt file)
-
-def load_gpt2_encoding():
-    ranks = tiktoken.load.load_tiktoken_bpe(os.path.join(HERE, "gpt2.tiktoken"))
-    return tiktoken.Encoding(
-        name="gpt2",
-        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": EOT},
-    )
 
 def init_worker(parent_pid):
     global encoding, open_parquet
@@ -83,7 +60,7 @@ def init_worker(parent_pid):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent_pid:  # it died before prctl
             os._exit(1)
-    encoding = load_gpt2_encoding()
+    encoding = gpt2_tokenizer()
     open_parquet = (None, None)  # (path, ParquetFile): footers of big files take ms to parse
 
 def start_workers(count):
@@ -135,7 +112,7 @@ def unit_texts(job):
             # one thread: the other cores are busy with their own row groups
             column = parquet_file(path).read_row_group(row_group, columns=[field], use_threads=False).column(0)
         except pa.ArrowException as e:
-            raise PrepareError(f"{path}: cannot read row group {row_group} ({e})")
+            raise UsageError(f"{path}: cannot read row group {row_group} ({e})")
         return [text for text in column.to_pylist() if text is not None]
     if kind == "jsonl":
         _, _, first_line_number, lines, field = job
@@ -146,11 +123,11 @@ def unit_texts(job):
             try:
                 text = json.loads(line)[field]
             except ValueError as e:
-                raise PrepareError(f"{path}:{line_number}: malformed JSON ({e}); fix or delete that line")
+                raise UsageError(f"{path}:{line_number}: malformed JSON ({e}); fix or delete that line")
             except (KeyError, TypeError):
-                raise PrepareError(f"{path}:{line_number}: no '{field}' field; name the text field with --text-field")
+                raise UsageError(f"{path}:{line_number}: no '{field}' field; name the text field with --text-field")
             if not isinstance(text, str):
-                raise PrepareError(f"{path}:{line_number}: '{field}' is not a string")
+                raise UsageError(f"{path}:{line_number}: '{field}' is not a string")
             texts.append(text)
         return texts
     with open(path, "rb") as f:
@@ -158,7 +135,7 @@ def unit_texts(job):
     try:
         return [data.decode("utf-8")]
     except UnicodeDecodeError as e:
-        raise PrepareError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+        raise UsageError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
 
 def encode_ordinary(text):
     # encode_to_numpy with no special tokens allowed is encode_ordinary without building a Python list
@@ -183,14 +160,14 @@ def file_units(path, first_unit, field):
             with pq.ParquetFile(path) as pf:
                 schema, row_groups = pf.schema_arrow, pf.num_row_groups
         except pa.ArrowException as e:
-            raise PrepareError(f"{path} is not a readable parquet file ({e})")
+            raise UsageError(f"{path} is not a readable parquet file ({e})")
         if field not in schema.names:
-            raise PrepareError(f"{path} has no '{field}' column (it has {', '.join(schema.names)}); "
-                               "name the text column with --text-field")
+            raise UsageError(f"{path} has no '{field}' column (it has {', '.join(schema.names)}); "
+                             "name the text column with --text-field")
         column_type = schema.field(field).type
         if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-            raise PrepareError(f"{path}: column '{field}' holds {column_type}, not text; "
-                               "name the text column with --text-field")
+            raise UsageError(f"{path}: column '{field}' holds {column_type}, not text; "
+                             "name the text column with --text-field")
         for row_group in range(first_unit, row_groups):
             yield row_group, ("parquet", path, row_group, field), 1 / row_groups
     elif path.endswith(".jsonl"):
@@ -214,7 +191,7 @@ def hub_headers():
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 def http_get(session, url, args, headers=None):
-    """GET url; 5xx/429 and network failures raise requests exceptions (retried), others PrepareError."""
+    """GET url; 5xx/429 and network failures raise requests exceptions (retried), others UsageError."""
     response = session.get(url, headers={**hub_headers(), **(headers or {})}, stream=True, timeout=(30, 60))
     status = response.status_code
     if status < 400 or status == 416:
@@ -223,16 +200,16 @@ def http_get(session, url, args, headers=None):
     if status >= 500 or status == 429:
         raise requests.HTTPError(f"HTTP {status} from {url}")
     if status in (401, 403):
-        raise PrepareError(f"{args.endpoint} refused access to {args.dataset} (HTTP {status}); set HF_TOKEN to a "
-                           "Hugging Face token that can read it (https://huggingface.co/settings/tokens)")
+        raise UsageError(f"{args.endpoint} refused access to {args.dataset} (HTTP {status}); set HF_TOKEN to a "
+                         "Hugging Face token that can read it (https://huggingface.co/settings/tokens)")
     if status == 404:
-        raise PrepareError(f"{url} not found (HTTP 404); check --dataset and --subset")
-    raise PrepareError(f"{url} answered HTTP {status}")
+        raise UsageError(f"{url} not found (HTTP 404); check --dataset and --subset")
+    raise UsageError(f"{url} answered HTTP {status}")
 
 def backoff(failures, error, args, stop):
     if failures > args.retries:
-        raise PrepareError(f"giving up on {args.endpoint} after {args.retries} retries ({error}); check the "
-                           "network or proxy, or point HF_ENDPOINT (or --endpoint) at a mirror, e.g. https://hf-mirror.com")
+        raise UsageError(f"giving up on {args.endpoint} after {args.retries} retries ({error}); check the network or "
+                         "proxy, or point HF_ENDPOINT (or --endpoint) at a mirror, e.g. https://hf-mirror.com")
     stop.wait(min(args.retry_delay * 2 ** (failures - 1), 60))
 
 def list_hub_files(args, stop):
@@ -247,15 +224,15 @@ def list_hub_files(args, stop):
         # first: requests' JSONDecodeError (for a proxy's HTML page, say) is a ValueError but also a
         # RequestException, and asking again would only get the same page
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise PrepareError(f"unexpected answer from {url} (not the hub's JSON list of files); "
-                               "is --endpoint (or HF_ENDPOINT) a Hugging Face hub or mirror?")
+            raise UsageError(f"unexpected answer from {url} (not the hub's JSON list of files); "
+                             "is --endpoint (or HF_ENDPOINT) a Hugging Face hub or mirror?")
         except requests.RequestException as e:
             failures += 1
             backoff(failures, e, args, stop)
             continue
         url = next_url
     if not files:
-        raise PrepareError(f"no parquet files in {args.dataset}/{args.subset} at {args.endpoint}; check --subset")
+        raise UsageError(f"no parquet files in {args.dataset}/{args.subset} at {args.endpoint}; check --subset")
     return sorted(files, key=lambda f: f["path"])
 
 def sha256_of(path):
@@ -280,7 +257,7 @@ def download(source, args, stop):
     url = f"{args.endpoint}/datasets/{args.dataset}/resolve/main/{quote(source['path'])}"
     identity = {"Accept-Encoding": "identity"}  # through a compressing proxy, Range offsets would count other bytes
     session, started = requests.Session(), time.perf_counter()
-    for attempt in range(2):  # a file that fails its checksum is downloaded afresh once
+    for _attempt in range(2):  # a file that fails its checksum is downloaded afresh once
         failures = 0
         while not stop.is_set() and (not os.path.exists(part) or os.path.getsize(part) < source["size"]):
             have = os.path.getsize(part) if os.path.exists(part) else 0
@@ -307,12 +284,13 @@ def download(source, args, stop):
         if intact(part, source):
             os.replace(part, path)
             megabytes = source["size"] / 1e6
-            tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {megabytes / (time.perf_counter() - started):.1f} MB/s)")
+            rate = megabytes / (time.perf_counter() - started)
+            tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {rate:.1f} MB/s)")
             return path
         os.remove(part)
-    raise PrepareError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected {source['size']:,} "
-                       f"bytes with sha256 {source['sha256']}); the mirror may serve a damaged or stale copy: "
-                       "try another HF_ENDPOINT")
+    raise UsageError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected {source['size']:,} "
+                     f"bytes with sha256 {source['sha256']}); the mirror may serve a damaged or stale copy: "
+                     "try another HF_ENDPOINT")
 
 class Downloads:
     """Hub files downloaded one at a time, in the order asked for, by a daemon thread: an interrupted run exits at
@@ -361,12 +339,12 @@ def local_sources(paths):
             found = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
                            if name.endswith((".txt", ".jsonl", ".parquet")))
             if not found:
-                raise PrepareError(f"--input {path}: no .txt, .jsonl or .parquet files in that directory")
+                raise UsageError(f"--input {path}: no .txt, .jsonl or .parquet files in that directory")
             files += found
         elif not os.path.isfile(path):
-            raise PrepareError(f"--input {path}: no such file")
+            raise UsageError(f"--input {path}: no such file")
         elif not path.endswith((".txt", ".jsonl", ".parquet")):
-            raise PrepareError(f"--input {path}: unsupported type; use .txt (one document), .jsonl or .parquet")
+            raise UsageError(f"--input {path}: unsupported type; use .txt (one document), .jsonl or .parquet")
         else:
             files.append(path)
     return [{"path": os.path.abspath(p), "size": os.path.getsize(p), "sha256": sha256_of(p)} for p in files]
@@ -374,53 +352,33 @@ def local_sources(paths):
 # -----------------------------------------------------------------------------
 # output: shards, the carried partial shard and the manifest, each written whole
 
-@contextlib.contextmanager
 def output_lock(output):
     """Refuse to run while another fineweb.py writes the same output directory: the two would mix their shards."""
-    os.makedirs(output, exist_ok=True)
-    with open(os.path.join(output, ".lock"), "a+") as f:
-        if fcntl:
-            try:
-                # a POSIX record lock, unlike flock(), is not held by the forked workers: it ends with this process
-                fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except (BlockingIOError, PermissionError):
-                f.seek(0)
-                raise PrepareError(f"another fineweb.py is writing {output} (pid {f.read().strip() or '?'}); "
-                                   "wait for it to finish or stop it, or choose another --output")
-            f.truncate(0)
-            f.write(str(os.getpid()))
-            f.flush()
-        yield
+    return directory_lock(output, f"another fineweb.py is writing {output} ({{holder}}); wait for it to finish or stop "
+                                  "it, or choose another --output",
+                          f"--output {output}: cannot write in it ({{reason}}); choose a directory this run may "
+                          "write to")
 
-def write_atomically(path, write):
-    # the temp name holds neither "train" nor "val", so loaders listing shards never see a half-written one
-    temp = os.path.join(os.path.dirname(path), f".writing.{os.getpid()}.tmp")
-    try:
-        with open(temp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException as e:
-        if os.path.exists(temp):
-            os.remove(temp)
-        if isinstance(e, OSError) and e.errno is None:  # numpy reports a short write to a full disk without errno
-            raise OSError(errno.ENOSPC, str(e), path) from e
-        raise
-    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
-        directory = os.open(os.path.dirname(path), os.O_DIRECTORY)
-        os.fsync(directory)
-        os.close(directory)
+# the temp files' names hold neither "train" nor "val", so loaders listing shards never see a half-written one
+TEMP_PREFIX = ".writing."
+IF_NO_ROOM = "free some space or choose another --output, then run the same command again to resume"
+
+def write_whole(path, write):
+    """Writes path whole or not at all with write(file); a full disk is a UsageError that says how to resume."""
+    temp = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{os.getpid()}.tmp")
+    write_atomically(path, write, temp, lambda: IF_NO_ROOM)
 
 def save_manifest(args, manifest):
     path = os.path.join(args.output, "manifest.json")
-    write_atomically(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    write_whole(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 def shard_name(prefix, index):
     return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
 
 def with_flag(flag, value):
-    return f"without {flag}" if value is None else f"with {flag} {' '.join(value) if isinstance(value, list) else value}"
+    if value is None:
+        return f"without {flag}"
+    return f"with {flag} {' '.join(value) if isinstance(value, list) else value}"
 
 def read_manifest(path, output):
     """The manifest at path, or None if there is none; one that is damaged or another tool's is refused."""
@@ -437,8 +395,8 @@ def read_manifest(path, output):
     except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another shape
         well_formed = False
     if not well_formed:
-        raise PrepareError(f"{path} is damaged or not fineweb.py's; delete {output} to start it afresh, "
-                           "or choose another --output")
+        raise UsageError(f"{path} is damaged or not fineweb.py's; delete {output} to start it afresh, "
+                         "or choose another --output")
     return manifest
 
 def open_manifest(args, config, stop):
@@ -449,17 +407,20 @@ def open_manifest(args, config, stop):
     if manifest and manifest["next"]["tokens"]:  # with no tokens made yet there is nothing to mix: start afresh
         old_prefix = manifest["config"]["--prefix"]
         if SPLIT_WORD.search(old_prefix):  # fineweb.py once named shards after --output, split word and all
-            raise PrepareError(f"{args.output} holds shards named {shard_name(old_prefix, 0)}, which train_gpt2.py "
-                               f"refuses (the name says both splits); delete {args.output} to make them afresh, "
-                               "or choose another --output")
+            raise UsageError(f"{args.output} holds shards named {shard_name(old_prefix, 0)}, which train_gpt2.py "
+                             f"refuses (the name says both splits); delete {args.output} to make them afresh, "
+                             "or choose another --output")
         for flag, value in config.items():
             old = manifest["config"].get(flag)
             if old != value:
-                raise PrepareError(f"{args.output} holds shards made {with_flag(flag, old)}, not {with_flag(flag, value)}; "
-                                   f"rerun {with_flag(flag, old)} to continue them, or choose another --output")
+                raise UsageError(f"{args.output} holds shards made {with_flag(flag, old)}, not "
+                                 f"{with_flag(flag, value)}; rerun {with_flag(flag, old)} to continue them, "
+                                 "or choose another --output")
         if sources is not None and sources != manifest["sources"]:
-            changed = next((new["path"] for new, old in zip(sources, manifest["sources"]) if new != old), "the file list")
-            raise PrepareError(f"{changed} changed since {args.output} was started; restore it, or choose another --output")
+            changed = next((new["path"] for new, old in zip(sources, manifest["sources"]) if new != old),
+                           "the file list")
+            raise UsageError(f"{changed} changed since {args.output} was started; restore it, "
+                             "or choose another --output")
         return manifest
     # a run of ours stopped (killed, disk full) between renaming its first shard into place and recording it
     ours = manifest and re.compile(rf"{re.escape(manifest['config']['--prefix'])}_(val|train)_\d{{6}}\.npy")
@@ -467,8 +428,8 @@ def open_manifest(args, config, stop):
         if ours and ours.fullmatch(name):
             os.remove(os.path.join(args.output, name))  # made again below
         elif name.endswith((".npy", ".bin")) and SPLIT_WORD.search(name):
-            raise PrepareError(f"{args.output} holds shards without a manifest.json (made by another tool?); "
-                               "choose another --output or move them away")
+            raise UsageError(f"{args.output} holds shards without a manifest.json (made by another tool?); "
+                             "choose another --output or move them away")
     manifest = {
         "config": config,
         "sources": sources or list_hub_files(args, stop),
@@ -487,7 +448,7 @@ def prepare(args):
     version = getattr(tiktoken, "__version__", "0.0")
     if tuple(int(part) for part in version.split(".")[:2]) < (0, 11):
         # before 0.11, encode_to_numpy turned "<|endoftext|>" in a text into the special token
-        raise PrepareError(f"tiktoken {version} is too old; pip install 'tiktoken>=0.11'")
+        raise UsageError(f"tiktoken {version} is too old; pip install 'tiktoken>=0.11'")
     hub = not args.input
     downloads_dir = os.path.join(args.output, "downloads")
     # --input first: between a hub directory and a local one, that is the flag to name
@@ -507,7 +468,7 @@ def prepare(args):
     delete_downloads = hub and not args.keep_downloads
     # leftovers of a killed run (the lock says none is running): temp files, a superseded carry
     for name in os.listdir(args.output):
-        if name.startswith(".writing.") or (name.startswith(".carry_") and name != state["carry"]):
+        if name.startswith(TEMP_PREFIX) or (name.startswith(".carry_") and name != state["carry"]):
             os.remove(os.path.join(args.output, name))
     if delete_downloads:
         for source in sources[:state["file"]]:
@@ -532,14 +493,14 @@ def prepare(args):
         state.update(file=file, unit=unit, skip=skip, carry=None, tokens=tokens, documents=documents)
         if len(carry):
             state["carry"] = f".carry_{file:06d}.npy"
-            write_atomically(os.path.join(args.output, state["carry"]), lambda f: np.save(f, carry))
+            write_whole(os.path.join(args.output, state["carry"]), lambda f: np.save(f, carry))
         save_manifest(args, manifest)
         if old_carry and old_carry != state["carry"]:
             os.remove(os.path.join(args.output, old_carry))
 
     def write_shard(tokens_in_shard):
         name = shard_name(args.prefix, len(shards))
-        write_atomically(os.path.join(args.output, name), lambda f: np.save(f, tokens_in_shard))
+        write_whole(os.path.join(args.output, name), lambda f: np.save(f, tokens_in_shard))
         shards.append({"name": name, "tokens": len(tokens_in_shard)})
 
     pool = start_workers(args.workers)
@@ -575,7 +536,7 @@ def prepare(args):
             while failure is None and len(pending) < 2 * args.workers:
                 try:
                     item = next(job_stream, None)
-                except (PrepareError, OSError) as e:
+                except (UsageError, OSError) as e:
                     failure = e  # a download failed: finish the units in flight first, so they are kept
                     break
                 if item is None:  # no more inputs, or the next one is still downloading
@@ -616,8 +577,8 @@ def prepare(args):
         if failure is not None:
             raise failure
     except BrokenProcessPool:
-        raise PrepareError("a tokenizer worker died (killed, most likely for lack of memory); run the same command "
-                           "again to resume, with fewer --workers if memory is short") from None
+        raise UsageError("a tokenizer worker died (killed, most likely for lack of memory); run the same command "
+                         "again to resume, with fewer --workers if memory is short") from None
     finally:
         stop.set()  # ends the download in flight, unless it is stalled
         bar.close()
@@ -626,7 +587,7 @@ def prepare(args):
         downloads.close()
 
     if tokens == documents:
-        raise PrepareError("no text found in the inputs (no documents, or only empty ones); check them and --text-field")
+        raise UsageError("no text found in the inputs (no documents, or only empty ones); check them and --text-field")
     if fill:
         write_shard(shard[:fill])
     state.update(tokens=tokens, documents=documents)
@@ -639,7 +600,8 @@ def prepare(args):
           f"(1 val + {len(shards) - 1} train) in {args.output}; {elapsed:.1f} s, "
           f"{(tokens - tokens_at_start) / elapsed:,.0f} tokens/s")
     if len(shards) == 1:
-        print(f"warning: only a validation shard was written; lower --shard-size (now {args.shard_size:,}) to get train shards")
+        print(f"warning: only a validation shard was written; lower --shard-size (now {args.shard_size:,}) "
+              "to get train shards")
 
 # -----------------------------------------------------------------------------
 
@@ -699,15 +661,15 @@ def main(argv=None):
     try:
         with output_lock(args.output):
             prepare(args)
-    except PrepareError as e:
+    except UsageError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("\ninterrupted; run the same command again to resume", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
-        if e.errno in NO_SPACE:
-            sys.exit(f"error: disk full writing {e.filename or args.output}; free some space or choose another "
-                     "--output, then run the same command again to resume")
+        reason = no_room(e)  # of a write outside write_whole: a download's
+        if reason:
+            sys.exit(f"error: {reason} writing {e.filename or args.output}: {IF_NO_ROOM}")
         sys.exit(f"error: {e}")
 
 if __name__ == "__main__":

@@ -8,24 +8,21 @@ Each example is a context and 4 possible endings, one of them right. The model
   GPT-2 124M gets 0.2945, GPT-3 124M 0.337)
 - acc: the ending with the lowest summed loss (favors short endings)
 
-The evaluation takes any model that maps token ids (B, T) to (logits, loss); only the command line below imports
-train_gpt2.py, to build one. Used by train_gpt2.py (--hellaswag-every) and on its own, also on OpenAI's GPT-2:
-    python hellaswag.py --init-from gpt2
-    python hellaswag.py --checkpoint log/ckpt_019073.pt
-    torchrun --standalone --nproc_per_node=8 hellaswag.py --checkpoint log/ckpt_019073.pt
+The evaluation takes any model that maps token ids (B, T) to logits (B, T, V). train_gpt2.py runs it during
+training (--hellaswag-every), and on a checkpoint or OpenAI's GPT-2 with --eval-only:
+    python train_gpt2.py --eval-only --init-from gpt2 --hellaswag-every 1
+    python train_gpt2.py --eval-only --resume log/ckpt_019073.pt --hellaswag-every 1
 """
 
-import argparse
 import json
 import math
 import os
-import sys
-import uuid
 
-import requests
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from plumbing import BadFile, UsageError, default_cache_dir, download_once_per_node
 
 # the validation split is the one everybody reports (the test split has no labels)
 HELLASWAG_FILE = "hellaswag_val.jsonl"
@@ -34,20 +31,8 @@ HELLASWAG_VAL_EXAMPLES = 10042
 EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
 
 
-class EvalError(Exception):
-    """A one-line, user-facing problem with a download, the HellaSwag file or OpenAI's weights."""
-
-
-def default_cache_dir():
-    # the same cache directory train_gpt2.py keeps the GPT-2 weights in
-    return os.environ.get("GPT2_CACHE_DIR") or os.path.expanduser("~/.cache/train_gpt2")
-
 # -----------------------------------------------------------------------------
 # the data: download once, check, read
-
-
-class BadFile(Exception):
-    """What is wrong with a file's contents, without its name: the caller says which file and what to do about it."""
 
 
 def parse_examples(path, expected_count=None):
@@ -81,72 +66,13 @@ def parse_examples(path, expected_count=None):
 def read_examples(path, expected_count, fix):
     """parse_examples, with one-line errors that name the file and end with fix, what to do about it."""
     if not os.path.isfile(path):
-        raise EvalError(f"HellaSwag file {path} not found: pass --hellaswag-file PATH to a copy of {HELLASWAG_FILE}")
+        raise UsageError(f"HellaSwag file {path} not found: pass --hellaswag-file PATH to a copy of {HELLASWAG_FILE}")
     try:
         return parse_examples(path, expected_count)
     except BadFile as e:
-        raise EvalError(f"HellaSwag file {path}: {e}; {fix}")
+        raise UsageError(f"HellaSwag file {path}: {e}; {fix}")
     except OSError as e:
-        raise EvalError(f"cannot read HellaSwag file {path} ({e}); {fix}")
-
-
-def download(url, path, check, what, hint, headers=None):
-    """
-    Fetches url to path: the file appears whole and passed by check(temp_path), which raises BadFile, or not at all.
-    what names the kind of file and hint says where else to get it, in the one-line errors.
-    """
-    cache_dir = os.path.dirname(path)
-    # a unique temp name in the same directory: the rename is atomic and concurrent downloads (nodes sharing the
-    # cache) don't mix. os.open applies the umask to 0o666, so that a shared $GPT2_CACHE_DIR stays shared
-    # (tempfile.mkstemp would make the file private to this user).
-    tmp_path = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        with open(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f, \
-                requests.get(url, headers=headers, stream=True, timeout=60) as response:
-            response.raise_for_status()
-            for chunk in response.iter_content(chunk_size=1 << 20):
-                f.write(chunk)
-        check(tmp_path)  # never cache a truncated or wrong file
-        os.replace(tmp_path, path)
-    except BadFile as e:
-        raise EvalError(f"downloaded {url} is not a valid {what} ({e}); nothing was cached; retry, or {hint}")
-    except requests.RequestException as e:  # before OSError, which it subclasses
-        raise EvalError(f"could not download {url} ({e}); {hint}")
-    except OSError as e:
-        raise EvalError(f"cannot write to the cache directory {cache_dir} ({e}); "
-                        f"pass --cache-dir or set $GPT2_CACHE_DIR to a writable directory")
-    finally:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-
-
-def download_once_per_node(url, path, check, what, hint, headers=None):
-    """
-    One process per node downloads (the cache may be node-local); the others wait for it, then all read the file.
-    A failed download fails every rank with its one-line error: the ranks would otherwise die in the collective
-    with tracebacks around it. The group may span nodes, so all ranks learn whether any node's download failed.
-    """
-    error = None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(path):
-        print(f"downloading {url} to {path}")
-        try:
-            download(url, path, check, what, hint, headers)
-        except EvalError as e:
-            error = str(e)
-    error = first_error_of_any_rank(error)  # also the wait: it returns once every node's download has ended
-    if error is not None:
-        raise EvalError(error)
-
-
-def first_error_of_any_rank(error):
-    """The first rank's error message (or None), on every rank: a rank that stopped alone would leave the others
-    waiting in their next collective, forever under NCCL, or dying in it with tracebacks. All ranks must call it."""
-    if dist.is_available() and dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    return error
+        raise UsageError(f"cannot read HellaSwag file {path} ({e}); {fix}")
 
 
 def load_examples(path=None, cache_dir=None):
@@ -175,10 +101,10 @@ def prepare(examples, enc, block_size):
     """
     rows, masks = [], []
     for example in examples:
-        context = enc.encode(example["ctx"])
+        context = enc.encode_ordinary(example["ctx"])  # "<|endoftext|>" in the text is text, not the special token
         for ending in example["endings"]:
             # the space belongs to the ending: GPT-2's tokenizer attaches it to the next word
-            ending_tokens = enc.encode(" " + ending)
+            ending_tokens = enc.encode_ordinary(" " + ending)
             row = (context + ending_tokens)[-block_size:]
             num_ending = min(len(ending_tokens), len(row))
             rows.append(row)
@@ -204,7 +130,7 @@ def ending_losses(model, tokens, mask):
     """
     B, _, L = tokens.shape
     tokens = tokens.view(B * 4, L)
-    logits, _ = model(tokens)  # (B*4, L, V): a padded vocabulary's extra ids at -inf, out of the softmax
+    logits = model(tokens)  # (B*4, L, V): a padded vocabulary's extra ids at -inf, out of the softmax
     V = logits.size(-1)
     # the logits at position t predict the token at t+1
     losses = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), tokens[:, 1:].reshape(-1), reduction="none")
@@ -246,50 +172,3 @@ def evaluate(model, prepared, device, autocast_ctx, rank=0, world_size=1, exampl
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     correct, correct_norm, n = counts.tolist()
     return correct_norm / n, correct / n, n
-
-# -----------------------------------------------------------------------------
-# standalone: python hellaswag.py --checkpoint PATH | --init-from gpt2
-
-
-def main():
-    parser = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 checkpoint or of OpenAI's GPT-2.")
-    model_source = parser.add_mutually_exclusive_group(required=True)
-    model_source.add_argument("--checkpoint", help="a checkpoint written by train_gpt2.py")
-    model_source.add_argument("--init-from", choices=["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"],
-                              help="OpenAI's GPT-2 weights, downloaded once")
-    parser.add_argument("--hellaswag-file", help=f"a local copy of {HELLASWAG_FILE}, for offline machines")
-    parser.add_argument("--cache-dir", help="where downloads are kept (default: $GPT2_CACHE_DIR or ~/.cache/train_gpt2)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
-                        help="auto picks cuda, then mps, then cpu")
-    args = parser.parse_args()
-
-    # run as a script, this module is __main__: train_gpt2's `import hellaswag` must find it rather than load a second
-    # copy, whose EvalError (raised by downloads of OpenAI's weights) would be another class, not caught as one
-    sys.modules.setdefault("hellaswag", sys.modules[__name__])
-    # imported here, not at the top: train_gpt2.py imports this module
-    from train_gpt2 import (GPT, UsageError, autocast_context, gpt2_tokenizer, load_checkpoint, model_from_checkpoint,
-                            resolve_dtype, run_then_tear_down, setup_distributed)
-
-    def evaluate_the_model():
-        ddp = setup_distributed(args.device)
-        if args.checkpoint:
-            try:
-                model = model_from_checkpoint(load_checkpoint(args.checkpoint))
-            except Exception as e:  # a missing, truncated or foreign file: torch and pickle raise many kinds
-                raise UsageError(f"--checkpoint {args.checkpoint}: cannot load it as a train_gpt2.py checkpoint ({e})")
-        else:
-            model = GPT.from_pretrained(args.init_from, cache_dir=args.cache_dir)
-        model.to(ddp.device)
-        examples = load_examples(args.hellaswag_file, args.cache_dir)
-        prepared = prepare(examples, gpt2_tokenizer(), model.config.block_size)
-        autocast_ctx = autocast_context(ddp.device_type, resolve_dtype("auto", ddp.device_type))
-        return ddp.rank, evaluate(model, prepared, ddp.device, autocast_ctx, ddp.rank, ddp.world_size)
-
-    rank, (acc_norm, acc, n) = run_then_tear_down(evaluate_the_model)
-    if rank == 0:
-        print(f"HellaSwag ({n} examples): acc_norm {acc_norm:.4f} (GPT-2 124M: 0.2945, GPT-3 124M: 0.337), acc {acc:.4f}")
-        print(f"acc_norm={acc_norm:.6f} acc={acc:.6f} n={n}")
-
-
-if __name__ == "__main__":
-    main()

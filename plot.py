@@ -12,9 +12,11 @@ logged into the same log.jsonl, else the published HellaSwag acc_norm of GPT-2 1
 
 import argparse
 import json
+import math
 import os
 import sys
-import tempfile
+
+from plumbing import UsageError, write_atomically
 
 try:
     import matplotlib
@@ -27,6 +29,15 @@ GPT2_124M_HELLASWAG = 0.2945
 GPT3_124M_HELLASWAG = 0.337  # GPT-3 paper, table F: the 125M model, trained on 300B tokens
 CURVES = ("train_loss", "val_loss", "hellaswag_acc_norm")
 SKIP_FRACTION = 0.05  # the loss axis shows the losses after this fraction of the run's steps
+
+
+def finite(value):
+    """
+    value if it is a finite number, else None. A diverging run may have logged NaN or inf, which json.loads reads
+    (NaN, Infinity, -Infinity): such a point has nothing to show, and a single one makes the axis limits NaN or inf,
+    on which matplotlib raises.
+    """
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def read_log(path):
@@ -51,19 +62,20 @@ def read_log(path):
             step = record["step"]
             if record.get("eval_only"):  # evaluations of other models: references, not points of this run
                 if record.get("init_from") == "gpt2":
-                    gpt2.update((name, record[name]) for name in ("val_loss", "hellaswag_acc_norm")
-                                if record.get(name) is not None)
+                    references = {name: finite(record.get(name)) for name in ("val_loss", "hellaswag_acc_norm")}
+                    gpt2.update((name, value) for name, value in references.items() if value is not None)
                 continue
             if record.get("event") == "resume":  # the steps after the checkpoint are being trained again
                 for curve in curves.values():
                     for later_step in [s for s in curve if s > step]:
                         del curve[later_step]
             for name, curve in curves.items():
-                if record.get(name) is not None:  # None: a skipped step with a non-finite loss
-                    tokens = record.get("tokens")
+                value = finite(record.get(name))  # per curve: a NaN val_loss leaves the line's other curves drawn
+                if value is not None:  # None: another curve's line, or a skipped step with a non-finite loss
+                    tokens = finite(record.get("tokens"))
                     if name == "train_loss" and tokens is not None:
                         tokens = tokens // (step + 1) * step
-                    curve[step] = (tokens, record[name])
+                    curve[step] = (tokens, value)
     return curves, gpt2, bad_lines
 
 
@@ -79,9 +91,9 @@ def loss_axis_limits(curves, reference):
     """
     The loss axis' (bottom, top), or None for no loss points. The losses of the first steps (~11 at init, falling
     fast) would squeeze the rest of the run into the bottom of the panel, so the range is that of the losses after
-    the first 5% of the steps: the 900-step CPU default, falling to ~5.1, shows ~6.7 and below, a 19073-step GPU run falling
-    to ~3.1 shows ~4 and below. The top is their 99th percentile, not their maximum, so that a late loss spike does
-    not undo the cut. The reference line is always in view.
+    the first 5% of the steps: the 900-step CPU default, falling to ~5.1, shows ~6.7 and below, a 19073-step GPU run
+    falling to ~3.1 shows ~4 and below. The top is their 99th percentile, not their maximum, so that a late loss spike
+    does not undo the cut. The reference line is always in view.
     """
     losses = [(step, value) for name in ("train_loss", "val_loss") for step, (_, value) in curves[name].items()]
     if not losses:
@@ -103,17 +115,21 @@ def plot_curves(curves, gpt2, title):
         loss_ax.plot(*points(curves["train_loss"], x_axis), lw=0.8, alpha=0.7, label="train loss")
         loss_ax.plot(*points(curves["val_loss"], x_axis), lw=2, marker=".", label="val loss")
         if "val_loss" in gpt2:
-            loss_ax.axhline(gpt2["val_loss"], color="red", ls="--", label=f"OpenAI GPT-2 124M val loss ({gpt2['val_loss']:.4f})")
+            loss_ax.axhline(gpt2["val_loss"], color="red", ls="--",
+                            label=f"OpenAI GPT-2 124M val loss ({gpt2['val_loss']:.4f})")
         panels = [(loss_ax, "loss")]
         if rows == 2:
             hellaswag_ax = axes[1][column]
-            hellaswag_ax.plot(*points(curves["hellaswag_acc_norm"], x_axis), lw=2, marker=".", color="green", label="HellaSwag acc_norm")
+            hellaswag_ax.plot(*points(curves["hellaswag_acc_norm"], x_axis), lw=2, marker=".", color="green",
+                              label="HellaSwag acc_norm")
             if "hellaswag_acc_norm" in gpt2:
                 gpt2_label = f"OpenAI GPT-2 124M, measured ({gpt2['hellaswag_acc_norm']:.4f})"
             else:
                 gpt2_label = f"OpenAI GPT-2 124M, published ({GPT2_124M_HELLASWAG})"
-            hellaswag_ax.axhline(gpt2.get("hellaswag_acc_norm", GPT2_124M_HELLASWAG), color="red", ls="--", label=gpt2_label)
-            hellaswag_ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--", label=f"OpenAI GPT-3 124M, published ({GPT3_124M_HELLASWAG})")
+            hellaswag_ax.axhline(gpt2.get("hellaswag_acc_norm", GPT2_124M_HELLASWAG), color="red", ls="--",
+                                 label=gpt2_label)
+            hellaswag_ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--",
+                                 label=f"OpenAI GPT-3 124M, published ({GPT3_124M_HELLASWAG})")
             panels.append((hellaswag_ax, "HellaSwag acc_norm"))
         for ax, y_label in panels:
             ax.set_xlabel(x_axis)
@@ -126,19 +142,6 @@ def plot_curves(curves, gpt2, title):
     fig.suptitle(title)
     fig.tight_layout()
     return fig
-
-
-def save_png(fig, out_path):
-    """A temp file and a rename: whoever is looking at curves.png never sees half a picture, nor a temp file left over."""
-    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(out_path) or ".", prefix="curves.", suffix=".png.tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-        os.chmod(tmp_path, 0o644)  # mkstemp makes it private; a plot is for sharing
-        os.replace(tmp_path, out_path)
-    finally:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
 
 
 def main():
@@ -161,10 +164,15 @@ def main():
 
     fig = plot_curves(curves, gpt2, os.path.abspath(args.log_dir))
     out_path = os.path.join(args.log_dir, "curves.png")
-    try:
-        save_png(fig, out_path)
+    try:  # whoever is looking at curves.png never sees half a picture, nor a temp file left over
+        write_atomically(out_path, lambda f: fig.savefig(f, format="png", dpi=100), f"{out_path}.{os.getpid()}.tmp",
+                         lambda: f"make room in {args.log_dir}")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except OSError as e:
-        print(f"error: cannot write {out_path} ({e}); check that {args.log_dir} is writable and has space", file=sys.stderr)
+        print(f"error: cannot write {out_path} ({e}); check that {args.log_dir} is writable and has space",
+              file=sys.stderr)
         sys.exit(2)
     counts = ", ".join(f"{len(curves[name])} {name}" for name in CURVES)
     references = "".join(f", GPT-2 {name} {value:.4f}" for name, value in gpt2.items())

@@ -10,14 +10,10 @@ Without FineWeb shards (make them with `python fineweb.py`) it trains a small mo
 
 import argparse
 import contextlib
-import ctypes
 import datetime
-import errno
-import json
+import functools
 import math
 import os
-import re
-import shutil
 import signal
 import sys
 import time
@@ -28,9 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from safetensors.torch import load_file
 from torch.nn import functional as F
 
 import hellaswag
+import plumbing
+from plumbing import EOT, GPT2_VOCAB, UsageError, failing_together
 
 if dist.is_available():  # builds without torch.distributed have no torch.distributed.nn
     # imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
@@ -38,8 +37,7 @@ if dist.is_available():  # builds without torch.distributed have no torch.distri
     import torch.distributed.nn  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GPT2_VOCAB = 50257  # tokens of the GPT-2 tokenizer; a larger --vocab-size only pads the embedding table
-EOT = 50256  # <|endoftext|>, which separates documents
+PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
 
 # -----------------------------------------------------------------------------
 # Settings: edit the defaults here, or pass any of them as a flag (n_layer -> --n-layer).
@@ -69,8 +67,10 @@ class TrainConfig:
     n_head: int = setting(0, "attention heads (0: from --model)")
     n_embd: int = setting(0, "embedding width (0: from --model)")
     block_size: int = setting(1024, "longest context the model can take (the rows of its position table)")
-    vocab_size: int = setting(50304, "embedding rows: the 50257 GPT-2 tokens padded to a multiple of 128, for faster matmuls")
-    attn: str = setting("sdpa", "sdpa (flash attention) or naive (explicit masked softmax, for tests)", ["sdpa", "naive"])
+    vocab_size: int = setting(PADDED_VOCAB, "embedding rows: the 50257 GPT-2 tokens padded to a multiple of 128, "
+                                            "for faster matmuls")
+    attn: str = setting("sdpa", "sdpa (flash attention) or naive (explicit masked softmax, for tests)",
+                        ["sdpa", "naive"])
     init_from: str = setting("scratch", "start from random weights or from OpenAI's", ["scratch", *MODEL_SIZES])
     # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
     batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process")
@@ -89,46 +89,47 @@ class TrainConfig:
     val_tokens: int = setting(10485760, "validation tokens: a fixed set, the same for any number of processes")
     hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)")
     hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
-    cache_dir: str = setting("", "where HellaSwag and OpenAI's weights are downloaded to (empty: $GPT2_CACHE_DIR, else ~/.cache/train_gpt2)")
-    eval_only: bool = setting(False, "evaluate the latest checkpoint in --log-dir (or --resume's, or --init-from's weights), "
-                                     "log it, and stop")
+    cache_dir: str = setting("", "where HellaSwag and OpenAI's weights are downloaded to (empty: $GPT2_CACHE_DIR, "
+                                 "else ~/.cache/train_gpt2)")
+    eval_only: bool = setting(False, "evaluate the latest checkpoint in --log-dir (or --resume's, or --init-from's "
+                                     "weights), log it, and stop")
     prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
     num_samples: int = setting(4, "samples printed at each evaluation")
     max_new_tokens: int = setting(32, "length of each sample")
     sample: str = setting("", "print samples from this checkpoint and exit, with no training")
     checkpoint_every: int = setting(2500, "steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)")
     keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep")
-    resume: str = setting("auto", "auto: from the latest checkpoint in --log-dir; or a checkpoint path; --no-resume: start fresh")
+    resume: str = setting("auto", "auto: from the latest checkpoint in --log-dir; or a checkpoint path; "
+                                  "--no-resume: start fresh")
     max_bad_steps: int = setting(5, "stop after this many steps in a row with a non-finite loss or gradient norm")
     # experiment tracking
-    wandb_project: str = setting("", "also log to this Weights & Biases project, from rank 0 (empty: off; needs pip install wandb)")
+    wandb_project: str = setting("", "also log to this Weights & Biases project, from rank 0 (empty: off; needs "
+                                     "pip install wandb)")
     wandb_run_name: str = setting("", "the W&B run's name (empty: W&B makes one up)")
     # hardware and speed
     device: str = setting("auto", "auto picks cuda, then mps, then cpu", ["auto", "cpu", "cuda", "mps"])
-    dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere", ["auto", "fp32", "tf32", "bf16", "fp16"])
+    dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere",
+                         ["auto", "fp32", "tf32", "bf16", "fp16"])
     compile: Optional[bool] = setting(None, "torch.compile the model (default: on for CUDA)")
-    compile_mode: str = setting("default", "torch.compile's mode: max-autotune searches for faster matmul kernels (compiles for "
-                                "minutes), reduce-overhead adds CUDA graphs", ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
+    compile_mode: str = setting("default", "torch.compile's mode: max-autotune searches for faster matmul kernels "
+                                "(compiles for minutes), reduce-overhead adds CUDA graphs",
+                                ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
-    loss: str = setting("full", "full: one cross-entropy over all the (B*T, vocab) logits, which compile fuses; chunked: the lm_head "
-                        "matmul and the cross-entropy a chunk of rows at a time, never holding all the logits (less memory)", ["full", "chunked"])
+    loss: str = setting("full", "full: one cross-entropy over all the (B*T, vocab) logits, which compile fuses; "
+                        "chunked: the lm_head matmul and the cross-entropy a chunk of rows at a time, never holding "
+                        "all the logits (less memory)", ["full", "chunked"])
 
 
-# A model that learns tiny Shakespeare in a few minutes on a laptop CPU: the default when no shards are there.
-# Its vocab is not padded: padding speeds up GPU matmuls, not a CPU's. The 50257-wide output layer costs most of a
-# step, so depth is cheap: 8 layers reached a validation loss of 5.11 where 4, 6 and 12 reached 5.40, 5.35 and 5.45
-# in the same time; 900 steps are three passes over the text, ending where the validation text follows.
+# A model that learns tiny Shakespeare in a few minutes on a laptop CPU: the default when no shards are there. Its
+# vocab is not padded: padding speeds up GPU matmuls, not a CPU's. The 50257-wide output layer costs most of a step,
+# so depth is cheap (the README has the search); 900 steps are three passes, ending where the validation text follows.
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=8, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
-    batch_size=8, seq_len=128, total_batch_size=1024, max_steps=900, warmup_steps=50, max_lr=2e-3,
-    eval_every=150, val_tokens=16384, hellaswag_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
+    batch_size=8, seq_len=128, total_batch_size=1024, max_steps=900, warmup_steps=50, max_lr=2e-3, eval_every=150,
+    val_tokens=16384, hellaswag_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
 )
 # Fine-tuning OpenAI's GPT-2 on it instead (--init-from gpt2): a far gentler learning rate, and fewer steps.
 SHAKESPEARE_FINETUNE = dict(max_steps=100, warmup_steps=10, max_lr=3e-5, eval_every=25)
-
-
-class UsageError(Exception):
-    """A mistake the user can fix: printed as one line, without a traceback."""
 
 
 def parse_args(argv=None):
@@ -142,7 +143,8 @@ def parse_args(argv=None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
             parser.add_argument(flag, type=f.type, choices=f.metadata["choices"], help=help)
-    parser.add_argument("--no-resume", dest="resume", action="store_const", const="none", help="start fresh, moving an earlier run's files in --log-dir aside")
+    parser.add_argument("--no-resume", dest="resume", action="store_const", const="none",
+                        help="start fresh, moving an earlier run's files in --log-dir aside")
     given = vars(parser.parse_args(argv))
     return TrainConfig(**given), set(given)
 
@@ -154,12 +156,12 @@ def parse_args(argv=None):
 @dataclass
 class GPTConfig:
     block_size: int = 1024
-    vocab_size: int = 50304
+    vocab_size: int = PADDED_VOCAB
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    attn: str = "sdpa"
-    loss: str = "full"
+    attn: str = "sdpa"  # or "naive"
+    loss: str = "full"  # or "chunked"
 
 
 def naive_attention(q, k, v):
@@ -266,7 +268,7 @@ def chunked_cross_entropy(x, weight, targets, mask=None, chunk_rows=8192):
     float32 logits are 1.6 GB, where all of a 64 x 1024 micro-batch's are 13 GB (and its gradient as much again)."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    need_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation computes no gradients
+    need_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation needs none
     return ChunkedCrossEntropy.apply(x, weight, targets, mask, dtype, chunk_rows, need_grads)
 
 
@@ -277,7 +279,8 @@ class GPT(nn.Module):
         self.n_tokens = min(config.vocab_size, GPT2_VOCAB)  # rows past this are padding
         vocab_mask = torch.zeros(config.vocab_size)  # added to the logits: 0 for GPT-2's tokens,
         vocab_mask[GPT2_VOCAB:] = float("-inf")  # -inf for the padding ids, which get no probability and no gradient
-        self.register_buffer("vocab_mask", vocab_mask if config.vocab_size > GPT2_VOCAB else None, persistent=False)  # not saved
+        padded = config.vocab_size > GPT2_VOCAB
+        self.register_buffer("vocab_mask", vocab_mask if padded else None, persistent=False)  # not saved
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -299,151 +302,137 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None, return_logits=True):
-        """(logits, loss): logits (B, T, vocab_size), the padding ids at -inf; the loss if targets are given.
-        Training passes return_logits=False: then compile need not write the (B, T, V) logits out for the caller."""
-        B, T = idx.size()
+    def forward(self, idx, targets=None, kv_cache=None):
+        """The logits (B, T, vocab_size), the padding ids at -inf; given targets, the mean loss instead."""
+        x = self.trunk(idx, kv_cache)  # (B, T, C)
+        return self.logits(x) if targets is None else self.loss(x, targets)
+
+    def trunk(self, idx, kv_cache=None):
+        """The final hidden states (B, T, C) of the tokens idx (B, T), which follow those in kv_cache, if any."""
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
-        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
+        pos = torch.arange(past, past + idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, None if kv_cache is None else kv_cache[i])
-        x = self.transformer.ln_f(x)  # (B, T, C)
-        chunked = targets is not None and self.config.loss == "chunked"
-        logits = loss = None
-        if return_logits or not chunked:
-            logits = self.lm_head(x)  # (B, T, V)
-            if self.vocab_mask is not None:  # in the logits' own dtype: bf16 stays bf16; compile fuses the add into the loss
-                logits = logits + self.vocab_mask.to(logits.dtype)
-        if chunked:  # the loss a chunk of rows at a time: no (B*T, V) logits in memory
-            loss = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
-        elif targets is not None:  # mean over the targets that are not -1 (evaluate_val's filler rows)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return (logits if return_logits else None), loss
+        return self.transformer.ln_f(x)  # (B, T, C)
+
+    def logits(self, x):
+        logits = self.lm_head(x)  # (B, T, V)
+        if self.vocab_mask is not None:  # in the logits' dtype: bf16 stays bf16; compile fuses the add into the loss
+            logits = logits + self.vocab_mask.to(logits.dtype)
+        return logits
+
+    def loss(self, x, targets):
+        """The mean cross-entropy over the targets that are not -1 (evaluate_val's filler rows)."""
+        if self.config.loss == "chunked":  # a chunk of rows at a time: no (B*T, V) logits in memory
+            return chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
+        return F.cross_entropy(self.logits(x).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     @classmethod
     def from_pretrained(cls, name, config=None, cache_dir=None):
         """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl) from the Hugging Face hub, or $HF_ENDPOINT's
         mirror, downloaded once into the cache. A config, if given, must have that model's shapes."""
-        from safetensors.torch import load_file
-
         endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-        path = os.path.join(cache_dir or hellaswag.default_cache_dir(), name, "model.safetensors")
+        path = os.path.join(cache_dir or plumbing.default_cache_dir(), name, "model.safetensors")
         headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
-        hellaswag.download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path,
-                                         check_safetensors, "safetensors file",
-                                         "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
+        plumbing.download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path,
+                                        plumbing.check_safetensors, "safetensors file",
+                                        "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
         try:
             weights = load_file(path)
         except Exception as e:
-            raise hellaswag.EvalError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
+            raise UsageError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
         model = cls(config or GPTConfig(**MODEL_SIZES[name]))
         ours = model.state_dict()
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         loaded = set()
         with torch.no_grad():
-            ours["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never looked up or scored
+            ours["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never used or scored
             for key, tensor in weights.items():
                 key = "transformer." + key.removeprefix("transformer.")
                 if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
                     continue
                 if key not in ours:
-                    raise hellaswag.EvalError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
+                    raise UsageError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
                 if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
                     tensor = tensor.t()
                 # all of GPT-2's token rows, n_tokens of them: a file with fewer would leave tokens at zero
                 target = ours[key][: model.n_tokens] if key == "transformer.wte.weight" else ours[key]
                 if target.shape != tensor.shape:
-                    raise hellaswag.EvalError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for {name}")
+                    raise UsageError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(target.shape)} for {name}")
                 target.copy_(tensor)
                 loaded.add(key)
         missing = set(ours) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
         if missing:
-            raise hellaswag.EvalError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
+            raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
         return model
 
 
-def check_safetensors(path):
-    """Raises hellaswag.BadFile unless path is a whole safetensors file: its header must cover the file."""
-    from safetensors import safe_open
+def gpt_config(cfg):
+    """The model's part of the settings."""
+    return GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, attn=cfg.attn, loss=cfg.loss)
 
-    try:
-        with safe_open(path, "pt") as f:
-            f.keys()
-    except Exception as e:  # safetensors raises its own error types, not OSError
-        raise hellaswag.BadFile(str(e))
+
+def make_model(cfg, device, pretrained=False):
+    """The model the settings describe, on device: random weights, the same on every rank, or OpenAI's if pretrained."""
+    torch.manual_seed(cfg.seed)
+    config = gpt_config(cfg)
+    model = GPT.from_pretrained(cfg.init_from, config, cfg.cache_dir or None) if pretrained else GPT(config)
+    return model.to(device)
 
 
 def flops_per_token(config, seq_len):
     """6N for the matmuls' forward and backward, plus attention's 12*L*H*Q*T (PaLM's appendix B)."""
-    n_params = config.vocab_size * config.n_embd + config.n_layer * (12 * config.n_embd**2 + 13 * config.n_embd) + 2 * config.n_embd
-    return 6 * n_params + 12 * config.n_layer * config.n_embd * seq_len
+    C, L = config.n_embd, config.n_layer
+    n_params = config.vocab_size * C + L * (12 * C**2 + 13 * C) + 2 * C
+    return 6 * n_params + 12 * L * C * seq_len
 
 
 @torch.no_grad()
 def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k=50):
-    """Samples continuations, top-k from the softmax, with a KV cache so each new token costs one position."""
-    device = model.lm_head.weight.device
-    prompt_tokens = prompt_tokens[-(model.config.block_size - 1):]  # keep the end of a prompt that does not fit
-    idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (N, P)
-    max_new_tokens = min(max_new_tokens, model.config.block_size - idx.size(1))
+    """The prompt and max_new_tokens sampled after it, top-k from the softmax. A KV cache makes each new token cost
+    one position; once the context outgrows the block, the window slides: each token is predicted from the last
+    block_size, recomputed."""
+    device, block_size = model.lm_head.weight.device, model.config.block_size
+    tokens = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (N, P)
     kv_cache = [[] for _ in model.transformer.h]
-    logits, _ = model(idx, kv_cache=kv_cache)
-    out = [idx]
+    logits = model(tokens[:, -block_size:], kv_cache=kv_cache)
     for _ in range(max_new_tokens):
         probs = F.softmax(logits[:, -1].float(), dim=-1)  # (N, V): exactly 0 for the padding ids, at -inf
         top_probs, top_ids = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)  # (N, k)
         choice = torch.multinomial(top_probs, 1, generator=generator)  # (N, 1)
         next_ids = torch.gather(top_ids, -1, choice)  # (N, 1)
-        out.append(next_ids)
-        logits, _ = model(next_ids, kv_cache=kv_cache)
-    return torch.cat(out, dim=1).tolist()
-
-
-def gpt2_tokenizer():
-    """The GPT-2 BPE from the shipped gpt2.tiktoken (tiktoken's r50k_base): no network needed."""
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-
-    ranks = load_tiktoken_bpe(os.path.join(HERE, "gpt2.tiktoken"))
-    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    return tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT})
+        tokens = torch.cat([tokens, next_ids], dim=1)
+        if tokens.size(1) == len(prompt_tokens) + max_new_tokens:
+            break  # no logits needed after the last token
+        if kv_cache[0][0].size(2) < block_size:
+            logits = model(next_ids, kv_cache=kv_cache)
+        else:  # the positions are full: start the cache again from the last block_size tokens
+            kv_cache = [[] for _ in model.transformer.h]
+            logits = model(tokens[:, -block_size:], kv_cache=kv_cache)
+    return tokens.tolist()
 
 
 # -----------------------------------------------------------------------------
 # Data: token shards read through memory maps, or a text file tokenized in memory.
 
-BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
-SPLIT_WORD = re.compile(r"(?:^|[_.-])(train|val)(?=[_.-]|$)")
-
-
-def open_shard(path):
-    """A shard's tokens as a read-only uint16 memory map: .npy (np.save) or .bin (llm.c's format)."""
-    if path.endswith(".bin"):
-        header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
-        if len(header) < BIN_HEADER_INTS or header[0] != BIN_MAGIC or header[1] != BIN_VERSION:
-            raise UsageError(f"{path}: bad header (want magic {BIN_MAGIC}, version {BIN_VERSION}); re-create the shard")
-        n_tokens = int(header[2])
-        if os.path.getsize(path) != 4 * BIN_HEADER_INTS + 2 * n_tokens:
-            raise UsageError(f"{path}: the header promises {n_tokens} tokens but the file size disagrees (truncated?); re-create it")
-        return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
-    with open(path, "rb") as f:
-        if f.read(6) != b"\x93NUMPY":
-            raise UsageError(f"{path}: not an .npy file (no NUMPY header); re-create it with fineweb.py")
-    try:
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise UsageError(f"{path}: not a readable .npy shard ({e}); re-create it with fineweb.py")
-    if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise UsageError(f"{path}: expected a 1-D uint16 token array, found {tokens.dtype} {tokens.shape}; re-create it with fineweb.py")
-    return tokens
-
-
 def check_token_ids(tokens, vocab_size, source):
     n_tokens = min(vocab_size, GPT2_VOCAB)  # the ids the model scores: padding rows are not tokens
     if len(tokens) and int(tokens.max()) >= n_tokens:
         raise UsageError(f"{source} holds token id {int(tokens.max())}, but the model scores ids below {n_tokens} only "
-                         f"(--vocab-size {vocab_size}, capped at GPT-2's {GPT2_VOCAB}); re-create the data with the GPT-2 tokenizer")
+                         f"(--vocab-size {vocab_size}, capped at GPT-2's {GPT2_VOCAB}); re-create the data with the "
+                         f"GPT-2 tokenizer")
+
+
+def shards_changed(saved, now):
+    """What differs between the shards a checkpoint was trained on and these, in words ("" if nothing)."""
+    before, after = dict(saved), dict(now)
+    changes = [f"{name} is gone" if name not in after else f"{name} had {tokens:,} tokens, now {after[name]:,}"
+               for name, tokens in before.items() if after.get(name) != tokens]
+    changes += [f"{name} is new" for name in after if name not in before]
+    return "; ".join(changes) or ("the shards are in another order" if saved != now else "")
 
 
 class TokenStream:
@@ -494,7 +483,8 @@ class TokenStream:
             start = (micro * world_size + rank) * B * T
             buf = window[start: start + B * T + 1]
             batches.append((buf[:-1].view(B, T), buf[1:].view(B, T)))  # inputs, and targets one token later
-        self.epoch, self.index, self.offset = self.seek(self.epoch, self.index, self.offset, accum_steps * world_size * B * T)
+        step_tokens = accum_steps * world_size * B * T
+        self.epoch, self.index, self.offset = self.seek(self.epoch, self.index, self.offset, step_tokens)
         return batches
 
     def shard_sizes(self):
@@ -503,92 +493,104 @@ class TokenStream:
 
     def state_dict(self):
         return {"epoch": self.epoch, "index": self.index, "offset": self.offset, "seed": self.seed,
-                "n_shards": len(self.shards), "shards": self.shard_sizes()}
+                "shards": self.shard_sizes()}
 
     def load_state_dict(self, state):
         """The position of a checkpoint, which means something only over the same shards in the same order."""
         if state["seed"] != self.seed:
-            raise UsageError(f"the checkpoint's data position is for --seed {state['seed']}, not --seed {self.seed}: the shard "
-                             f"order depends on it; pass --seed {state['seed']}, or --no-resume to start over")
-        change = shards_changed(state.get("shards"), self.shard_sizes(), state["n_shards"])  # older checkpoints: the count
+            raise UsageError(f"the checkpoint's data position is for --seed {state['seed']}, not --seed {self.seed}: "
+                             f"the shard order depends on it; pass --seed {state['seed']}, or --no-resume to start "
+                             f"over")
+        change = shards_changed(state["shards"], self.shard_sizes())
         if change:
-            raise UsageError(f"the checkpoint's data position is in other training shards than those of --data: {change}; "
-                             f"pass the --data it was trained on, or --no-resume to start over")
+            raise UsageError(f"the checkpoint's data position is in other training shards than those of --data: "
+                             f"{change}; pass the --data it was trained on, or --no-resume to start over")
         self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
 
 
-def shards_changed(saved, now, n_saved):
-    """What differs between the shards a checkpoint was trained on and these, in words ("" if nothing)."""
-    if saved is None:
-        return f"{n_saved} training shard(s) then, {len(now)} now" if n_saved != len(now) else ""
-    before, after = dict(saved), dict(now)
-    changes = [f"{name} is gone" if name not in after else f"{name} had {tokens:,} tokens, now {after[name]:,}"
-               for name, tokens in before.items() if after.get(name) != tokens]
-    changes += [f"{name} is new" for name in after if name not in before]
-    return "; ".join(changes) or ("the shards are in another order" if saved != now else "")
-
-
-def files_in(directory, pattern):
-    """The files of directory whose names fully match the regex pattern. Not glob: "run[a]" is a name, not a pattern."""
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    return sorted(os.path.join(directory, name) for name in names if re.fullmatch(pattern, name))
+def read_text(path):
+    """A text file's tokens: the first 90% to train on, the last 10% to validate."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--data {path}: cannot read it as UTF-8 text ({e})")
+    tokens = np.array(plumbing.gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
+    split = int(0.9 * len(tokens))
+    return tokens[:split], tokens[split:]
 
 
 def load_data(cfg):
     """The train stream and the fixed validation tokens, from a shard directory or a text file."""
     if not os.path.exists(cfg.data):
-        raise UsageError(f"--data {cfg.data}: no such file or directory; make FineWeb shards with `python fineweb.py`, or pass a text file")
+        raise UsageError(f"--data {cfg.data}: no such file or directory; make FineWeb shards with "
+                         f"`python fineweb.py`, or pass a text file")
     if os.path.isdir(cfg.data):
-        splits = {"train": [], "val": []}
-        try:
-            paths = files_in(cfg.data, r"[^.].*\.(npy|bin)")  # not hidden files, such as macOS's ._x_train_000001.npy
-        except OSError as e:
-            raise UsageError(f"--data {cfg.data}: cannot list it ({e.strerror})")
-        for path in paths:
-            # the split is a whole word of the name (x_val_000000.npy, x_train.bin), so that "interval_train" is no val shard
-            words = set(SPLIT_WORD.findall(os.path.basename(path)))
-            if len(words) > 1:
-                raise UsageError(f"{path}: its name says both train and val; rename it to one of them")
-            for word in words:
-                splits[word].append(path)
-        for split, found in splits.items():
-            if not found:
-                raise UsageError(f"--data {cfg.data}: no {split} shards (*_{split}_*.npy or .bin) in it; make them with `python fineweb.py`")
-        train = [open_shard(p) for p in splits["train"]]
-        names = splits["train"]
-        val_shards = [open_shard(p) for p in splits["val"]]
+        names, val_paths = plumbing.shard_paths(cfg.data)
+        train_shards, val_shards = [plumbing.open_shard(p) for p in names], [plumbing.open_shard(p) for p in val_paths]
     elif cfg.data.endswith((".npy", ".bin")):
         raise UsageError(f"--data {cfg.data} is a single shard; pass the directory that holds the train and val shards")
     else:
-        try:
-            with open(cfg.data, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--data {cfg.data}: cannot read it as UTF-8 text ({e})")
-        tokens = np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
-        split = int(0.9 * len(tokens))  # the last 10% validates
-        train, names, val_shards = [tokens[:split]], [cfg.data], [tokens[split:]]
-    train_tokens = sum(len(s) for s in train)
+        train_tokens, val_tokens = read_text(cfg.data)
+        train_shards, names, val_shards = [train_tokens], [cfg.data], [val_tokens]
+    train_tokens = sum(len(s) for s in train_shards)
     if train_tokens < cfg.total_batch_size + 1:
-        raise UsageError(f"--data {cfg.data}: {train_tokens} training tokens, fewer than one batch of --total-batch-size {cfg.total_batch_size}; use more text or a smaller batch")
+        raise UsageError(f"--data {cfg.data}: {train_tokens} training tokens, fewer than one batch of "
+                         f"--total-batch-size {cfg.total_batch_size}; use more text or a smaller batch")
     n_val = (min(cfg.val_tokens, sum(len(s) for s in val_shards) - 1) // cfg.seq_len) * cfg.seq_len
     if n_val <= 0:
-        raise UsageError(f"--data {cfg.data}: its validation split, or --val-tokens {cfg.val_tokens}, holds less than one "
-                         f"sequence of --seq-len {cfg.seq_len} (plus a target); raise --val-tokens, shorten --seq-len, or add data")
+        raise UsageError(f"--data {cfg.data}: its validation split, or --val-tokens {cfg.val_tokens}, holds less than "
+                         f"one sequence of --seq-len {cfg.seq_len} (plus a target); raise --val-tokens, shorten "
+                         f"--seq-len, or add data")
     val, need = [], n_val + 1
     for shard in val_shards:
         val.append(shard[:need])
         need -= len(val[-1])
     val = np.concatenate(val)
     check_token_ids(val, cfg.vocab_size, f"the validation data of {cfg.data}")
-    return TokenStream(train, names, cfg.seed), val, train_tokens
+    return TokenStream(train_shards, names, cfg.seed), val
 
 
 # -----------------------------------------------------------------------------
-# Setup: processes, devices, precision.
+# Optimization: AdamW with decay on the weight matrices only, warmup then cosine decay.
 
 
-class Dist(NamedTuple):
+def make_optimizers(model, cfg, device_type):
+    """The optimizers, a list: a recipe may give each kind of parameter an optimizer of its own. Each parameter group
+    keeps its peak learning rate as max_lr, which the schedule scales."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},  # matmuls and embeddings
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases and LayerNorm gains
+    ]
+    for group in groups:
+        group["max_lr"] = cfg.max_lr
+    fused = cfg.fused_adamw and device_type == "cuda"  # one kernel for all parameters, not one per tensor
+    return [torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+
+
+def get_lr(step, max_lr, cfg):
+    """Linear warmup to max_lr, then a cosine down to min_lr_ratio * max_lr, reached at the last step."""
+    min_lr = max_lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return max_lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+def set_lr(optimizers, step, cfg):
+    """Every parameter group's learning rate at step, from its own peak."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(step, group["max_lr"], cfg)
+
+
+# -----------------------------------------------------------------------------
+# Processes, devices and precision: one process per GPU under torchrun, TF32, bf16 autocast, torch.compile.
+
+
+class Env(NamedTuple):
+    """Where this process runs, from torchrun's environment variables (or one process)."""
     rank: int
     local_rank: int
     world_size: int
@@ -596,18 +598,20 @@ class Dist(NamedTuple):
     device_type: str
 
 
-def setup_distributed(device="auto"):
+def set_up_distributed(device="auto"):
     """One process per GPU under torchrun (RANK, LOCAL_RANK, WORLD_SIZE), or a single process."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda, but PyTorch sees no CUDA GPU; install a CUDA build of torch or use --device cpu")
+            raise UsageError("--device cuda, but PyTorch sees no CUDA GPU; install a CUDA build of torch or use "
+                             "--device cpu")
         if local_rank >= torch.cuda.device_count():
             raise UsageError(f"process LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible "
-                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower torchrun's --nproc_per_node")
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower "
+                             f"torchrun's --nproc_per_node")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     elif device == "mps" and not torch.backends.mps.is_available():
@@ -619,7 +623,7 @@ def setup_distributed(device="auto"):
         # an hour, not 10 minutes: rank 0 alone may download GPT-2 XL or write a large checkpoint while the others wait
         backend, device_id = ("nccl", torch.device(device)) if device_type == "cuda" else ("gloo", None)
         dist.init_process_group(backend=backend, device_id=device_id, timeout=datetime.timedelta(hours=1))
-    return Dist(rank, local_rank, world_size, device, device_type)
+    return Env(rank, local_rank, world_size, device, device_type)
 
 
 def any_rank(flag, device):
@@ -631,32 +635,22 @@ def any_rank(flag, device):
     return votes.item() > 0
 
 
-def teardown_distributed():
+def tear_down_distributed():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def failing_together():
-    """A UsageError raised inside on any rank stops every rank with it: raised on one rank alone, as by work only rank 0
-    does, it would leave the others waiting in their next collective. Every rank must enter; it is also a barrier."""
-    error = None
-    try:
-        yield
-    except UsageError as e:
-        error = str(e)
-    error = hellaswag.first_error_of_any_rank(error)
-    if error is not None:
-        raise UsageError(error)
+def set_tf32(enabled):
+    """TF32 matmuls on Ampere and newer: float32's range with a 10-bit mantissa, several times faster."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
-def keep_freed_memory():
-    """On Linux, glibc gives every freed block over 32 MB back to the OS, and the next step faults its pages back in,
-    zeroed: on a CPU, GPT-2's 50257-wide logits made that 40% of a small model's step. Freed memory stays in the heap."""
-    libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-    if hasattr(libc, "mallopt"):
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: no block gets an mmap of its own, big ones come from the heap too
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: the heap's free top goes back to the OS only past 1 GiB
+def set_up_device(cfg, env):
+    """The process-wide settings a run's speed depends on: TF32 matmuls, and on a CPU, how freed memory is kept."""
+    set_tf32(cfg.dtype != "fp32")
+    if env.device_type == "cpu":
+        plumbing.keep_freed_memory()  # the README's Speed section has what it buys
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -672,12 +666,6 @@ def resolve_dtype(dtype, device_type):
     return dtype
 
 
-def set_tf32(enabled):
-    """TF32 matmuls on Ampere and newer: float32's range with a 10-bit mantissa, several times faster."""
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
-
-
 def autocast_context(device_type, dtype):
     """Matmuls in bf16/fp16 with float32 master weights; a no-op for fp32 and tf32."""
     if dtype in DTYPES:
@@ -691,12 +679,24 @@ def compile_model(model, cfg):
     return torch.compile(model, dynamic=False, mode=cfg.compile_mode) if cfg.compile else model
 
 
+def compile_and_wrap(model, cfg, env):
+    """What training and evaluation run: the model compiled and, under torchrun, in DDP, which all-reduces the
+    gradients (its constructor gives every rank rank 0's weights)."""
+    compiled = compile_model(model, cfg)
+    if env.world_size == 1:
+        return compiled
+    return nn.parallel.DistributedDataParallel(
+        compiled, device_ids=[env.local_rank] if env.device_type == "cuda" else None,
+        broadcast_buffers=False)  # the only buffer, the vocab mask, never changes: no broadcast every forward
+
+
 PEAK_FLOPS = {  # dense bf16/fp16 tensor-core peak, by a part of the GPU's name, for MFU
-    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-    "A10G": 70e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 70e12, "L40S": 362e12,
+    "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
 }
 
 
+@functools.cache
 def peak_flops(device_type):
     if device_type != "cuda":
         return None
@@ -704,53 +704,24 @@ def peak_flops(device_type):
     return next((flops for part, flops in PEAK_FLOPS.items() if part in name), None)
 
 
-def resolve_config(cfg, given, env):
-    """Fills in the defaults that depend on the data, the model preset and the device, then checks everything."""
-    if "data" not in given and not os.path.exists(cfg.data):
-        if env.rank == 0:
-            doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
-                     else f"fine-tuning OpenAI's {cfg.init_from}")
-            print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): {doing} on tiny Shakespeare instead")
-        preset = SHAKESPEARE if cfg.init_from == "scratch" else {**SHAKESPEARE, **SHAKESPEARE_FINETUNE}
-        keep = set(given) | (set(MODEL_SIZES[cfg.model]) if "model" in given else set())  # --model gpt2-medium means it
-        cfg.__dict__.update({k: v for k, v in preset.items() if k not in keep})
-        if "batch_size" not in given and cfg.seq_len > 0:  # one micro-batch a step, split over the processes
-            cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
-    if cfg.init_from != "scratch":  # OpenAI's shapes, whatever a preset said
-        pretrained = dict(MODEL_SIZES[cfg.init_from], block_size=1024, vocab_size=50304)
-        clash = [f"--{k.replace('_', '-')}" for k, v in pretrained.items() if k in given and getattr(cfg, k) != v]
-        if clash:
-            raise UsageError(f"--init-from {cfg.init_from} fixes {', '.join(clash)}; drop those flags")
-        cfg.__dict__.update(pretrained, model=cfg.init_from)
-    for key, value in MODEL_SIZES[cfg.model].items():
-        if getattr(cfg, key) == 0:
-            setattr(cfg, key, value)
-    if cfg.compile is None:
-        cfg.compile = env.device_type == "cuda"
-    if cfg.compile_mode != "default" and not cfg.compile:
-        raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass --compile or drop it")
-    if "hellaswag_every" not in given and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
-        cfg.hellaswag_every = 0  # too slow on a CPU; and HellaSwag's text needs every GPT-2 token
-    cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
-    check_config(cfg, env.world_size)
-    fit_warmup(cfg, given, env.rank == 0)
-    return cfg
+# -----------------------------------------------------------------------------
+# The settings resolved: the defaults that depend on the data and the device, then the checks.
 
 
 def fit_warmup(cfg, given, master):
-    """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps for
-    FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about."""
+    """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps
+    for FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about."""
     if cfg.eval_only or cfg.max_steps == 0 or cfg.warmup_steps < cfg.max_steps:
         return
     if "warmup_steps" in given:
         if master:
-            print(f"warning: --warmup-steps {cfg.warmup_steps} is not shorter than --max-steps {cfg.max_steps}: the learning "
-                  f"rate rises for the whole run and never decays")
+            print(f"warning: --warmup-steps {cfg.warmup_steps} is not shorter than --max-steps {cfg.max_steps}: the "
+                  f"learning rate rises for the whole run and never decays")
         return
     warmup = cfg.max_steps // 10
     if master:
-        print(f"--max-steps {cfg.max_steps} is shorter than the {cfg.warmup_steps} warmup steps: warming up for {warmup} "
-              f"step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
+        print(f"--max-steps {cfg.max_steps} is shorter than the {cfg.warmup_steps} warmup steps: warming up for "
+              f"{warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
     cfg.warmup_steps = warmup
 
 
@@ -761,8 +732,9 @@ def require(cfg, names, ok, what):
 
 
 def check_config(cfg, world_size):
-    require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len", "total_batch_size",
-                  "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip"), lambda v: v > 0, "positive")
+    require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len",
+                  "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip"),
+            lambda v: v > 0, "positive")
     require(cfg, ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples",
                   "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
     require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
@@ -770,84 +742,107 @@ def check_config(cfg, world_size):
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if cfg.wandb_run_name and not cfg.wandb_project:
-        raise UsageError(f"--wandb-run-name {cfg.wandb_run_name} names a W&B run, but W&B is off; pass --wandb-project too")
+        raise UsageError(f"--wandb-run-name {cfg.wandb_run_name} names a W&B run, but W&B is off; pass "
+                         f"--wandb-project too")
     if cfg.wandb_project:
-        import_wandb(cfg)  # now rather than after the set-up: a missing package should cost no time
+        plumbing.import_wandb(cfg.wandb_project)  # now rather than after the set-up: a missing package costs no time
     if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
-        raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size is {cfg.vocab_size}; "
-                         f"pass --hellaswag-every 0")
-    if cfg.loss == "chunked" and cfg.dtype == "fp16":  # its gradients are computed in the forward pass, before the loss is scaled
-        raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the gradient "
-                         "scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, or --loss full")
+        raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size "
+                         f"is {cfg.vocab_size}; pass --hellaswag-every 0")
+    if cfg.loss == "chunked" and cfg.dtype == "fp16":  # its gradients exist before the loss is scaled
+        raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the "
+                         "gradient scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, "
+                         "or --loss full")
     if cfg.seq_len > cfg.block_size:
-        raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; shorten it")
+        raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; "
+                         f"shorten it")
     tokens_per_pass = cfg.batch_size * cfg.seq_len * world_size
     if cfg.total_batch_size % tokens_per_pass:
-        raise UsageError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len x processes "
-                         f"= {cfg.batch_size} x {cfg.seq_len} x {world_size} = {tokens_per_pass}; change one of them")
+        raise UsageError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len x "
+                         f"processes = {cfg.batch_size} x {cfg.seq_len} x {world_size} = {tokens_per_pass}; change "
+                         f"one of them")
+
+
+def resolve_config(cfg, given, env):
+    """Fills in the defaults that depend on the data, the model preset and the device, then checks everything."""
+    if "data" not in given and not os.path.exists(cfg.data):
+        if env.rank == 0:
+            doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
+                     else f"fine-tuning OpenAI's {cfg.init_from}")
+            print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): {doing} on tiny "
+                  f"Shakespeare instead")
+        preset = SHAKESPEARE if cfg.init_from == "scratch" else {**SHAKESPEARE, **SHAKESPEARE_FINETUNE}
+        keep = set(given) | (set(MODEL_SIZES[cfg.model]) if "model" in given else set())  # --model gpt2-medium means it
+        cfg.__dict__.update({k: v for k, v in preset.items() if k not in keep})
+        if "batch_size" not in given and cfg.seq_len > 0:  # one micro-batch a step, split over the processes
+            cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
+    if cfg.init_from != "scratch":  # OpenAI's shapes, whatever a preset said
+        pretrained = dict(MODEL_SIZES[cfg.init_from], block_size=1024, vocab_size=PADDED_VOCAB)
+        clash = [f"--{k.replace('_', '-')}" for k, v in pretrained.items() if k in given and getattr(cfg, k) != v]
+        if clash:
+            raise UsageError(f"--init-from {cfg.init_from} fixes {', '.join(clash)}; drop those flags")
+        cfg.__dict__.update(pretrained, model=cfg.init_from)
+    for key, value in MODEL_SIZES[cfg.model].items():
+        if getattr(cfg, key) == 0:
+            setattr(cfg, key, value)
+    if cfg.compile is None:
+        cfg.compile = env.device_type == "cuda"
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass "
+                         f"--compile or drop it")
+    if "hellaswag_every" not in given and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
+        cfg.hellaswag_every = 0  # too slow on a CPU; and HellaSwag's text needs every GPT-2 token
+    cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
+    check_config(cfg, env.world_size)
+    fit_warmup(cfg, given, env.rank == 0)
+    return cfg
 
 
 # -----------------------------------------------------------------------------
-# Optimization: AdamW with decay on the weight matrices only, warmup then cosine decay.
+# The training step: gradient accumulation over micro-batches, one all-reduce, clipping, then the optimizers.
 
 
-def make_optimizer(model, cfg, device_type):
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},  # matmuls and embeddings
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases and LayerNorm gains
-    ]
-    fused = cfg.fused_adamw and device_type == "cuda"  # one kernel for all parameters, not one per tensor
-    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+class StepResult(NamedTuple):
+    loss: float  # the mean over the whole batch of every rank
+    grad_norm: float  # before clipping
+    finite: bool  # False for a non-finite loss or gradient norm: the optimizers did not step
 
 
-def get_lr(step, cfg):
-    """Linear warmup to max_lr, then a cosine down to min_lr_ratio * max_lr, reached at the last step."""
-    min_lr = cfg.max_lr * cfg.min_lr_ratio
-    if step < cfg.warmup_steps:
-        return cfg.max_lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
-
-
-def train_step(train_model, optimizer, scaler, batches, autocast_ctx, device, lr, grad_clip, stop_signal=(), poison=False):
-    """One optimizer step over this rank's micro-batches, skipped if the loss or gradient norm is not finite.
-    Returns the mean loss over all ranks, the gradient norm, how many ranks voted to stop, and whether it stepped."""
+def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
+    """One optimizer step over this rank's micro-batches (x, y), skipped if the loss or gradient norm is not finite."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    optimizer.zero_grad(set_to_none=True)
-    loss_accum = torch.zeros((), device=device)
+    device = next(model.parameters()).device
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=device)
     for micro, (x, y) in enumerate(batches):
-        if x.device.type == "cpu" and torch.device(device).type == "cuda":
+        if device.type == "cuda":
             x, y = x.pin_memory(), y.pin_memory()  # lets the copy overlap with the GPU's work
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last_micro = micro == len(batches) - 1
-        sync_context = train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
+        sync_context = model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
         with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
             with autocast_ctx:
-                _, loss = train_model(x, y, return_logits=False)
-            if poison:  # a test hook: TRAIN_GPT2_NAN_STEPS
-                loss = loss * float("nan")
+                loss = model(x, y)
             loss = loss / len(batches)  # the gradients add up to those of the mean over the whole batch
-            loss_accum += loss.detach()
+            loss_sum += loss.detach()
             scaler.scale(loss).backward()
-    # read after the forward and backward passes, so that a signal that came during them is voted on now
-    stats = torch.stack([loss_accum, torch.tensor(float(bool(stop_signal)), device=device)])
-    if world_size > 1:  # the loss summed over ranks, and how many ranks got a stop signal
-        dist.all_reduce(stats)
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(train_model.parameters(), grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss_value, stop_votes, norm_value = stats[0].item() / world_size, stats[1].item(), norm.item()
+    if world_size > 1:
+        dist.all_reduce(loss_sum)
+    for optimizer in optimizers:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    loss_value, norm_value = loss_sum.item() / world_size, norm.item()
     finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
     if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
-        scaler.step(optimizer)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
     scaler.update()
-    return loss_value, norm_value, stop_votes, finite
+    return StepResult(loss_value, norm_value, finite)
 
 
 # -----------------------------------------------------------------------------
-# Evaluation and checkpoints.
+# Evaluation: the validation loss, and samples.
 
 
 @torch.no_grad()
@@ -862,7 +857,7 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
         y = torch.full((B, T), -1, dtype=torch.long)
         x[:rows], y[:rows] = buf[:-1].view(rows, T), buf[1:].view(rows, T)
         with autocast_ctx:
-            _, loss = model(x.to(device), y.to(device), return_logits=False)
+            loss = model(x.to(device), y.to(device))
         totals += torch.stack([loss.float() * rows * T, torch.tensor(float(rows * T), device=device)])
     if world_size > 1:
         dist.all_reduce(totals)
@@ -880,6 +875,9 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step):
     if max(prompt) >= model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
         print(f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's {model.n_tokens}")
         return
+    if len(prompt) > model.config.block_size:
+        print(f"the prompt's {len(prompt)} tokens outgrow the block of {model.config.block_size}: each token is "
+              f"sampled from the last {model.config.block_size} before it")
     generator = torch.Generator(device=device).manual_seed(seed)
     with autocast_ctx:
         samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
@@ -889,342 +887,63 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step):
     print("--- end of samples ---", flush=True)
 
 
-CHECKPOINT = r"ckpt_\d+\.pt"  # a checkpoint's name, ckpt_<step>.pt, as a regex
-
-
-def checkpoint_step(path):
-    return int(os.path.basename(path)[len("ckpt_"):-len(".pt")])
-
-
-def checkpoint_paths(log_dir):
-    """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
-    return sorted(files_in(log_dir, CHECKPOINT), key=checkpoint_step)
-
-
-def latest_checkpoint(log_dir):
-    """The path of the latest checkpoint in log_dir, or None."""
-    paths = checkpoint_paths(log_dir)
-    return paths[-1] if paths else None
-
-
-def load_checkpoint(path):
-    # weights_only: a checkpoint is data, and loading one can never run code
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no private copy per rank
-    except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
-        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError("not a train_gpt2.py checkpoint")
-    return ckpt
-
-
-def model_from_checkpoint(ckpt):
-    model = GPT(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    return model
-
-
-def find_resume_checkpoint(cfg, env):
-    """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
-    unreadable ones, and every rank loads that same one."""
-    if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
-        return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
-    ckpt, chosen = None, [None]
-    with failing_together():
-        if env.rank == 0:
-            for path in [cfg.resume] if cfg.resume != "auto" else reversed(checkpoint_paths(cfg.log_dir)):
-                try:
-                    ckpt, chosen = load_checkpoint(path), [path]
-                    break
-                except Exception as e:
-                    if cfg.resume != "auto":
-                        raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
-                    print(f"warning: skipping unreadable checkpoint {path} ({e})")
-    if env.world_size > 1:
-        dist.broadcast_object_list(chosen, src=0)
-    with failing_together():
-        if env.rank != 0 and chosen[0] is not None:
-            try:
-                ckpt = load_checkpoint(chosen[0])
-            except Exception as e:
-                raise UsageError(f"rank {env.rank} cannot read {chosen[0]}, which rank 0 resumes from ({e}); "
-                                 f"--log-dir must be on a file system every node shares")
-    return ckpt, chosen[0]
-
-
-def check_same_shapes(ckpt, model_config, path):
-    saved = ckpt["model_config"]
-    ours = asdict(model_config)
-    differ = [f"{k}: checkpoint {saved.get(k)}, flags {ours[k]}" for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if saved.get(k) != ours[k]]
-    if differ:
-        raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe ({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
-
-
-def check_same_batch(ckpt, total_batch_size, path):
-    saved = ckpt["train_config"]["total_batch_size"]
-    if saved != total_batch_size:
-        raise UsageError(f"{path} was trained with --total-batch-size {saved}, not {total_batch_size}: its {ckpt['step']} steps "
-                         f"stand for {ckpt['step'] * saved:,} tokens, and the schedule and the log count steps; pass "
-                         f"--total-batch-size {saved}, or --no-resume to start over")
-
-
-# What a run writes in its --log-dir, as regexes of names: a fresh start moves an earlier run's aside, and every other
-# file there (the shell's out.txt, the user's notes) stays where it is, untouched.
-RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, CHECKPOINT + r"\.tmp", CHECKPOINT + r"\.abandoned", r"wandb"]
-
-
-def check_log_dir(log_dir):
-    """Fails now if this run cannot write in log_dir, not at its first log line after an evaluation (10M tokens on
-    FineWeb). The directories it makes to find out are removed again: a run stopped by a later error leaves none."""
-    missing = []  # deepest first
-    path = os.path.abspath(log_dir)
-    while not os.path.isdir(path) and path != os.path.dirname(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    try:
-        os.makedirs(log_dir, exist_ok=True)
-        probe = os.path.join(log_dir, f".write_test.{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"--log-dir {log_dir}: cannot write in it ({e.strerror}); pass a directory this run may write to")
-    for directory in missing:
-        os.rmdir(directory)
-
-
-def prepare_log_dir(log_dir, resumed_step):
-    """A fresh run (resumed_step None) moves an earlier run's files aside; a resumed run moves aside the checkpoints
-    newer than its own (abandoned, or unreadable), so that they are never resumed later."""
-    if resumed_step is None:
-        move_old_run_aside(log_dir)
-        return
-    for stale in files_in(log_dir, CHECKPOINT + r"\.tmp"):  # a save cut short by a crash
-        os.remove(stale)
-    for path in checkpoint_paths(log_dir):
-        if checkpoint_step(path) > resumed_step:
-            os.replace(path, path + ".abandoned")
-            print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
-
-
-def move_old_run_aside(log_dir):
-    """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>."""
-    old = files_in(log_dir, "|".join(RUN_FILES))
-    if not old:
-        return
-    aside = stamped = f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 0
-    while os.path.exists(aside):  # two fresh starts within a second must not collide
-        n += 1
-        aside = f"{stamped}.{n}"
-    os.mkdir(aside)
-    for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
-        os.rename(path, os.path.join(aside, os.path.basename(path)))
-    names = ", ".join(os.path.basename(path) for path in old)
-    print(f"starting fresh: moved the old run's files ({names}) from {log_dir} aside to {aside}")
-
-
-def storage_bytes(obj):
-    """About the size of obj saved: the bytes of the tensors in it, each storage once (wte and lm_head share one)."""
-    storages, todo = {}, [obj]
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, torch.Tensor):
-            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-    return sum(storages.values())
-
-
-def out_of_space(error, directory, needed):
-    """Whether a failed write ran out of room; torch.save raises a RuntimeError that keeps the OSError as its context."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        error = error.__cause__ or error.__context__
-    return shutil.disk_usage(directory).free < needed
-
-
-def sync_directory(path):
-    """Makes the renames in a directory durable (where directories can be opened: not on Windows)."""
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_checkpoint(log_dir, step, ckpt, keep):
-    """Saves ckpt as log_dir/ckpt_<step>.pt, whole or not at all, then deletes all but the latest keep."""
-    path = os.path.join(log_dir, f"ckpt_{step:06d}.pt")
-    t0 = time.perf_counter()
-    try:
-        with open(path + ".tmp", "wb") as f:  # a crash mid-write leaves only a .tmp behind
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path + ".tmp")
-        needed = storage_bytes(ckpt)
-        if not out_of_space(e, log_dir, needed):
-            raise
-        raise UsageError(f"disk full writing {path}: a checkpoint needs about {needed / 2**20:,.1f} MiB, "
-                         f"{shutil.disk_usage(log_dir).free / 2**20:,.1f} MiB are free (saving needs room for "
-                         f"--keep-checkpoints {keep} of them and one more); free some space, then run the same command "
-                         f"again: it resumes from {latest_checkpoint(log_dir) or 'the start'}") from None
-    os.replace(path + ".tmp", path)
-    sync_directory(log_dir)  # the new name on disk before the old checkpoints go: a power cut must not leave none
-    print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
-    for old in checkpoint_paths(log_dir)[:-keep]:
-        os.remove(old)
-
-
 # -----------------------------------------------------------------------------
-# The training run, in four steps: set up, restore, the training loop, finish.
+# A run: what it is made of, and how it logs.
 
 
 @dataclass
 class Run:
     """What a training run is made of: built by set_up, moved on by the training loop, saved in its checkpoints."""
     cfg: TrainConfig
-    env: Dist
-    enc: object  # the GPT-2 tokenizer, for samples
+    env: Env
     stream: TokenStream  # the training tokens
-    train_tokens: int
     val: np.ndarray  # the fixed validation tokens
     hellaswag_data: Optional[dict]  # tokenized once; None when HellaSwag is off
-    raw_model: GPT
-    optimizer: torch.optim.Optimizer
+    model: GPT  # its weights are what checkpoints save and samples come from
+    optimizers: list
     scaler: torch.amp.GradScaler
     autocast_ctx: object
-    accum_steps: int  # micro-batches per optimizer step, in each process
-    total_peak_flops: Optional[float]  # of all the GPUs together, for MFU; None where unknown
-    model: Optional[nn.Module] = None  # raw_model, compiled: what evaluation runs
-    train_model: Optional[nn.Module] = None  # model, wrapped in DDP when there are several processes
+    log: plumbing.RunLog
+    compiled: Optional[nn.Module] = None  # the model compiled, and in DDP under torchrun: what trains and evaluates
     step: int = 0  # optimizer steps taken
+    evaluated: bool = False  # the evaluations due at step are done
     val_loss: Optional[float] = None  # the latest
     val_step: Optional[int] = None  # the step val_loss was measured at
-    evaluated: bool = False  # step's evaluations are done (by the run that saved the checkpoint this one resumed)
-    resumed_from: Optional[str] = None  # that checkpoint's path
-    wandb: object = None  # the W&B run, on rank 0 with --wandb-project
-    wandb_id: Optional[str] = None  # its id, kept in the checkpoints: a resumed run continues the same W&B run
-    wandb_step: int = 0  # W&B's step of the next record: its line in log.jsonl
+    nonfinite_since: Optional[int] = None  # the first of the latest steps in a row with a non-finite loss
+    resumed_from: Optional[str] = None  # the checkpoint's path
 
     @property
     def master(self):
         return self.env.rank == 0  # only rank 0 prints and writes files
 
 
-def set_up_device(cfg, env):
-    """The process-wide settings a run's speed depends on: TF32 matmuls, and on a CPU, how freed memory is kept."""
-    set_tf32(cfg.dtype != "fp32")
-    if env.device_type == "cpu":
-        keep_freed_memory()  # 1.75x faster steps for the Shakespeare model on a 2-core CPU
-
-
-def make_model(cfg, device, pretrained=False):
-    """The model the settings describe, on device: random weights, the same on every rank, or OpenAI's if pretrained."""
-    torch.manual_seed(cfg.seed)
-    model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
-    model = GPT.from_pretrained(cfg.init_from, model_config, cfg.cache_dir or None) if pretrained else GPT(model_config)
-    return model.to(device)
-
-
 def set_up(cfg, env, pretrained):
-    """The data, the model (random, or OpenAI's weights if pretrained) on its device, and the optimizer."""
+    """The data, the model (random, or OpenAI's weights if pretrained) on its device, and the optimizers."""
     set_up_device(cfg, env)
-    enc = gpt2_tokenizer()
-    stream, val, train_tokens = load_data(cfg)
+    stream, val = load_data(cfg)
     hellaswag_data = None
     if cfg.hellaswag_every > 0:
         examples = hellaswag.load_examples(cfg.hellaswag_file or None, cfg.cache_dir or None)
-        hellaswag_data = hellaswag.prepare(examples, enc, cfg.block_size)
-    raw_model = make_model(cfg, env.device, pretrained)
-    gpu_peak = peak_flops(env.device_type)
-    return Run(cfg, env, enc, stream, train_tokens, val, hellaswag_data, raw_model,
-               optimizer=make_optimizer(raw_model, cfg, env.device_type),
-               scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow unless scaled
+        hellaswag_data = hellaswag.prepare(examples, plumbing.gpt2_tokenizer(), cfg.block_size)
+    model = make_model(cfg, env.device, pretrained)
+    return Run(cfg, env, stream, val, hellaswag_data, model,
+               optimizers=make_optimizers(model, cfg, env.device_type),
+               scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow
                autocast_ctx=autocast_context(env.device_type, cfg.dtype),
-               accum_steps=cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * env.world_size),
-               total_peak_flops=gpu_peak * env.world_size if gpu_peak else None)
+               log=plumbing.RunLog(cfg.log_dir))
 
 
-def restore(run, ckpt, path):
-    """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizer,
-    the data position and the RNGs. Evaluating needs the weights alone, on any --data."""
-    cfg = run.cfg
-    check_same_shapes(ckpt, run.raw_model.config, path)
-    run.raw_model.load_state_dict(ckpt["model"])
-    run.step, run.evaluated, run.resumed_from = ckpt["step"], ckpt.get("evaluated", False), path
-    run.val_loss, run.val_step = ckpt["val_loss"], ckpt.get("val_step")
-    if cfg.eval_only:  # its own W&B run too: the training's may still be going on
-        return
-    if run.step > cfg.max_steps:
-        raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
-                         f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
-    check_same_batch(ckpt, cfg.total_batch_size, path)
-    run.stream.load_state_dict(ckpt["stream"])
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    for group, flags in zip(run.optimizer.param_groups, settings):  # the flags win: --weight-decay, fused, ...
-        group.update(flags)
-    if ckpt["scaler"]:  # empty unless the run used fp16
-        run.scaler.load_state_dict(ckpt["scaler"])
-    rank = run.env.rank
-    if rank < len(ckpt["rng"]):
-        torch.set_rng_state(ckpt["rng"][rank]["cpu"])
-        if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
-            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    run.wandb_id = ckpt.get("wandb_id")  # None from a checkpoint written before W&B support
+def accumulation_steps(cfg, world_size):
+    """Micro-batches per optimizer step, in each process."""
+    return cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * world_size)
 
 
-def finished(run):
-    """Whether the resumed checkpoint is the end of this run, evaluated: then there is nothing left to do."""
-    done = run.step == run.cfg.max_steps and run.evaluated and not run.cfg.eval_only
-    if done and run.master:
-        print(f"{run.resumed_from} is the end of this run (step {run.step}, val loss {run.val_loss:.4f}): nothing left to do; "
-              f"pass a larger --max-steps to train on, or --no-resume to start over")
-    return done
-
-
-def log(run, record, line=None):
-    """Appends record to <log-dir>/log.jsonl (never truncated) and to the W&B run, and prints line, on rank 0."""
+def report(run, record, line=None):
+    """Appends record to log.jsonl and the W&B run, and prints line, on rank 0."""
     if run.master:
-        with open(os.path.join(run.cfg.log_dir, "log.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if run.wandb:
-            run.wandb.log(record, step=run.wandb_step)
-            run.wandb_step += 1
+        run.log.write(record)
         if line:
             print(line, flush=True)
-
-
-def start_log(run):
-    """Readies the log directory (a fresh start moves an old run aside) and says what is being run."""
-    cfg, env = run.cfg, run.env
-    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
-        dist.barrier()
-    with failing_together():
-        if run.master:
-            try:
-                if not cfg.eval_only:
-                    prepare_log_dir(cfg.log_dir, run.step if run.resumed_from else None)
-                os.makedirs(cfg.log_dir, exist_ok=True)
-            except OSError as e:
-                raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may write to")
-    if not run.master:
-        return
-    print(what_runs(run))
-    n_params = sum(p.numel() for p in run.raw_model.parameters())
-    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
-          f"{env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
-    print(f"data: {cfg.data}, {run.train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
-          f"{cfg.batch_size} x {cfg.seq_len} x {run.accum_steps} accumulation steps x {env.world_size} process(es)")
-    if run.resumed_from and not cfg.eval_only:  # plot.py drops the points logged after it: they are being trained again
-        log(run, {"step": run.step, "event": "resume"})
 
 
 def what_runs(run):
@@ -1242,47 +961,45 @@ def what_runs(run):
     return f"{start} for {cfg.max_steps} steps"
 
 
-def import_wandb(cfg):
-    """wandb, an optional dependency: imported only when --wandb-project asks for it."""
-    try:
-        import wandb
-    except ImportError:
-        raise UsageError(f"--wandb-project {cfg.wandb_project} needs the wandb package: pip install wandb (or leave out --wandb-project)")
-    return wandb
+def start_log(run):
+    """Readies the log directory (a fresh start moves an old run aside) and says what is being run."""
+    cfg, env = run.cfg, run.env
+    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
+        dist.barrier()
+    with failing_together():
+        if run.master and not cfg.eval_only:
+            try:
+                plumbing.prepare_log_dir(cfg.log_dir, run.step if run.resumed_from else None)
+            except OSError as e:
+                raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
+                                 f"write to")
+    if not run.master:
+        return
+    print(what_runs(run))
+    n_params = sum(p.numel() for p in run.model.parameters())
+    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
+          f"{env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
+    train_tokens = sum(len(shard) for shard in run.stream.shards)
+    print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
+          f"{cfg.batch_size} x {cfg.seq_len} x {accumulation_steps(cfg, env.world_size)} accumulation steps x "
+          f"{env.world_size} process(es)")
+    if run.resumed_from and not cfg.eval_only:  # plot.py drops the points logged after it: they are trained again
+        report(run, {"step": run.step, "event": "resume"})
 
 
 def start_wandb(run):
-    """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well, kept under <log-dir>/wandb (where
-    WANDB_MODE=offline leaves it, for `wandb sync`). A resumed run continues the W&B run of its checkpoint."""
+    """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well. A resumed run continues the W&B
+    run of its checkpoint; --eval-only gets one of its own (restore leaves it no id), as the training's may still be
+    going on."""
     cfg = run.cfg
-    if not cfg.wandb_project:
-        return
-    with failing_together():
-        if run.master:
-            wandb = import_wandb(cfg)
-            try:
-                run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, id=run.wandb_id,
-                                       resume="allow", dir=cfg.log_dir, config=asdict(cfg))
-            except wandb.errors.Error as e:  # not logged in, no network, ...
-                reason = str(e).strip().partition("\n")[0]  # its hints run over several lines
-                raise UsageError(f"--wandb-project {cfg.wandb_project}: W&B cannot start the run ({reason}); log in with "
-                                 f"`wandb login`, or set WANDB_MODE=offline on a machine with no internet (and `wandb sync` later)")
-    if run.wandb is None:
-        return
-    run.wandb_id = run.wandb.id
-    # W&B's step only goes up, but a resumed run logs the steps after its checkpoint again: W&B's step is the record's
-    # line in log.jsonl, which only grows, across resumes and offline runs alike, and every chart's x-axis is the
-    # training step, so a step trained again is drawn again rather than refused as a step back in time.
-    with open(os.path.join(cfg.log_dir, "log.jsonl"), "a+") as f:
-        f.seek(0)
-        run.wandb_step = sum(1 for _ in f)
-    run.wandb.define_metric("*", step_metric="step")
+    if cfg.wandb_project:
+        with failing_together():
+            if run.master:
+                run.log.start_wandb(cfg.wandb_project, cfg.wandb_run_name, asdict(cfg))
 
 
-def stop_wandb(run, failed):
-    """Ends the run's W&B run, if it started one: failed, if an error stopped the training."""
-    if run.wandb is not None:
-        run.wandb.finish(exit_code=1 if failed else 0)
+# -----------------------------------------------------------------------------
+# Evaluations during the run: the validation loss with samples, and HellaSwag.
 
 
 def evaluations_due(run):
@@ -1300,20 +1017,52 @@ def evaluate(run):
     tokens = step * cfg.total_batch_size
     extra = {"eval_only": True, "init_from": run.resumed_from or cfg.init_from} if cfg.eval_only else {}
     if val_due:
-        run.val_loss = evaluate_val(run.model, run.val, cfg.batch_size, cfg.seq_len, env.device, run.autocast_ctx, env.rank, env.world_size)
+        run.val_loss = evaluate_val(run.compiled, run.val, cfg.batch_size, cfg.seq_len, env.device, run.autocast_ctx,
+                                    env.rank, env.world_size)
         run.val_step = step
-        log(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra}, f"step {step:5d} | val loss {run.val_loss:.4f}")
-        if run.master and cfg.num_samples > 0:
-            print_samples(run.raw_model, cfg, run.enc, env.device, run.autocast_ctx, cfg.seed, step)  # eager, so growing lengths never recompile
+        report(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra},
+            f"step {step:5d} | val loss {run.val_loss:.4f}")
+        if run.master and cfg.num_samples > 0:  # eager, so that growing lengths never recompile
+            print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step)
     if hellaswag_due:
-        acc_norm, acc, n = hellaswag.evaluate(run.model, run.hellaswag_data, env.device, run.autocast_ctx, env.rank, env.world_size)
-        log(run, {"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
+        acc_norm, acc, n = hellaswag.evaluate(run.compiled, run.hellaswag_data, env.device, run.autocast_ctx,
+                                              env.rank, env.world_size)
+        report(run, {"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
             f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+    run.evaluated = True
 
 
-def save_checkpoint(run, evaluated):
-    """Every rank's RNG states, and rank 0 writes the checkpoint of run.step; evaluated: its evaluations are done."""
-    env = run.env
+def evaluate_unless_stopped(run, stop_signal):
+    """Runs the evaluations due at run.step, unless a stop signal is voted for first: a preempted run saves before a
+    long evaluation, as the grace period before SIGKILL is short. Returns whether to stop."""
+    if not run.evaluated and any(evaluations_due(run)):
+        if any_rank(bool(stop_signal), run.env.device):
+            return True
+        evaluate(run)
+    run.evaluated = True  # also when none was due: nothing is left to evaluate at this step
+    return False
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: what one holds, saving, finding and restoring it.
+
+CHECKPOINT_FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
+
+
+def checkpoint_contents(run, rng_per_rank):
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "model": run.model.state_dict(), "model_config": asdict(run.model.config),
+        "optimizers": [optimizer.state_dict() for optimizer in run.optimizers], "scaler": run.scaler.state_dict(),
+        "step": run.step, "evaluated": run.evaluated, "val_loss": run.val_loss, "val_step": run.val_step,
+        "stream": run.stream.state_dict(), "rng": rng_per_rank,
+        "train_config": asdict(run.cfg), "wandb_id": run.log.wandb_id,
+    }
+
+
+def save_checkpoint(run):
+    """Rank 0 writes the checkpoint of run.step, with every rank's RNG states."""
+    cfg, env = run.cfg, run.env
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
     rng_per_rank = [rng]
     if env.world_size > 1:  # every rank reaches here before rank 0 writes
@@ -1321,13 +1070,127 @@ def save_checkpoint(run, evaluated):
         dist.all_gather_object(rng_per_rank, rng)
     with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
         if run.master:
-            ckpt = {
-                "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
-                "step": run.step, "evaluated": evaluated, "stream": run.stream.state_dict(), "rng": rng_per_rank,
-                "val_loss": run.val_loss, "val_step": run.val_step, "model_config": asdict(run.raw_model.config),
-                "train_config": asdict(run.cfg), "wandb_id": run.wandb_id,
-            }
-            write_checkpoint(run.cfg.log_dir, run.step, ckpt, run.cfg.keep_checkpoints)
+            ckpt = checkpoint_contents(run, rng_per_rank)
+            plumbing.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
+                                      plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
+
+
+def load_checkpoint(path):
+    """A checkpoint of this train_gpt2.py. Raises ValueError if it cannot be read, UsageError if it is of another
+    format."""
+    # weights_only: a checkpoint is data, and loading one can never run code
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no private copy per rank
+    except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
+        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise ValueError("not a train_gpt2.py checkpoint")
+    if ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"{path} is a checkpoint of format {ckpt.get('format', 1)}, and this train_gpt2.py reads "
+                         f"format {CHECKPOINT_FORMAT} only; use the train_gpt2.py that wrote it")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt):
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def find_resume_checkpoint(cfg, env):
+    """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
+    unreadable ones, and every rank loads that same one."""
+    if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
+        return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
+    ckpt, chosen = None, [None]
+    with failing_together():
+        if env.rank == 0:
+            for path in [cfg.resume] if cfg.resume != "auto" else reversed(plumbing.checkpoint_paths(cfg.log_dir)):
+                try:
+                    ckpt, chosen = load_checkpoint(path), [path]
+                    break
+                except ValueError as e:
+                    if cfg.resume != "auto":
+                        raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
+                    print(f"warning: skipping unreadable checkpoint {path} ({e})")
+    if env.world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    with failing_together():
+        if env.rank != 0 and chosen[0] is not None:
+            try:
+                ckpt = load_checkpoint(chosen[0])
+            except ValueError as e:
+                raise UsageError(f"rank {env.rank} cannot read {chosen[0]}, which rank 0 resumes from ({e}); "
+                                 f"--log-dir must be on a file system every node shares")
+    return ckpt, chosen[0]
+
+
+def check_same_model(ckpt, model, path):
+    """Refuses a checkpoint of another model than the flags describe, naming the settings that differ. Only how the
+    model computes (attention kernel, loss) may change."""
+    saved, flags = ckpt["model_config"], asdict(model.config)
+    differ = [f"{k}: checkpoint {saved.get(k)}, flags {flags.get(k)}" for k in dict.fromkeys([*flags, *saved])
+              if k not in ("attn", "loss") and saved.get(k) != flags.get(k)]
+    if differ:
+        raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe "
+                         f"({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
+
+
+def check_same_batch(ckpt, total_batch_size, path):
+    saved = ckpt["train_config"]["total_batch_size"]
+    if saved != total_batch_size:
+        raise UsageError(f"{path} was trained with --total-batch-size {saved}, not {total_batch_size}: its "
+                         f"{ckpt['step']} steps stand for {ckpt['step'] * saved:,} tokens, and the schedule and the "
+                         f"log count steps; pass --total-batch-size {saved}, or --no-resume to start over")
+
+
+def restore(run, ckpt, path):
+    """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizers,
+    the data position and the RNGs. Evaluating needs the weights alone, on any --data."""
+    cfg = run.cfg
+    check_same_model(ckpt, run.model, path)
+    run.model.load_state_dict(ckpt["model"])
+    run.step, run.resumed_from = ckpt["step"], path
+    run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
+    # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
+    run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
+    if cfg.eval_only:  # its steps stand for the tokens of the batch it was trained with, whatever the flags say
+        cfg.total_batch_size = ckpt["train_config"]["total_batch_size"]
+        return
+    if run.step > cfg.max_steps:
+        raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
+                         f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
+    check_same_batch(ckpt, cfg.total_batch_size, path)
+    run.stream.load_state_dict(ckpt["stream"])
+    if len(ckpt["optimizers"]) != len(run.optimizers):
+        raise UsageError(f"{path} holds the state of {len(ckpt['optimizers'])} optimizer(s), and this run has "
+                         f"{len(run.optimizers)}; pass the settings it was trained with, or --no-resume to start over")
+    for optimizer, state in zip(run.optimizers, ckpt["optimizers"]):
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        optimizer.load_state_dict(state)
+        for group, flags in zip(optimizer.param_groups, settings):  # the flags win: --weight-decay, fused, ...
+            group.update(flags)
+    if ckpt["scaler"]:  # empty unless the run used fp16
+        run.scaler.load_state_dict(ckpt["scaler"])
+    rank = run.env.rank
+    if rank < len(ckpt["rng"]):
+        torch.set_rng_state(ckpt["rng"][rank]["cpu"])
+        if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
+    run.log.wandb_id = ckpt["wandb_id"]
+
+
+def finished(run):
+    """Whether the resumed checkpoint is the end of this run, evaluated: then there is nothing left to do."""
+    done = run.step == run.cfg.max_steps and run.evaluated and not run.cfg.eval_only
+    if done and run.master:
+        print(f"{run.resumed_from} is the end of this run (step {run.step}, val loss {run.val_loss:.4f}): nothing left "
+              f"to do; pass a larger --max-steps to train on, or --no-resume to start over")
+    return done
+
+
+# -----------------------------------------------------------------------------
+# The training loop, and the end of the run.
 
 
 def catch_stop_signals():
@@ -1344,65 +1207,77 @@ def catch_stop_signals():
     return caught
 
 
-def training_loop(run):
-    """Trains from run.step to --max-steps, evaluating and saving checkpoints on the way. Returns whether a signal
-    stopped it early: then every rank stops at the same step, once the checkpoint is saved."""
-    cfg, env = run.cfg, run.env
-    stop_signal = catch_stop_signals()
-    inject_nan = {int(s) for s in os.environ.get("TRAIN_GPT2_NAN_STEPS", "").split(",") if s}  # test hook
-    start_step, bad_steps_in_a_row = run.step, 0
-    stop_agreed = False  # set only from the all-reduced vote, so that every rank stops at the same step
-    while True:
-        already_evaluated = run.step == start_step and run.evaluated  # by the run that saved the checkpoint
-        evaluated_now = False
-        if not stop_agreed and not already_evaluated and any(evaluations_due(run)):
-            # a preempted run saves before a long evaluation: the grace period before SIGKILL is short
-            stop_agreed = any_rank(bool(stop_signal), env.device)
-            if not stop_agreed:
-                evaluate(run)
-                evaluated_now = True
-        stopping = run.step == cfg.max_steps or stop_agreed
-        # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it again
-        unsaved = run.step > start_step or (run.resumed_from and stopping and evaluated_now)
-        if unsaved and (stopping or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0)):
-            save_checkpoint(run, evaluated=not stop_agreed)
-        if stopping:
-            return stop_agreed
-
-        t0 = time.perf_counter()
-        batches = run.stream.next_step(cfg.batch_size, cfg.seq_len, run.accum_steps, env.rank, env.world_size, cfg.vocab_size)
-        lr = get_lr(run.step, cfg)
-        loss, norm, stop_votes, finite = train_step(run.train_model, run.optimizer, run.scaler, batches, run.autocast_ctx,
-                                                    env.device, lr, cfg.grad_clip, stop_signal, run.step in inject_nan)
-        if env.device_type == "cuda":
-            torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
-        stop_agreed = stop_votes > 0
-        bad_steps_in_a_row = 0 if finite else bad_steps_in_a_row + 1
-        log_step(run, loss, lr, norm, finite, time.perf_counter() - t0, bad_steps_in_a_row)
-        if bad_steps_in_a_row >= cfg.max_bad_steps:
-            raise UsageError(f"{bad_steps_in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
-                             f"stopping. Lower --max-lr and resume from {latest_checkpoint(cfg.log_dir) or 'scratch'}")
-        run.step += 1
-
-
-def log_step(run, loss, lr, norm, finite, dt, bad_steps_in_a_row):
+def log_step(run, result, lr, dt):
     """One line and one log.jsonl record for the step just taken."""
     cfg, env, step = run.cfg, run.env, run.step
     tok_per_sec = cfg.total_batch_size / dt
-    record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size, "train_loss": loss if finite else None,
-              "lr": lr, "grad_norm": norm if math.isfinite(norm) else None, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
-    line = f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | {dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s"
-    if run.total_peak_flops:
-        record["mfu"] = flops_per_token(run.raw_model.config, cfg.seq_len) * tok_per_sec / run.total_peak_flops
+    record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size,
+              "train_loss": result.loss if result.finite else None, "lr": lr, "grad_norm": result.grad_norm,
+              "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
+    line = (f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.4e} | norm {result.grad_norm:.4f} | "
+            f"{dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s")
+    if peak_flops(env.device_type):
+        record["mfu"] = flops_per_token(run.model.config, cfg.seq_len) * tok_per_sec / (
+            peak_flops(env.device_type) * env.world_size)
         line += f" | mfu {100 * record['mfu']:.1f}%"
     if env.device_type == "cuda":
         record["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    if not finite:
+    if not result.finite:
         record["skipped"] = True
-        line += f" | non-finite: update skipped ({bad_steps_in_a_row} in a row)"
-    elif not math.isfinite(norm):  # fp16 gradients overflowed: the scaler skipped the update, lowering its scale
+        line += f" | non-finite: update skipped ({step - run.nonfinite_since + 1} in a row)"
+    elif not math.isfinite(result.grad_norm):  # fp16 gradients overflowed: the scaler skipped the update
         record["skipped"] = True
-    log(run, record, line)
+    report(run, record, line)
+
+
+def prune_or_stop(run):
+    """After a finite step, the checkpoints past --keep-checkpoints go: the newest one's weights train. After
+    --max-bad-steps non-finite ones in a row, the run stops, naming the checkpoint to go back to: the latest from
+    before them, as the weights that made them non-finite came later."""
+    cfg = run.cfg
+    if run.nonfinite_since is None:
+        if run.master:
+            plumbing.prune_checkpoints(cfg.log_dir, cfg.keep_checkpoints)
+        return
+    in_a_row = run.step - run.nonfinite_since + 1
+    if in_a_row >= cfg.max_bad_steps:
+        good = plumbing.latest_checkpoint(cfg.log_dir, before_step=run.nonfinite_since)
+        later = good != plumbing.latest_checkpoint(cfg.log_dir)
+        resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
+                                           f"non-finite)" if later else "")) if good else "start again"
+        raise UsageError(f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
+                         f"stopping. Lower --max-lr and {resume}")
+
+
+def training_loop(run, stop_signal):
+    """Trains from run.step to --max-steps, evaluating and saving checkpoints on the way. Returns whether a stop
+    signal ended it early: every rank then stops at the same step, as they vote on it."""
+    cfg, env = run.cfg, run.env
+    start, save_due = run.step, False
+    while run.step < cfg.max_steps:
+        if evaluate_unless_stopped(run, stop_signal):
+            return True
+        save_due |= run.step > start and cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0
+        if save_due and run.nonfinite_since is None:  # not while steps are non-finite: their weights may be why
+            save_checkpoint(run)
+            save_due = False
+        t0 = time.perf_counter()
+        batches = run.stream.next_step(cfg.batch_size, cfg.seq_len, accumulation_steps(cfg, env.world_size), env.rank,
+                                       env.world_size, cfg.vocab_size)
+        set_lr(run.optimizers, run.step, cfg)
+        result = train_step(run.compiled, run.optimizers, run.scaler, batches, run.autocast_ctx, cfg.grad_clip)
+        if env.device_type == "cuda":
+            torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
+        if result.finite:
+            run.nonfinite_since = None
+        elif run.nonfinite_since is None:
+            run.nonfinite_since = run.step
+        log_step(run, result, get_lr(run.step, cfg.max_lr, cfg), time.perf_counter() - t0)
+        prune_or_stop(run)
+        run.step, run.evaluated = run.step + 1, False
+        if any_rank(bool(stop_signal), env.device):  # a signal that came during the step
+            return True
+    return False
 
 
 def finish(run, stopped_by_signal, seconds):
@@ -1410,99 +1285,121 @@ def finish(run, stopped_by_signal, seconds):
     cfg = run.cfg
     if not run.master:
         return
-    last = latest_checkpoint(cfg.log_dir)
-    if stopped_by_signal and last is None:
+    last = plumbing.latest_checkpoint(cfg.log_dir)
+    if stopped_by_signal and run.nonfinite_since is not None:
+        print(f"stopped by signal at step {run.step}, not saved: the steps since {run.nonfinite_since} were "
+              f"non-finite; the latest checkpoint is {last or 'none'}")
+    elif stopped_by_signal and last is None:
         print("stopped by signal before the first step: nothing to save")
     elif stopped_by_signal:
         left = " (the last: only its final evaluation is left)" if run.step == cfg.max_steps else ""
         same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
-        print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up {cfg.log_dir})")
+        print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up "
+              f"{cfg.log_dir})")
+    elif run.nonfinite_since is not None:
+        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, not saved: the steps since {run.nonfinite_since} "
+              f"were non-finite; the latest checkpoint is {last or 'none'}")
     else:
         hint = f"; for more samples: python train_gpt2.py --sample {last}" if last else ""
         print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {seconds / 60:.1f} min{hint}")
 
 
-def train(cfg, given):
-    env = setup_distributed(cfg.device)
-    cfg = resolve_config(cfg, given, env)
-    with failing_together():
-        if env.rank == 0:
-            check_log_dir(cfg.log_dir)
+def train_to_the_end(run):
+    """The training loop, then the end of the run: the final evaluation and checkpoint, or the checkpoint a stop
+    signal asks for."""
+    stop_signal = catch_stop_signals()
+    start, t0 = run.step, time.perf_counter()
+    stopped = training_loop(run, stop_signal) or evaluate_unless_stopped(run, stop_signal)  # the final evaluation
+    # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it
+    if (run.step > start or (run.resumed_from and run.evaluated)) and run.nonfinite_since is None:
+        save_checkpoint(run)
+        if run.master:
+            plumbing.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
+    finish(run, stopped, time.perf_counter() - t0)
+
+
+def start_run(cfg, env):
+    """The run, set up and restored from its checkpoint if it has one, and its log started; None if that checkpoint
+    is already the end of the run."""
     ckpt, ckpt_path = find_resume_checkpoint(cfg, env)
     run = set_up(cfg, env, pretrained=ckpt is None and cfg.init_from != "scratch")
     if ckpt is not None:
         restore(run, ckpt, ckpt_path)
-        del ckpt  # its CPU copy of the weights and optimizer state would otherwise live as long as the run
         if finished(run):
-            return
+            return None
     start_log(run)
-    start_wandb(run)
-    try:
-        run.model = compile_model(run.raw_model, cfg)
-        run.train_model = run.model
-        if env.world_size > 1:  # all-reduces the gradients; its constructor gives every rank rank 0's weights
-            run.train_model = nn.parallel.DistributedDataParallel(
-                run.model, device_ids=[env.local_rank] if env.device_type == "cuda" else None,
-                broadcast_buffers=False)  # the only buffer, the vocab mask, never changes: no broadcast every forward
-        if cfg.eval_only:
-            evaluate(run)
+    return run
+
+
+def train(cfg, given):
+    """A whole run: the settings resolved, the log directory held, the run set up, trained (or evaluated) and ended."""
+    env = set_up_distributed(cfg.device)
+    cfg = resolve_config(cfg, given, env)
+    with contextlib.ExitStack() as held:
+        with failing_together():
+            if env.rank == 0:
+                held.enter_context(plumbing.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
+        run = start_run(cfg, env)
+        if run is None:
             return
-        t0 = time.perf_counter()
-        stopped_by_signal = training_loop(run)
-        finish(run, stopped_by_signal, time.perf_counter() - t0)
-    finally:
-        stop_wandb(run, failed=sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
+        try:
+            start_wandb(run)
+            run.compiled = compile_and_wrap(run.model, cfg, env)
+            if cfg.eval_only:
+                evaluate(run)
+            else:
+                train_to_the_end(run)
+        finally:
+            run.log.finish(failed=sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
+
+
+# -----------------------------------------------------------------------------
+# The command line: train, or print samples from a checkpoint.
 
 
 def checkpoint_val_loss(ckpt):
-    """The validation loss of the checkpoint's weights, in words: a signal may have saved them before their evaluation."""
-    step, val_step, val_loss = ckpt["step"], ckpt.get("val_step"), ckpt["val_loss"]
+    """The validation loss of the checkpoint's weights, in words: a signal may have saved them before their
+    evaluation."""
+    step, val_step, val_loss = ckpt["step"], ckpt["val_step"], ckpt["val_loss"]
     if val_loss is None:
         return "not evaluated"
     if val_step == step:
         return f"val loss {val_loss:.4f}"
-    if val_step is None:  # saved before checkpoints recorded the step of their validation loss
-        return f"val loss {val_loss:.4f} at its last evaluation, at or before this step"
     return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"
 
 
 def sample_from_checkpoint(cfg):
     """--sample PATH: print samples from a checkpoint, without any training setup."""
     require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
-    env = setup_distributed(cfg.device)
+    env = set_up_distributed(cfg.device)
     try:
         ckpt = load_checkpoint(cfg.sample)
-    except Exception as e:
+    except ValueError as e:
         raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({e})")
     model = model_from_checkpoint(ckpt).to(env.device)
     dtype = resolve_dtype(cfg.dtype, env.device_type)
     print(f"checkpoint of step {ckpt['step']} ({checkpoint_val_loss(ckpt)}), prompt {cfg.prompt!r}")
-    print_samples(model, cfg, gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype), cfg.seed, ckpt["step"])
-
-
-def run_then_tear_down(work):
-    """Returns work()'s result, once the process group is torn down. A UsageError or EvalError ends the process with
-    its one line on stderr and exit code 2, never a traceback. The command lines of this file and hellaswag.py."""
-    error = None
-    try:
-        return work()
-    except (UsageError, hellaswag.EvalError) as e:
-        error = str(e)  # not e: its traceback holds the (DDP) model, which must be freed before its process group
-    finally:
-        teardown_distributed()
-        if error is not None:
-            sys.stderr.write(f"error: {error}\n")  # one write: under torchrun, the ranks' lines do not interleave
-            sys.exit(2)
+    print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype),
+                  cfg.seed, ckpt["step"])
 
 
 def main(argv=None):
+    """A UsageError ends the process with its one line on stderr and exit code 2, never a traceback, once the process
+    group is torn down."""
     cfg, given = parse_args(argv)
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    error = None
     try:
-        run_then_tear_down(lambda: sample_from_checkpoint(cfg) if cfg.sample else train(cfg, given))
+        sample_from_checkpoint(cfg) if cfg.sample else train(cfg, given)
+    except UsageError as e:
+        error = str(e)  # not e: its traceback holds the (DDP) model, which must be freed before its process group
     finally:
-        for sig, handler in signal_handlers.items():  # train() catches them; give them back to an importing caller
+        tear_down_distributed()
+        for sig, handler in signal_handlers.items():  # a run catches them; give them back to an importing caller
             signal.signal(sig, handler)
+        if error is not None:
+            sys.stderr.write(f"error: {error}\n")  # one write: under torchrun, the ranks' lines do not interleave
+            sys.exit(2)
 
 
 if __name__ == "__main__":

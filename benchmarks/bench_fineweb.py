@@ -41,15 +41,16 @@ import requests
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import fineweb  # noqa: E402
+from plumbing import EOT, gpt2_tokenizer  # noqa: E402
 
 TREE = "/api/datasets/HuggingFaceFW/fineweb-edu/tree/main/sample/10BT"
 RESOLVE = "/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"
 
-encoding = fineweb.load_gpt2_encoding()
+encoding = gpt2_tokenizer()
 
 def baseline_tokenize(text):
     # build-nanogpt's fineweb.py tokenize(): <|endoftext|> then encode_ordinary, as a uint16 array
-    return np.array([fineweb.EOT] + encoding.encode_ordinary(text), dtype=np.uint16)
+    return np.array([EOT] + encoding.encode_ordinary(text), dtype=np.uint16)
 
 def read_documents(path, tokens_wanted):
     if path.endswith(".parquet"):
@@ -147,7 +148,8 @@ def throttled_hub(paths, rate):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    parser.add_argument("--text", default=os.path.join(REPO, "input.txt"), help="a .txt to cut into documents, or a .parquet")
+    parser.add_argument("--text", default=os.path.join(REPO, "input.txt"),
+                        help="a .txt to cut into documents, or a .parquet")
     parser.add_argument("--tokens", type=int, default=50_000_000, help="about this many tokens (for a .txt)")
     parser.add_argument("--workers", type=int, default=fineweb.usable_cores())
     parser.add_argument("--rounds", type=int, default=3)
@@ -166,7 +168,8 @@ def main():
         wall, cpu = best_of(args.rounds, {
             "single": lambda: [encoding.encode_ordinary(d) for d in docs],
             "baseline": lambda: run_baseline(paths, args.workers),
-            "fineweb": lambda: quietly(fineweb.main, ["--input", *paths, "--output", os.path.join(tmp, f"out{next(outputs)}"),
+            "fineweb": lambda: quietly(fineweb.main, ["--input", *paths, "--output",
+                                                      os.path.join(tmp, f"out{next(outputs)}"),
                                                       "--shard-size", "10000000", "--workers", str(args.workers)]),
         })
         single, baseline, ours = (tokens / wall[name] for name in ("single", "baseline", "fineweb"))
@@ -174,7 +177,8 @@ def main():
         print(f"baseline Pool.imap, chunk 16: {baseline / 1e6:6.2f} M tokens/s "
               f"({baseline / (args.workers * single):.0%} of {args.workers} x single core)")
         print(f"fineweb.py (whole run):       {ours / 1e6:6.2f} M tokens/s "
-              f"({ours / (args.workers * single):.0%} of {args.workers} x single core, {ours / baseline:.2f}x baseline)")
+              f"({ours / (args.workers * single):.0%} of {args.workers} x single core, "
+              f"{ours / baseline:.2f}x baseline)")
         # what the efficiency would be with the cores to itself: the single core's CPU time over each run's
         print(f"CPU time per token against the single core: baseline {cpu['baseline'] / cpu['single']:.2f}x "
               f"(efficiency bound {cpu['single'] / cpu['baseline']:.0%}), "

@@ -21,12 +21,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
-from train_gpt2 import GPT2_VOCAB, UsageError, autocast_context, make_optimizer  # noqa: E402
+from plumbing import GPT2_VOCAB, UsageError  # noqa: E402
+from train_gpt2 import autocast_context, make_optimizers  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first: compilation, autotuning, allocator (default: 3)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="unprofiled steps first: compilation, autotuning, allocator (default: 3)")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (default: 3)")
     parser.add_argument("--top", type=int, default=25, help="rows of the table (default: 25)")
     parser.add_argument("--trace", default="", help="also write a Chrome/Perfetto trace to this .json file")
@@ -40,7 +42,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args, cfg, given = parse_args(argv)
     try:
-        env = train_gpt2.setup_distributed(cfg.device)
+        env = train_gpt2.set_up_distributed(cfg.device)
         cfg.total_batch_size = cfg.batch_size * cfg.seq_len  # one micro-batch per step
         # no data is read, but marking --data as given keeps the trainer from switching to its Shakespeare preset
         cfg = train_gpt2.resolve_config(cfg, given | {"data"}, env)
@@ -48,16 +50,17 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     device, device_type = env.device, env.device_type
     train_gpt2.set_up_device(cfg, env)
-    raw_model = train_gpt2.make_model(cfg, device)  # as train() builds it
-    model = train_gpt2.compile_model(raw_model, cfg)
-    optimizer = make_optimizer(raw_model, cfg, device_type)
+    model = train_gpt2.make_model(cfg, device)  # as train() builds it
+    compiled = train_gpt2.compile_model(model, cfg)
+    optimizers = make_optimizers(model, cfg, device_type)
+    train_gpt2.set_lr(optimizers, cfg.warmup_steps, cfg)  # the peak learning rate, where warmup ends
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")
     autocast_ctx = autocast_context(device_type, cfg.dtype)
     tokens = torch.randint(0, GPT2_VOCAB, (cfg.batch_size, cfg.seq_len + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
     def train_step():
-        train_gpt2.train_step(model, optimizer, scaler, [(x, y)], autocast_ctx, device, cfg.max_lr, cfg.grad_clip)
+        train_gpt2.train_step(compiled, optimizers, scaler, [(x, y)], autocast_ctx, cfg.grad_clip)
 
     def wait_for_device():
         if device_type == "cuda":
@@ -75,9 +78,10 @@ def main(argv=None):
 
     # on a GPU the CPU only launches kernels, so the time that counts is the device's
     sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
-    print(f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab {cfg.vocab_size}, attn {cfg.attn}, loss {cfg.loss} | "
-          f"B={cfg.batch_size}, T={cfg.seq_len}, {cfg.dtype}, compile {cfg.compile_mode if cfg.compile else 'off'} | "
-          f"{args.steps} profiled steps on {torch.cuda.get_device_name() if device_type == 'cuda' else device_type}, sorted by {sort_by}")
+    where = torch.cuda.get_device_name() if device_type == "cuda" else device_type
+    print(f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab {cfg.vocab_size}, attn {cfg.attn}, "
+          f"loss {cfg.loss} | B={cfg.batch_size}, T={cfg.seq_len}, {cfg.dtype}, compile "
+          f"{cfg.compile_mode if cfg.compile else 'off'} | {args.steps} profiled steps on {where}, sorted by {sort_by}")
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.top))
     if args.trace:
         prof.export_chrome_trace(args.trace)

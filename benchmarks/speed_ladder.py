@@ -5,7 +5,7 @@ from its log.jsonl, so it times exactly what a training run does, with no copy o
 
     python benchmarks/speed_ladder.py                                       # GPT-2 124M, T=1024, on the GPU
     python benchmarks/speed_ladder.py --batch-size 32 --lecture-batch-size 8  # a GPU with less memory
-    python benchmarks/speed_ladder.py --tiny --device cpu                   # a 2-layer model on the CPU: a smoke test, not a speed claim
+    python benchmarks/speed_ladder.py --tiny --device cpu                   # 2 layers on the CPU: a smoke test only
 
 The lecture's 7 rungs run at its micro-batch of 16 sequences (--lecture-batch-size), the table to compare with its
 numbers; the rungs past it at the trainer's 64 (--batch-size), and the last one is the trainer's own defaults.
@@ -29,14 +29,15 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from train_gpt2 import GPT2_VOCAB, MODEL_SIZES, GPTConfig, flops_per_token, peak_flops  # noqa: E402
+from plumbing import GPT2_VOCAB  # noqa: E402
+from train_gpt2 import MODEL_SIZES, GPTConfig, flops_per_token, peak_flops  # noqa: E402
 
 TRAINER = os.path.join(REPO, "train_gpt2.py")
 
 
 class Rung(NamedTuple):
     name: str
-    settings: Optional[dict]  # train_gpt2.py settings this rung changes, kept for the rungs after it; None: back to its defaults
+    settings: Optional[dict]  # train_gpt2.py settings this rung changes, kept by the rungs after it; None: its defaults
     skip_on_cpu: str = ""  # why the rung cannot run, or is not worth running, on a CPU
     lecture: bool = True  # at --lecture-batch-size, else at --batch-size
 
@@ -60,7 +61,8 @@ COMPILE_MODE_RUNGS = [  # --compile-modes: minutes of autotuning each, so not in
     Rung("CUDA graphs", dict(compile_mode="max-autotune"), skip_on_cpu=COMPILING_ON_CPU, lecture=False),
 ]
 
-TINY = dict(n_layer=2, n_head=2, n_embd=64, batch_size=8, lecture_batch_size=4, seq_len=32, warmup_steps=1, timed_steps=2)
+TINY = dict(n_layer=2, n_head=2, n_embd=64, batch_size=8, lecture_batch_size=4, seq_len=32, warmup_steps=1,
+            timed_steps=2)
 DEFAULTS = dict(batch_size=64, lecture_batch_size=16, seq_len=1024, warmup_steps=3, timed_steps=10)
 
 
@@ -79,8 +81,8 @@ def as_flags(settings):
 def write_random_shards(data_dir, n_train, n_val, seed=1337):
     """Uniformly random GPT-2 token ids: every step costs the same whatever the tokens are."""
     rng = np.random.default_rng(seed)
-    np.save(os.path.join(data_dir, "synthetic_train_000001.npy"), rng.integers(0, GPT2_VOCAB, n_train, dtype=np.uint16))
-    np.save(os.path.join(data_dir, "synthetic_val_000000.npy"), rng.integers(0, GPT2_VOCAB, n_val, dtype=np.uint16))
+    for name, n in (("synthetic_train_000001.npy", n_train), ("synthetic_val_000000.npy", n_val)):
+        np.save(os.path.join(data_dir, name), rng.integers(0, GPT2_VOCAB, n, dtype=np.uint16))
 
 
 def last_line(text):
@@ -97,7 +99,8 @@ def read_steps(log_path):
 
 
 def train_until_logged(command, log_path, n_steps, output, timeout):
-    """Runs the trainer until n_steps steps are in its log, then stops it. Returns the step records, or an error string."""
+    """Runs the trainer until n_steps steps are in its log, then stops it. Returns the step records, or an error
+    string."""
     with open(output, "w") as out:
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -118,7 +121,8 @@ def train_until_logged(command, log_path, n_steps, output, timeout):
 
 
 def run_rung(settings, B, args, data_dir, log_dir):
-    """Trains for warm-up + timed steps at micro-batch B; the median timed step and the first step as a dict, or an error string."""
+    """Trains for warm-up + timed steps at micro-batch B; the median timed step and the first step as a dict, or an
+    error string."""
     T = args.seq_len
     n_steps = args.warmup_steps + args.timed_steps
     command = [
@@ -127,10 +131,12 @@ def run_rung(settings, B, args, data_dir, log_dir):
         "--batch-size", str(B), "--seq-len", str(T), "--block-size", str(T), "--total-batch-size", str(B * T),
         # one step more than is read: the run is stopped before its final evaluation and checkpoint
         "--max-steps", str(n_steps + 1),
-        "--eval-every", "0", "--val-tokens", str(T), "--hellaswag-every", "0", "--num-samples", "0", "--checkpoint-every", "0",
+        "--eval-every", "0", "--val-tokens", str(T), "--hellaswag-every", "0", "--num-samples", "0",
+        "--checkpoint-every", "0",
         *as_flags(settings),
     ]
-    steps = train_until_logged(command, os.path.join(log_dir, "log.jsonl"), n_steps, log_dir + ".out", args.rung_timeout)
+    steps = train_until_logged(command, os.path.join(log_dir, "log.jsonl"), n_steps, log_dir + ".out",
+                               args.rung_timeout)
     if isinstance(steps, str):
         return steps
     timed = [r for r in steps if r["step"] >= args.warmup_steps][: args.timed_steps]
@@ -148,22 +154,30 @@ NUMBERS = "{:>4} {:>10} {:>10} {:>12} {:>7} {:>9} {:>9}"
 def format_numbers(B, result, speedup):
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "-"
     mem = f"{result['peak_mem_gb']:.1f} GB" if result["peak_mem_gb"] is not None else "-"
-    return NUMBERS.format(B, f"{result['first_step_s']:.1f} s", f"{result['ms_per_step']:.1f}", f"{result['tok_per_sec']:,.0f}",
-                          mfu, mem, f"{speedup:.2f}x" if speedup else "-")
+    return NUMBERS.format(B, f"{result['first_step_s']:.1f} s", f"{result['ms_per_step']:.1f}",
+                          f"{result['tok_per_sec']:,.0f}", mfu, mem, f"{speedup:.2f}x" if speedup else "-")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if there is a GPU (default: auto)")
-    parser.add_argument("--tiny", action="store_true", help=f"a 2-layer model and tiny batches, for a CPU smoke test: {TINY}")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: cuda if there is a GPU (default: auto)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"a 2-layer model and tiny batches, for a CPU smoke test: {TINY}")
     parser.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES), help="model size (default: gpt2, 124M)")
-    parser.add_argument("--lecture-batch-size", type=int, help=f"B of the lecture's rungs (default: {DEFAULTS['lecture_batch_size']}, the lecture's)")
-    parser.add_argument("--batch-size", type=int, help=f"B of the rungs past the lecture (default: {DEFAULTS['batch_size']}, the trainer's; lower it for a smaller GPU)")
+    parser.add_argument("--lecture-batch-size", type=int,
+                        help=f"B of the lecture's rungs (default: {DEFAULTS['lecture_batch_size']}, the lecture's)")
+    parser.add_argument("--batch-size", type=int, help=f"B of the rungs past the lecture (default: "
+                        f"{DEFAULTS['batch_size']}, the trainer's; lower it for a smaller GPU)")
     parser.add_argument("--seq-len", type=int, help=f"T, tokens per sequence (default: {DEFAULTS['seq_len']})")
-    parser.add_argument("--warmup-steps", type=int, help=f"untimed steps first, the first of them compiling (default: {DEFAULTS['warmup_steps']})")
-    parser.add_argument("--timed-steps", type=int, help=f"steps whose median is reported (default: {DEFAULTS['timed_steps']})")
-    parser.add_argument("--compile-modes", action="store_true", help="also torch.compile's max-autotune modes, after the defaults (minutes each)")
-    parser.add_argument("--rung-timeout", type=int, default=300, help="seconds a rung may take before its row says so (default: 300)")
+    parser.add_argument("--warmup-steps", type=int, help=f"untimed steps first, the first of them compiling (default: "
+                        f"{DEFAULTS['warmup_steps']})")
+    parser.add_argument("--timed-steps", type=int,
+                        help=f"steps whose median is reported (default: {DEFAULTS['timed_steps']})")
+    parser.add_argument("--compile-modes", action="store_true",
+                        help="also torch.compile's max-autotune modes, after the defaults (minutes each)")
+    parser.add_argument("--rung-timeout", type=int, default=300,
+                        help="seconds a rung may take before its row says so (default: 300)")
     parser.add_argument("--json", default="", help="also write the table to this JSON file")
     args = parser.parse_args(argv)
     preset = {**MODEL_SIZES[args.model], **DEFAULTS} if not args.tiny else TINY
@@ -193,13 +207,15 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="speed_ladder_") as tmp:
         data_dir = os.path.join(tmp, "data")
         os.makedirs(data_dir)
-        write_random_shards(data_dir, (args.warmup_steps + args.timed_steps + 1) * max(args.batch_size, args.lecture_batch_size) * T + 1, T + 1)
+        steps_of_tokens = (args.warmup_steps + args.timed_steps + 1) * max(args.batch_size, args.lecture_batch_size)
+        write_random_shards(data_dir, steps_of_tokens * T + 1, T + 1)
         for number, rung in enumerate(rungs, 1):
             B = args.lecture_batch_size if rung.lecture else args.batch_size
             name = rung.name.format(B=B)
             print(NAME.format(f"{number}. {name}"), end=" ", flush=True)  # the rung's name shows while it runs
             row = {"rung": name, "batch_size": B, "settings": rung.settings}
-            if args.device == "cpu" and rung.skip_on_cpu:  # its settings are not applied either, so later rungs run without them
+            # its settings are not applied either, so later rungs run without them
+            if args.device == "cpu" and rung.skip_on_cpu:
                 print(f"skipped: {rung.skip_on_cpu}", flush=True)
                 rows.append({**row, "status": "skipped", "reason": rung.skip_on_cpu})
                 continue
@@ -216,7 +232,8 @@ def main(argv=None):
 
     config = GPTConfig(T, GPT2_VOCAB, args.n_layer, args.n_head, args.n_embd)
     peak = peak_flops("cuda") if args.device == "cuda" else None
-    print("speed-up: tokens/s over the previous rung that ran; 1st step: its time, mostly compilation where compile is on")
+    print("speed-up: tokens/s over the previous rung that ran; 1st step: its time, mostly compilation where compile "
+          "is on")
     print(f"MFU = (6N + 12*L*H*Q*T) flops per token x tokens per step / step time / the GPU's dense bf16 peak"
           f"{f' ({peak / 1e12:.0f} TFLOPS)' if peak else ' (no GPU with a known peak here: no MFU)'}; "
           f"N = parameters but the position embedding: {flops_per_token(config, T) / 1e9:.3g} GFLOP per token here")
@@ -225,8 +242,9 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "batch_size": args.batch_size,
-                       "lecture_batch_size": args.lecture_batch_size, "seq_len": T, "n_layer": args.n_layer, "n_head": args.n_head,
-                       "n_embd": args.n_embd, "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps,
+                       "lecture_batch_size": args.lecture_batch_size, "seq_len": T, "n_layer": args.n_layer,
+                       "n_head": args.n_head, "n_embd": args.n_embd, "warmup_steps": args.warmup_steps,
+                       "timed_steps": args.timed_steps,
                        "wall_s": wall, "rungs": rows}, f, indent=2)
     print(f"{device} | torch {torch.__version__} | T={T}, B as in each row | the ladder took {wall:.0f} s")
 

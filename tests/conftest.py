@@ -5,9 +5,27 @@ import sys
 import threading
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from helpers import write_shards  # noqa: E402 (after the path that finds the repo's modules)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (and the same as in the subprocesses, which get OMP_NUM_THREADS=1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Synthetic train and val shards in tmp_path/data."""
+    return write_shards(tmp_path / "data")
 
 
 class Served(tuple):

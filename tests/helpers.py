@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import hellaswag
 import train_gpt2
-from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig
+from plumbing import GPT2_VOCAB
+from train_gpt2 import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "train_gpt2.py")
@@ -84,7 +85,6 @@ def script_env(**extra):
     # one thread: on a loaded 2-core machine, 2 OpenMP threads spin-wait and make a tiny step 50x slower;
     # no GPU: these runs are not about CUDA, and on a GPU machine they must run as on a CPU one (tests/test_cuda.py is)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("TRAIN_GPT2_NAN_STEPS", None)
     env.update(extra)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -94,20 +94,21 @@ def script_env(**extra):
 def script_command(args, nproc=1, script=SCRIPT):
     if nproc == 1:
         return [sys.executable, str(script)] + [str(a) for a in args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)] + [str(a) for a in args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return torchrun + [str(script)] + [str(a) for a in args]
 
 
 def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, **env):
     """The script (train_gpt2.py unless given) in a subprocess, under torchrun when nproc > 1: the CompletedProcess."""
-    return subprocess.run(script_command(args, nproc, script), cwd=cwd, env=script_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(script_command(args, nproc, script), cwd=cwd, env=script_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def run_script_on_tmpfs(args, cwd, mount, options, timeout=240):
-    """The script with a tmpfs of its own mounted at mount (options: "ro", or "size=256k" for a small disk), in a private
-    mount namespace (unshare: as root, or where user namespaces are allowed), so that its writes meet a real read-only
-    or full file system. The files left in the mount are listed on the last line of stdout. Skips where no such
-    namespace can be made."""
+    """The script with a tmpfs of its own mounted at mount (options: "ro", or "size=256k" for a small disk), in a
+    private mount namespace (unshare: as root, or where user namespaces are allowed), so that its writes meet a real
+    read-only or full file system. The files left in the mount are listed on the last line of stdout. Skips where no
+    such namespace can be made."""
     os.makedirs(mount, exist_ok=True)
     unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
     mount_it = f"mount -t tmpfs -o {shlex.quote(options)} tmpfs {shlex.quote(str(mount))}"
@@ -179,20 +180,6 @@ def assert_tensors_equal(a, b, exact=True, atol=1e-5):
                 assert torch.allclose(x, y, rtol=0, atol=atol), (key, (x - y).abs().max())
         else:
             assert x == y, key
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (and the same as in the subprocesses, which get OMP_NUM_THREADS=1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def shards(tmp_path):
-    return write_shards(tmp_path / "data")
 
 
 # -----------------------------------------------------------------------------
@@ -342,11 +329,3 @@ def serve_hellaswag(served, monkeypatch, examples):
     write_jsonl(www / hellaswag.HELLASWAG_FILE, examples)
     monkeypatch.setenv("HELLASWAG_URL", base_url)
     monkeypatch.setattr(hellaswag, "HELLASWAG_VAL_EXAMPLES", len(examples))
-
-
-def script_expecting(path, n_examples, module):
-    """Test hook: a script that runs module.main() (hellaswag or train_gpt2) with n_examples, not 10042, as the
-    size a HellaSwag download must have, for subprocesses that monkeypatch cannot reach. Returns its path."""
-    path.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport hellaswag, {module}\n"
-                    f"hellaswag.HELLASWAG_VAL_EXAMPLES = {n_examples}\n{module}.main()\n")
-    return path

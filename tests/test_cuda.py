@@ -35,18 +35,19 @@ def fresh_compiler():
 def test_compiled_bf16_training_step(loss_impl):
     """train_step as train() runs it with the CUDA defaults (and --loss chunked): the loss at init is ln(50257), as
     the float32 eager model computes it to bf16's precision, and three steps on one batch lower it."""
-    cfg = TrainConfig(compile=True, dtype="bf16", loss=loss_impl)
+    cfg = TrainConfig(compile=True, dtype="bf16", loss=loss_impl, max_lr=1e-3, warmup_steps=0)
     train_gpt2.set_tf32(True)
     model = with_loud_padding(tiny(loss_impl))
     x, y = batch()  # on the CPU: train_step pins and copies them, as in training
     with torch.no_grad():
-        want = copy.deepcopy(model)(x.cuda(), y.cuda())[1].item()
-    optimizer = train_gpt2.make_optimizer(model, cfg, "cuda")
-    assert optimizer.defaults["fused"]
+        want = copy.deepcopy(model)(x.cuda(), y.cuda()).item()
+    optimizers = train_gpt2.make_optimizers(model, cfg, "cuda")
+    assert all(optimizer.defaults["fused"] for optimizer in optimizers)
+    train_gpt2.set_lr(optimizers, 0, cfg)  # no warmup: the peak, 1e-3, for every step
     compiled = train_gpt2.compile_model(model, cfg)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     autocast_ctx = train_gpt2.autocast_context("cuda", cfg.dtype)
-    losses = [train_gpt2.train_step(compiled, optimizer, scaler, [(x, y)], autocast_ctx, "cuda", 1e-3, 1.0)[0] for _ in range(3)]
+    losses = [train_gpt2.train_step(compiled, optimizers, scaler, [(x, y)], autocast_ctx, 1.0).loss for _ in range(3)]
     assert losses[0] == pytest.approx(want, rel=1e-2)
     assert abs(losses[0] - math.log(GPT2_VOCAB)) < 0.1, losses
     assert losses[2] < losses[0] - 0.01, losses
@@ -63,7 +64,7 @@ def test_loss_compiled_by_inductor_matches_float64(loss_impl):
     x, y = (t.cuda() for t in batch())
     want = reference(reference_model, x, y)
     want.backward()
-    _, loss = torch.compile(model, dynamic=False)(x, y, return_logits=False)
+    loss = torch.compile(model, dynamic=False)(x, y)
     loss.backward()
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):

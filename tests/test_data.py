@@ -7,8 +7,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+import plumbing
 import train_gpt2
-from helpers import one_thread, save_tokens  # noqa: F401 (one_thread: autouse fixture)
+from helpers import save_tokens
 from train_gpt2 import TokenStream, TrainConfig
 
 BIG_VOCAB = 1 << 16  # unique token values as positions: the check of ids against the vocab lets all through
@@ -23,7 +24,7 @@ def test_reads_npy_and_bin_shards(tmp_path, ext):
         raw = open(path, "rb").read()
         assert len(raw) == 1024 + 2 * 1234
         assert list(np.frombuffer(raw[:12], dtype=np.int32)) == [20240520, 1, 1234]
-    shard = train_gpt2.open_shard(path)
+    shard = plumbing.open_shard(path)
     assert shard.dtype == np.uint16 and shard.shape == (1234,)
     assert np.array_equal(np.asarray(shard), tokens)
 
@@ -40,12 +41,13 @@ def test_load_data_mixes_formats_and_fixes_val(tmp_path):
     save_tokens(d / "s_val_1.bin", v2)
     np.save(d / "notes.txt.npy.bak", a)  # neither .npy nor .bin at the end: ignored
     cfg = TrainConfig(data=str(d), vocab_size=128, seq_len=32, total_batch_size=256, val_tokens=500)
-    stream, val, train_tokens = train_gpt2.load_data(cfg)
+    stream, val = train_gpt2.load_data(cfg)
+    train_tokens = sum(len(s) for s in stream.shards)
     assert train_tokens == 1200 and sorted(len(s) for s in stream.shards) == [500, 700]
     assert len(val) == (500 // 32) * 32 + 1  # 481
     assert np.array_equal(val, np.concatenate([v1, v2])[:481])
     cfg.val_tokens = 10_000  # more than there is: all of it, in whole sequences
-    _, val, _ = train_gpt2.load_data(cfg)
+    _, val = train_gpt2.load_data(cfg)
     assert len(val) == (599 // 32) * 32 + 1
 
 
@@ -58,16 +60,36 @@ def test_the_split_is_a_whole_word_of_the_shard_name(tmp_path):
     save_tokens(d / "tiny_shakespeare_train.bin", np.full(400, 3, dtype=np.uint16))  # llm.c's names
     save_tokens(d / "retrieval.npy", np.full(100, 4, dtype=np.uint16))  # no split word: ignored
     cfg = TrainConfig(data=str(d), vocab_size=128, seq_len=32, total_batch_size=256, val_tokens=256)
-    stream, val, train_tokens = train_gpt2.load_data(cfg)
+    stream, val = train_gpt2.load_data(cfg)
+    train_tokens = sum(len(s) for s in stream.shards)
     assert train_tokens == 1000 and sorted(len(s) for s in stream.shards) == [400, 600]
     assert set(val.tolist()) == {2}
 
 
-def test_fineweb_tells_shards_apart_as_the_trainer_does():
-    """fineweb.py refuses an output directory that holds shards it did not make. It keeps its own copy of the
-    trainer's split pattern (importing the trainer would import torch), and the copy must not drift."""
+def test_fineweb_tells_shards_apart_by_the_pattern_the_trainer_splits_by(tmp_path, monkeypatch):
+    """fineweb.py refuses an output directory that holds shards it did not make, so it must tell train and val
+    shards apart as the trainer does: both use the one pattern, plumbing.SPLIT_WORD (no copy that could drift), and
+    the trainer reads every shard name of --data through it."""
     import fineweb
-    assert fineweb.SPLIT_WORD.pattern == train_gpt2.SPLIT_WORD.pattern
+    assert fineweb.SPLIT_WORD is plumbing.SPLIT_WORD
+    assert fineweb.SPLIT_WORD.pattern == plumbing.SPLIT_WORD.pattern
+    d = tmp_path / "data"
+    d.mkdir()
+    names = ["interval_train_000001.npy", "training_val_000000.npy", "retrieval.npy"]
+    for name, value in zip(names, (1, 2, 3)):
+        save_tokens(d / name, np.full(600, value, dtype=np.uint16))
+    split_word, read = plumbing.SPLIT_WORD, []
+
+    class Spy:
+        def findall(self, name):
+            read.append(name)
+            return split_word.findall(name)
+
+    monkeypatch.setattr(plumbing, "SPLIT_WORD", Spy())
+    cfg = TrainConfig(data=str(d), vocab_size=128, seq_len=32, total_batch_size=256, val_tokens=256)
+    stream, val = train_gpt2.load_data(cfg)
+    assert sorted(read) == sorted(names)
+    assert stream.names == [str(d / names[0])] and set(val.tolist()) == {2}
 
 
 def unique_shards(lengths):
@@ -82,7 +104,7 @@ def test_one_epoch_covers_every_token_once_without_overlap():
     B, T, world, accum = 2, 8, 2, 2  # 64 tokens a step: 64 steps an epoch
     streams = [TokenStream(shards, [f"s{i}" for i in range(5)], seed=5) for _ in range(world)]  # one per rank
     per_step_chunks = []
-    for step in range(64):
+    for _ in range(64):
         chunks = {}
         for rank in range(world):
             for micro, (x, y) in enumerate(streams[rank].next_step(B, T, accum, rank, world, BIG_VOCAB)):
@@ -107,7 +129,7 @@ def test_one_epoch_covers_every_token_once_without_overlap():
     # targets are the inputs one token later, across shard ends too; the last one opens the next epoch
     assert np.array_equal(targets[:-1], inputs[1:])
     shard_sizes = [[f"s{i}", n] for i, n in enumerate(lengths)]
-    assert all(s.state_dict() == {"epoch": 1, "index": 0, "offset": 0, "seed": 5, "n_shards": 5, "shards": shard_sizes}
+    assert all(s.state_dict() == {"epoch": 1, "index": 0, "offset": 0, "seed": 5, "shards": shard_sizes}
                for s in streams)
     next_epoch_first = streams[0].next_step(1, 1, 1, 0, 1, BIG_VOCAB)[0][0].item()
     assert targets[-1] == next_epoch_first
@@ -181,7 +203,8 @@ def test_state_dict_restores_the_exact_position():
             a.load_state_dict(stream.state_dict())
             b = TokenStream(shards, ["a", "b", "c"], seed=9)
             b.load_state_dict(restored.state_dict())
-            for (x1, y1), (x2, y2) in zip(a.next_step(2, 16, 3, rank, 2, BIG_VOCAB), b.next_step(2, 16, 3, rank, 2, BIG_VOCAB)):
+            for (x1, y1), (x2, y2) in zip(a.next_step(2, 16, 3, rank, 2, BIG_VOCAB),
+                                          b.next_step(2, 16, 3, rank, 2, BIG_VOCAB)):
                 assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
         stream.next_step(2, 16, 3, 0, 2, BIG_VOCAB)
         restored.next_step(2, 16, 3, 0, 2, BIG_VOCAB)
@@ -189,12 +212,13 @@ def test_state_dict_restores_the_exact_position():
 
 
 def test_text_file_is_tokenized_with_gpt2_bpe(tmp_path):
-    enc = train_gpt2.gpt2_tokenizer()
+    enc = plumbing.gpt2_tokenizer()
     assert enc.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's known ids
     path = tmp_path / "tiny.txt"
     path.write_text("Hello world, " * 200)
     cfg = TrainConfig(data=str(path), vocab_size=50304, seq_len=8, total_batch_size=64, val_tokens=40)
-    stream, val, train_tokens = train_gpt2.load_data(cfg)
+    stream, val = train_gpt2.load_data(cfg)
+    train_tokens = sum(len(s) for s in stream.shards)
     tokens = enc.encode_ordinary("Hello world, " * 200)
     split = int(0.9 * len(tokens))
     assert train_tokens == split and np.array_equal(stream.shards[0], tokens[:split])

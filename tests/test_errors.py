@@ -4,9 +4,11 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
-from helpers import (TINY, check_usage_error, expect_usage_error, one_thread, run_main, run_script, run_script_on_tmpfs,  # noqa: F401
-                     shards, write_shards)
+import plumbing
+import train_gpt2
+from helpers import TINY, check_usage_error, expect_usage_error, run_main, run_script, run_script_on_tmpfs, write_shards
 
 
 def args(data, log_dir, *extra):
@@ -41,7 +43,8 @@ def test_a_shard_named_for_both_splits(tmp_path, capsys):
 
 def test_a_single_shard_as_data(tmp_path, capsys):
     d = write_shards(tmp_path / "data")
-    expect_usage_error(args(os.path.join(d, "synth_val_000000.npy"), tmp_path / "log"), capsys, "single shard", "directory")
+    expect_usage_error(args(os.path.join(d, "synth_val_000000.npy"), tmp_path / "log"), capsys, "single shard",
+                       "directory")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "int32"])
@@ -108,7 +111,8 @@ def test_padding_ids_are_not_tokens(tmp_path, capsys):
 def test_text_file_too_small_for_one_batch(tmp_path, capsys):
     path = tmp_path / "small.txt"
     path.write_text("To be, or not to be, that is the question. " * 5)
-    expect_usage_error(args(path, tmp_path / "log", "--vocab-size", "50304"), capsys, str(path), "--total-batch-size 256")
+    expect_usage_error(args(path, tmp_path / "log", "--vocab-size", "50304"), capsys, str(path),
+                       "--total-batch-size 256")
 
 
 def test_text_file_not_utf8(tmp_path, capsys):
@@ -128,8 +132,6 @@ def test_seq_len_longer_than_block_size(shards, tmp_path, capsys):
 
 
 def test_cuda_asked_for_but_absent(shards, tmp_path, capsys):
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     expect_usage_error(args(shards, tmp_path / "log", "--device", "cuda"), capsys, "--device cuda")
@@ -157,20 +159,18 @@ def test_log_dir_that_is_a_file(shards, tmp_path, capsys):
 
 def test_more_processes_than_gpus(monkeypatch):
     """torchrun --nproc_per_node=2 where CUDA_VISIBLE_DEVICES shows one GPU: a readable error, not a CUDA traceback."""
-    import torch
-
-    import train_gpt2
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(train_gpt2.UsageError, match=r"LOCAL_RANK=1 but only 1 GPU.*CUDA_VISIBLE_DEVICES=3.*--nproc_per_node"):
-        train_gpt2.setup_distributed("cuda")
+    with pytest.raises(plumbing.UsageError,
+                       match=r"LOCAL_RANK=1 but only 1 GPU.*CUDA_VISIBLE_DEVICES=3.*--nproc_per_node"):
+        train_gpt2.set_up_distributed("cuda")
 
 
 def test_hellaswag_with_a_small_vocab(shards, tmp_path, capsys):
-    expect_usage_error(args(shards, tmp_path / "log", "--hellaswag-every", "5"), capsys, "--hellaswag-every 5", "--vocab-size is 128")
+    expect_usage_error(args(shards, tmp_path / "log", "--hellaswag-every", "5"), capsys, "--hellaswag-every 5",
+                       "--vocab-size is 128")
 
 
 def test_n_embd_not_multiple_of_n_head(shards, tmp_path, capsys):
@@ -219,11 +219,13 @@ def test_a_log_dir_that_cannot_be_written_is_refused_at_start_up(shards, tmp_pat
 
 
 def test_compile_mode_without_compile(shards, tmp_path, capsys):
-    expect_usage_error(args(shards, tmp_path / "log", "--compile-mode", "max-autotune"), capsys, "--compile-mode max-autotune", "--compile")
+    expect_usage_error(args(shards, tmp_path / "log", "--compile-mode", "max-autotune"), capsys,
+                       "--compile-mode max-autotune", "--compile")
 
 
 def test_chunked_loss_with_fp16(shards, tmp_path, capsys):
-    expect_usage_error(args(shards, tmp_path / "log", "--loss", "chunked", "--dtype", "fp16"), capsys, "--loss chunked", "--dtype fp16")
+    expect_usage_error(args(shards, tmp_path / "log", "--loss", "chunked", "--dtype", "fp16"), capsys,
+                       "--loss chunked", "--dtype fp16")
 
 
 @pytest.mark.parametrize("problem", ["log dir", "resume"])
@@ -235,7 +237,8 @@ def test_an_error_found_by_rank_0_alone_stops_every_rank_in_one_line(shards, tmp
              "resume": ["--log-dir", tmp_path / "log", "--resume", tmp_path / "a_file"]}[problem]
     result = run_script(TINY + ["--data", shards, "--max-steps", "1", *extra], cwd=tmp_path, nproc=2, timeout=120)
     assert result.returncode != 0
-    ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]  # torchrun's own report follows, with its traceback
+    # torchrun's own report follows, with its traceback
+    ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]
     errors = [line for line in ranks_stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in ranks_stderr and len(errors) == 2 and len(set(errors)) == 1, result.stderr
     assert errors[0].startswith("error: --log-dir" if problem == "log dir" else "error: --resume"), errors[0]

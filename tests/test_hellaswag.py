@@ -1,20 +1,32 @@
-"""hellaswag.py: download, file checks, scoring against a hand computation, the CLI, and 2 ranks under torchrun."""
+"""hellaswag.py: download, file checks, tokenizing, scoring against a hand computation, and evaluating a checkpoint
+from the command line (train_gpt2.py --eval-only), in one process and in 2 ranks under torchrun."""
 import contextlib
-import dataclasses
 import functools
 import json
 import os
 import re
 import socket
-import sys
 
 import pytest
 import torch
 
 import hellaswag
 import train_gpt2
-from helpers import REPO, SYNTHETIC, run_script, script_expecting, serve_hellaswag, synthetic_examples, tiny_gpt, write_jsonl
-from train_gpt2 import gpt2_tokenizer
+from helpers import (
+    REPO,
+    SYNTHETIC,
+    expect_usage_error,
+    read_log,
+    run_main,
+    run_script,
+    serve_hellaswag,
+    synthetic_examples,
+    tiny_gpt,
+    write_jsonl,
+)
+from plumbing import EOT, UsageError, gpt2_tokenizer
+
+SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
 
 def tiny_model(seed=0):
@@ -29,13 +41,13 @@ def tiny_model(seed=0):
 
 def hand_scores(model, enc, ctx, endings, block_size):
     """Summed and mean loss of each ending, one unpadded forward pass per ending, a loop over the ending tokens."""
-    context = enc.encode(ctx)
+    context = enc.encode_ordinary(ctx)
     sums, means = [], []
     for ending in endings:
-        ending_tokens = enc.encode(" " + ending)
+        ending_tokens = enc.encode_ordinary(" " + ending)
         sequence = (context + ending_tokens)[-block_size:]
         with torch.no_grad():
-            logits, _ = model(torch.tensor([sequence]))
+            logits = model(torch.tensor([sequence]))
         log_probs = torch.log_softmax(logits[0].double(), dim=-1)  # (T, V)
         total, count = 0.0, 0
         # position 0 has nothing before it to predict it from
@@ -118,7 +130,7 @@ def test_cached_file_is_reused(static_server, tmp_path, monkeypatch):
 def test_failed_download_leaves_no_cache(static_server, tmp_path, monkeypatch):
     _, base_url = static_server  # serves nothing: 404
     monkeypatch.setenv("HELLASWAG_URL", base_url)
-    with pytest.raises(hellaswag.EvalError, match="--hellaswag-file"):
+    with pytest.raises(UsageError, match="--hellaswag-file"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
     assert os.listdir(tmp_path / "cache") == []
 
@@ -134,7 +146,7 @@ def test_bad_download_is_refused_and_not_cached(static_server, tmp_path, monkeyp
     path.write_text("".join(path.read_text().splitlines(keepends=True)[:6]) + tail)
     url = re.escape(f"{static_server[1]}/hellaswag_val.jsonl")
     # the message names the URL, not the temp file it was checked in, which is gone
-    with pytest.raises(hellaswag.EvalError, match=f"^downloaded {url} is not a valid HellaSwag file \\({reason}.*\\); "
+    with pytest.raises(UsageError, match=f"^downloaded {url} is not a valid HellaSwag file \\({reason}.*\\); "
                                                   f"nothing was cached; retry, or pass --hellaswag-file") as error:
         hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))
     assert ".tmp" not in str(error.value)
@@ -145,7 +157,7 @@ def test_unusable_cache_dir_is_a_one_line_error(static_server, tmp_path, monkeyp
     serve_hellaswag(static_server, monkeypatch, synthetic_examples([0]))
     (tmp_path / "not_a_dir").write_text("")  # fails for root too, unlike a read-only directory
     cache_dir = tmp_path / "not_a_dir" / "cache"
-    with pytest.raises(hellaswag.EvalError, match=f"cannot write to the cache directory {re.escape(str(cache_dir))} "
+    with pytest.raises(UsageError, match=f"cannot write to the cache directory {re.escape(str(cache_dir))} "
                                                   r"\(.*\); pass --cache-dir or set \$GPT2_CACHE_DIR"):
         hellaswag.load_examples(cache_dir=str(cache_dir))
 
@@ -159,7 +171,7 @@ def test_unusable_cache_dir_is_a_one_line_error(static_server, tmp_path, monkeyp
 def test_bad_file_is_refused_with_its_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(synthetic_examples([0])[0]) + "\n" + line + "\n", errors="surrogateescape")
-    with pytest.raises(hellaswag.EvalError, match=message + ".*; fix it, or pass --hellaswag-file"):
+    with pytest.raises(UsageError, match=message + ".*; fix it, or pass --hellaswag-file"):
         hellaswag.load_examples(str(path))
 
 
@@ -168,64 +180,111 @@ def test_cached_file_is_held_to_the_full_size(static_server, tmp_path, monkeypat
     monkeypatch.setenv("HELLASWAG_URL", static_server[1])  # serves nothing: the cache must answer
     path = tmp_path / "hellaswag_val.jsonl"
     write_jsonl(path, synthetic_examples([0, 1]))
-    with pytest.raises(hellaswag.EvalError, match="it has 2 examples, expected 10042; delete it to download it again"):
+    with pytest.raises(UsageError, match="it has 2 examples, expected 10042; delete it to download it again"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
     assert len(hellaswag.load_examples(str(path))) == 2
 
 
-def save_checkpoint(model, path):
-    """The parts of a train_gpt2.py checkpoint that evaluation reads."""
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, path)
+def test_text_holding_endoftext_is_tokenized_as_text():
+    """HellaSwag text holding "<|endoftext|>" stopped the evaluation with tiktoken's disallowed-special-token
+    traceback: prepare() used encode, where the rest of the project uses encode_ordinary. It is text like any other:
+    its ids are encode_ordinary's, and the end-of-text token 50256 is never among them (only the padding is)."""
+    enc = gpt2_tokenizer()
+    examples = synthetic_examples([2, 0])
+    examples[0]["ctx"] = "A man types <|endoftext|> on a laptop."  # in the context
+    examples[1]["endings"][3] = "writes<|endoftext|> on the board."  # in an ending, glued to a word
+    prepared = hellaswag.prepare(examples, enc, 64)
+    tokens, mask = prepared["tokens"], prepared["mask"]
+    assert prepared["labels"].tolist() == [2, 0]
+    for i, example in enumerate(examples):
+        context = enc.encode_ordinary(example["ctx"])
+        for j, ending in enumerate(example["endings"]):
+            ending_tokens = enc.encode_ordinary(" " + ending)
+            row = context + ending_tokens
+            assert tokens[i, j, :len(row)].tolist() == row, (i, j)
+            assert enc.decode(row) == example["ctx"] + " " + ending  # "<|endoftext|>" is there, as its characters
+            assert mask[i, j, :len(row)].tolist() == [False] * len(context) + [True] * len(ending_tokens), (i, j)
+            assert (tokens[i, j, len(row):] == EOT).all() and not mask[i, j, len(row):].any()  # the padding
+            assert EOT not in row
+    # the real text of the file, read and scored: no error, one score per example
+    acc_norm, acc, n = hellaswag.evaluate(tiny_model(), prepared, "cpu", contextlib.nullcontext())
+    assert n == 2 and 0 <= acc_norm <= 1 and 0 <= acc <= 1
 
 
-def run_cli(monkeypatch, *flags):
-    """python hellaswag.py FLAGS, in this process (a subprocess would spend seconds importing torch)."""
-    monkeypatch.setattr(sys, "argv", ["hellaswag.py", "--device", "cpu", *flags])
-    hellaswag.main()
+# --eval-only's flags for the model of tiny_model(): a checkpoint is evaluated with the flags of the model it holds
+TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--device", "cpu",
+              "--batch-size", "2", "--seq-len", "32", "--total-batch-size", "128", "--val-tokens", "64",
+              "--num-samples", "0"]
 
 
-def test_cli_on_a_checkpoint_one_rank_and_two(static_server, tmp_path, monkeypatch, capsys):
-    """The standalone script on a checkpoint; under torchrun 2 ranks download once and count the same."""
+def checkpoint_holding(model, shards, log_dir, capsys):
+    """A checkpoint that train_gpt2.py wrote (a step of training on shards) in log_dir, holding model's weights."""
+    code, _, err = run_main(TINY_MODEL + ["--data", shards, "--log-dir", log_dir, "--max-steps", "1"], capsys)
+    assert code == 0, err
+    path = log_dir / "ckpt_000001.pt"
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt["model"] = model.state_dict()
+    torch.save(ckpt, path)
+    return path
+
+
+def eval_only(checkpoint, shards, log_dir, *flags):
+    """train_gpt2.py's flags that evaluate checkpoint on HellaSwag and stop."""
+    return ["--eval-only", "--resume", checkpoint, "--hellaswag-every", "1", "--data", shards, "--log-dir", log_dir,
+            *TINY_MODEL, *flags]
+
+
+def test_eval_only_on_a_checkpoint_one_rank_and_two(shards, static_server, tmp_path, capsys):
+    """train_gpt2.py --eval-only --resume CKPT --hellaswag-every 1 (once hellaswag.py's command line) on a checkpoint;
+    under torchrun 2 ranks download once and count the same."""
     model, enc = tiny_model(), gpt2_tokenizer()
     examples, expected_acc_norm, expected_acc, _ = labelled_by_hand(model, enc, 64)
-    save_checkpoint(model, tmp_path / "model.pt")
+    log_dir = tmp_path / "log"
+    checkpoint = checkpoint_holding(model, shards, log_dir, capsys)
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
-    expected = f"acc_norm={expected_acc_norm:.6f} acc={expected_acc:.6f} n={len(examples)}"
+    expected = (f"step     1 | hellaswag acc_norm {expected_acc_norm:.4f} acc {expected_acc:.4f} "
+                f"({len(examples)} examples)")
 
-    run_cli(monkeypatch, "--checkpoint", str(tmp_path / "model.pt"), "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"))
-    assert capsys.readouterr().out.strip().splitlines()[-1] == expected
+    code, out, err = run_main(eval_only(checkpoint, shards, log_dir,
+                                        "--hellaswag-file", tmp_path / "hellaswag_val.jsonl"), capsys)
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == expected
+    logged = read_log(log_dir)[-1]
+    assert (logged["hellaswag_acc_norm"], logged["hellaswag_acc"]) == (expected_acc_norm, expected_acc)
+    assert logged["eval_only"] and logged["init_from"] == str(checkpoint) and logged["step"] == 1
 
     www, base_url = static_server
     write_jsonl(www / "hellaswag_val.jsonl", examples)
-    script = script_expecting(tmp_path / "hellaswag_small.py", len(examples), "hellaswag")
-    two_ranks = torchrun_hellaswag(script, base_url, "--checkpoint", tmp_path / "model.pt",
-                                   "--cache-dir", tmp_path / "cache")
+    # a download must hold these 7 examples, not the real file's 10042
+    two_ranks = run_script([len(examples), *eval_only(checkpoint, shards, log_dir, "--cache-dir", tmp_path / "cache")],
+                           cwd=tmp_path, nproc=2, timeout=120,
+                           script=os.path.join(SCRIPTS, "train_with_small_hellaswag.py"), HELLASWAG_URL=base_url)
     assert two_ranks.returncode == 0, two_ranks.stderr
     assert two_ranks.stdout.strip().splitlines()[-1] == expected  # 7 examples: rank 0 scores 4, rank 1 scores 3
     assert two_ranks.stdout.count("downloading") == 1
     assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
+    logged = read_log(log_dir)[-1]  # rank 0 alone logs
+    assert (logged["hellaswag_acc_norm"], logged["hellaswag_acc"]) == (expected_acc_norm, expected_acc)
 
 
-def torchrun_hellaswag(script, hellaswag_url, *flags):
-    return run_script(["--device", "cpu", *flags], cwd=REPO, nproc=2, timeout=120, script=script, HELLASWAG_URL=hellaswag_url)
-
-
-def test_failed_download_stops_both_ranks_with_one_line(tmp_path):
+def test_failed_download_stops_both_ranks_with_one_line(shards, tmp_path, capsys):
     """Under torchrun, rank 1 waits for rank 0's download: when it fails, both ranks exit with its error line, not
     rank 1 with a traceback from the collective it was waiting in."""
-    save_checkpoint(tiny_model(), tmp_path / "model.pt")
+    log_dir = tmp_path / "log"
+    checkpoint = checkpoint_holding(tiny_model(), shards, log_dir, capsys)
     with socket.socket() as s:  # a port nothing listens on: the connection is refused
         s.bind(("127.0.0.1", 0))
         closed_url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    result = torchrun_hellaswag(os.path.join(REPO, "hellaswag.py"), closed_url, "--checkpoint", tmp_path / "model.pt",
-                                "--cache-dir", tmp_path / "cache")
+    result = run_script(eval_only(checkpoint, shards, log_dir, "--cache-dir", tmp_path / "cache"), cwd=tmp_path,
+                        nproc=2, timeout=120, HELLASWAG_URL=closed_url)
     assert result.returncode != 0
     # torchrun's own report of the failure follows the ranks' output; it has a traceback of torchrun's, not ours
     ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]
     errors = [line for line in ranks_stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in ranks_stderr and "[rank" not in result.stderr, result.stderr
     assert errors and len(errors) <= 2 and len(set(errors)) == 1, result.stderr
-    assert errors[0].startswith(f"error: could not download {closed_url}/hellaswag_val.jsonl (") and "--hellaswag-file" in errors[0]
+    assert errors[0].startswith(f"error: could not download {closed_url}/hellaswag_val.jsonl (")
+    assert "--hellaswag-file" in errors[0]
     assert re.search(r"Root Cause.*?exitcode\s*:\s*2\b", result.stderr, re.S), result.stderr
     assert os.listdir(tmp_path / "cache") == []
 
@@ -243,17 +302,14 @@ def test_compiled_model_compiles_once(tmp_path):
     assert counter.frame_count == 1
 
 
-def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
-    save_checkpoint(tiny_model(), tmp_path / "model.pt")
+def test_eval_only_errors_are_one_line(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    checkpoint = checkpoint_holding(tiny_model(), shards, log_dir, capsys)
     for flags, culprit in [
-        (["--checkpoint", str(tmp_path / "missing.pt")], "--checkpoint"),
-        (["--checkpoint", str(tmp_path / "model.pt"), "--hellaswag-file", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (eval_only(tmp_path / "missing.pt", shards, log_dir), "--resume"),
+        (eval_only(checkpoint, shards, log_dir, "--hellaswag-file", tmp_path / "missing.jsonl"), "missing.jsonl"),
     ]:
-        with pytest.raises(SystemExit) as exit:
-            run_cli(monkeypatch, *flags)
-        assert exit.value.code == 2
-        stderr = capsys.readouterr().err
-        assert stderr.startswith("error:") and culprit in stderr and len(stderr.strip().splitlines()) == 1
+        expect_usage_error(flags, capsys, culprit)  # exit code 2, one line "error: ...", no traceback
 
 
 def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):

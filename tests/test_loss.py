@@ -2,6 +2,7 @@
 linear + cross-entropy (--loss chunked), each against a float64 cross-entropy over GPT-2's 50257 real ids."""
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -9,8 +10,17 @@ import torch.nn.functional as F
 
 import hellaswag
 import train_gpt2
-from helpers import (chunked_case, float64_loss_and_grads, last_json, one_thread, random_ids, reference,  # noqa: F401
-                     run_source, tiny_gpt, with_loud_padding)
+from helpers import (
+    REPO,
+    chunked_case,
+    float64_loss_and_grads,
+    last_json,
+    random_ids,
+    reference,
+    run_script,
+    tiny_gpt,
+    with_loud_padding,
+)
 from train_gpt2 import GPT2_VOCAB, ChunkedCrossEntropy, chunked_cross_entropy
 
 LOSSES = ["full", "chunked"]
@@ -21,7 +31,7 @@ def test_padding_ids_are_out_of_the_loss(loss_impl):
     model = with_loud_padding(tiny_gpt(loss=loss_impl))
     idx, targets = random_ids(2, 32), random_ids(2, 32, seed=2)
     targets[1, 20:] = -1  # left out of the mean
-    logits, loss = model(idx, targets)
+    logits, loss = model(idx), model(idx, targets)
     assert loss.item() == pytest.approx(reference(model, idx, targets).item(), rel=1e-6)
     assert logits.shape == (2, 32, 50304)
     probs = logits.softmax(-1)
@@ -39,7 +49,7 @@ def test_the_mask_keeps_bf16_logits_in_bf16():
     model = with_loud_padding(tiny_gpt())
     idx, targets = random_ids(2, 32), random_ids(2, 32, seed=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, loss = model(idx, targets)
+        logits, loss = model(idx), model(idx, targets)
     assert logits.dtype == torch.bfloat16
     assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf")) and torch.isfinite(logits[..., :GPT2_VOCAB]).all()
     assert loss.item() == pytest.approx(reference(model, idx, targets).item(), rel=1e-2)
@@ -50,22 +60,24 @@ def test_uniform_logits_give_the_log_of_the_real_vocab():
     ln(50304) = 10.8260 as with the padding in the softmax. At init the loss is near both (within ~0.05)."""
     model = tiny_gpt()
     idx, targets = random_ids(4, 32), random_ids(4, 32, seed=3)
-    assert abs(model(idx, targets)[1].item() - math.log(GPT2_VOCAB)) < 0.05
+    assert abs(model(idx, targets).item() - math.log(GPT2_VOCAB)) < 0.05
     with torch.no_grad():
         model.lm_head.weight.zero_()
     for loss_impl in LOSSES:
         model.config.loss = loss_impl
-        assert model(idx, targets, return_logits=False)[1].item() == pytest.approx(math.log(GPT2_VOCAB), rel=1e-6, abs=0)
+        assert model(idx, targets).item() == pytest.approx(math.log(GPT2_VOCAB), rel=1e-6, abs=0)
 
 
 def test_weight_decay_still_shrinks_the_padding_rows():
     """The padding rows get no gradient, so AdamW's update to them is its decoupled weight decay alone."""
     model = with_loud_padding(tiny_gpt())
-    cfg = train_gpt2.TrainConfig(weight_decay=0.1, max_lr=1e-2)
-    optimizer = train_gpt2.make_optimizer(model, cfg, "cpu")
+    cfg = train_gpt2.TrainConfig(weight_decay=0.1, max_lr=1e-2, warmup_steps=0)
+    optimizers = train_gpt2.make_optimizers(model, cfg, "cpu")
+    train_gpt2.set_lr(optimizers, 0, cfg)  # no warmup: step 0 is at the peak, 1e-2
+    assert [group["lr"] for opt in optimizers for group in opt.param_groups] == pytest.approx([1e-2, 1e-2], rel=1e-12)
     before = model.lm_head.weight[GPT2_VOCAB:].detach().clone()
-    train_gpt2.train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), [(random_ids(2, 32), random_ids(2, 32, seed=2))],
-                          contextlib.nullcontext(), "cpu", lr=1e-2, grad_clip=1.0)
+    train_gpt2.train_step(model, optimizers, torch.amp.GradScaler("cpu", enabled=False),
+                          [(random_ids(2, 32), random_ids(2, 32, seed=2))], contextlib.nullcontext(), grad_clip=1.0)
     torch.testing.assert_close(model.lm_head.weight[GPT2_VOCAB:], before * (1 - 1e-2 * 0.1), rtol=1e-6, atol=0)
 
 
@@ -74,7 +86,7 @@ def test_generate_gives_padding_ids_no_probability():
     out = train_gpt2.generate(model, [1, 2, 3], 4, 20, torch.Generator().manual_seed(0))
     assert max(max(row) for row in out) < GPT2_VOCAB
     with torch.no_grad():
-        logits, _ = model(torch.tensor(out))
+        logits = model(torch.tensor(out))
     assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf"))
 
 
@@ -151,7 +163,8 @@ def test_chunked_cross_entropy_computes_no_gradients_without_grad_mode(monkeypat
     chunked_cross_entropy(x, w, targets, mask, chunk_rows=8)  # in grad mode: the spy sees the call that does need them
     assert asked == [False, True]
     assert loss.grad_fn is None
-    assert loss.item() == pytest.approx(float64_loss_and_grads(x.detach(), w.detach(), targets, mask)[0].item(), rel=1e-6)
+    want = float64_loss_and_grads(x.detach(), w.detach(), targets, mask)[0]
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
 
 
 # -----------------------------------------------------------------------------
@@ -160,10 +173,11 @@ def test_chunked_cross_entropy_computes_no_gradients_without_grad_mode(monkeypat
 
 def loss_and_grads(model, batches):
     """train_step's forward and backward over micro-batches (SGD at lr 0, no clipping): the mean loss, the gradients."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    loss, _, _, _ = train_gpt2.train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batches,
-                                          contextlib.nullcontext(), "cpu", lr=0.0, grad_clip=1e9)
-    return loss, {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.0)]
+    result = train_gpt2.train_step(model, optimizers, torch.amp.GradScaler("cpu", enabled=False), batches,
+                                   contextlib.nullcontext(), grad_clip=1e9)
+    assert result.finite
+    return result.loss, {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}
 
 
 def test_chunked_model_matches_full_model_over_accumulated_micro_batches():
@@ -175,8 +189,10 @@ def test_chunked_model_matches_full_model_over_accumulated_micro_batches():
     assert chunked == pytest.approx(full, rel=1e-6)
     for name, grad in full_grads.items():  # wte's gradient is the embedding's plus lm_head's: they are one tensor
         torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    logits, loss = chunked_model(*batches[0])  # logits asked for: computed besides the chunked loss
-    assert logits.shape == (2, 32, 50304) and loss.item() == pytest.approx(reference(chunked_model, *batches[0]).item(), rel=1e-6)
+    logits = chunked_model(batches[0][0])  # logits asked for (no targets): the chunked model computes them too
+    loss = chunked_model(*batches[0])
+    assert logits.shape == (2, 32, 50304)
+    assert loss.item() == pytest.approx(reference(chunked_model, *batches[0]).item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("loss_impl", LOSSES)
@@ -195,32 +211,7 @@ def test_loss_under_compile_matches_eager(loss_impl):
     assert torch.all(grads["transformer.wte.weight"][GPT2_VOCAB:] == 0)  # lm_head.weight, tied
 
 
-DDP_SCRIPT = """
-import contextlib, json, sys
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-import train_gpt2
-env = train_gpt2.setup_distributed("cpu")  # gloo
-def model(loss):
-    torch.manual_seed(0)
-    return train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=32, loss=loss))
-x = torch.randint(0, 50257, (4, 16), generator=torch.Generator().manual_seed(1))
-y = torch.randint(0, 50257, (4, 16), generator=torch.Generator().manual_seed(2))
-ddp = torch.nn.parallel.DistributedDataParallel(model("chunked"))
-mine = slice(2 * env.rank, 2 * env.rank + 2)  # each rank's half of the batch, 2 micro-batches of one sequence
-batches = [(x[mine][i:i + 1], y[mine][i:i + 1]) for i in range(2)]
-train_gpt2.train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), torch.amp.GradScaler("cpu", enabled=False), batches,
-                      contextlib.nullcontext(), "cpu", 0.0, 1e9)
-whole = model("full")  # the whole batch in one process, the full loss
-whole(x, y)[1].backward()
-diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ddp.module.parameters(), whole.parameters()))
-if env.rank == 0:
-    print(json.dumps(diff))
-del ddp
-train_gpt2.teardown_distributed()
-"""
-
-
 def test_chunked_loss_under_ddp(tmp_path):
     """2 processes x 2 accumulation steps of the chunked loss: DDP's averaged gradients are the whole batch's."""
-    assert last_json(run_source(DDP_SCRIPT, tmp_path, nproc=2)) < 1e-6
+    script = os.path.join(REPO, "tests", "scripts", "chunked_loss_under_ddp.py")
+    assert last_json(run_script([], cwd=tmp_path, nproc=2, timeout=120, script=script)) < 1e-6

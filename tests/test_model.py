@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2
-from helpers import VOCAB, one_thread, random_ids, tiny_gpt  # noqa: F401 (one_thread: autouse fixture)
+from helpers import VOCAB, random_ids, tiny_gpt
 from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, generate
 
 tiny = functools.partial(tiny_gpt, vocab_size=VOCAB)  # 128 ids, unless a test is about GPT-2's padded vocabulary
@@ -17,14 +17,17 @@ tiny = functools.partial(tiny_gpt, vocab_size=VOCAB)  # 128 ids, unless a test i
 def test_shapes():
     model = tiny()
     idx = random_ids(3, 32, 128)
-    logits, loss = model(idx)
-    assert logits.shape == (3, 32, 128) and loss is None
-    logits, loss = model(idx, idx)
-    assert loss.shape == () and loss.dtype == torch.float32
-    assert model(idx, idx, return_logits=False)[0] is None  # training's call: the loss alone
+    logits = model(idx)  # without targets: the logits alone, no loss
+    assert isinstance(logits, torch.Tensor) and logits.shape == (3, 32, 128)
+    loss = model(idx, idx)  # training's call, with targets: the loss alone, no logits
+    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype == torch.float32
+    with torch.no_grad():  # forward is its pieces: the trunk's hidden states, then the logits or the loss
+        hidden = model.trunk(idx)
+        assert hidden.shape == (3, 32, 64)
+        assert torch.equal(model.logits(hidden), model(idx)) and torch.equal(model.loss(hidden, idx), model(idx, idx))
     padded = tiny(vocab_size=50304)  # the padding ids have logits, at -inf (tests/test_loss.py)
     assert padded.transformer.wte.weight.shape == (50304, 64)
-    logits = padded(random_ids(2, 5, GPT2_VOCAB))[0]
+    logits = padded(random_ids(2, 5, GPT2_VOCAB))
     assert logits.shape == (2, 5, 50304) and logits.dtype == torch.float32
     assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf")) and torch.all(logits[..., :GPT2_VOCAB].isfinite())
     assert set(padded.state_dict()) == set(model.state_dict())  # the mask is a constant, not saved in checkpoints
@@ -37,7 +40,7 @@ def test_weight_tying():
     V, P, C, L = 128, 32, 64, 2
     per_block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C + C)
     assert sum(p.numel() for p in model.parameters()) == V * C + P * C + L * per_block + 2 * C
-    _, loss = model(random_ids(2, 8, 128), random_ids(2, 8, 128, seed=2))
+    loss = model(random_ids(2, 8, 128), random_ids(2, 8, 128, seed=2))
     loss.backward()
     assert model.transformer.wte.weight.grad is model.lm_head.weight.grad
 
@@ -61,7 +64,7 @@ def test_init_statistics():
 def test_loss_at_init_is_log_vocab(vocab_size, n_tokens):
     model = tiny(vocab_size=vocab_size)
     idx, targets = random_ids(4, 32, n_tokens), random_ids(4, 32, n_tokens, seed=3)
-    logits, loss = model(idx, targets)
+    logits, loss = model(idx), model(idx, targets)
     assert abs(loss.item() - math.log(n_tokens)) < 0.05, (loss.item(), math.log(n_tokens))
     # the loss is the mean cross-entropy, computed here by hand; -1 targets are left out
     logp = logits.double().log_softmax(-1)
@@ -69,8 +72,9 @@ def test_loss_at_init_is_log_vocab(vocab_size, n_tokens):
     assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
     masked = targets.clone()
     masked[:, 16:] = -1
-    _, loss_masked = model(idx, masked)
-    assert loss_masked.item() == pytest.approx(-logp[:, :16].gather(-1, targets[:, :16].unsqueeze(-1)).mean().item(), rel=1e-5)
+    loss_masked = model(idx, masked)
+    by_hand_masked = -logp[:, :16].gather(-1, targets[:, :16].unsqueeze(-1)).mean()
+    assert loss_masked.item() == pytest.approx(by_hand_masked.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "naive"])
@@ -78,11 +82,11 @@ def test_causality(attn):
     model = tiny(attn=attn)
     idx = random_ids(2, 32, 128)
     with torch.no_grad():
-        before = model(idx)[0]
+        before = model(idx)
         for t in (0, 13, 31):
             changed = idx.clone()
             changed[:, t] = (changed[:, t] + 1) % 128
-            after = model(changed)[0]
+            after = model(changed)
             assert torch.allclose(before[:, :t], after[:, :t], rtol=0, atol=1e-6), t
             assert not torch.allclose(before[:, t], after[:, t], atol=1e-4), t  # the change does reach position t
 
@@ -121,7 +125,7 @@ def test_attention_matches_naive_reference():
     naive.load_state_dict(sdpa.state_dict())
     idx = random_ids(2, 32, 128)
     with torch.no_grad():
-        assert torch.allclose(sdpa(idx)[0], naive(idx)[0], atol=1e-5)
+        assert torch.allclose(sdpa(idx), naive(idx), atol=1e-5)
 
 
 def test_overfits_one_batch():
@@ -131,7 +135,7 @@ def test_overfits_one_batch():
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None
     for _ in range(150):
-        _, loss = model(x, y)
+        loss = model(x, y)
         first = first or loss.item()
         optimizer.zero_grad()
         loss.backward()
@@ -159,7 +163,8 @@ def test_names_and_shapes_map_onto_hugging_face_gpt2():
     assert sum(math.prod(s) for s in hf.values()) == 124_439_808  # GPT-2 small's known parameter count
     with torch.device("meta"):
         model = GPT(GPTConfig())  # the 124M defaults, 50304 rows
-    ours = {k.removeprefix("transformer."): tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    ours = {k.removeprefix("transformer."): tuple(v.shape) for k, v in model.state_dict().items()
+            if k != "lm_head.weight"}
     assert set(ours) == set(hf)
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     for name, shape in hf.items():
@@ -189,7 +194,7 @@ def no_cache_sample(model, prompt, num_samples, max_new_tokens, generator, top_k
     idx = torch.tensor(prompt).repeat(num_samples, 1)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            probs = model(idx)[0][:, -1].float().softmax(-1)
+            probs = model(idx)[:, -1].float().softmax(-1)
             if top_k == 1:
                 nxt = probs.argmax(-1, keepdim=True)
             else:
@@ -204,11 +209,11 @@ def test_kv_cache_matches_full_recompute(attn):
     model = tiny(attn=attn)
     seq = random_ids(2, 20, 128)
     with torch.no_grad():
-        full = model(seq)[0]
+        full = model(seq)
         cache = [[] for _ in model.transformer.h]
-        step_logits = [model(seq[:, :6], kv_cache=cache)[0]]
+        step_logits = [model(seq[:, :6], kv_cache=cache)]
         for t in range(6, 20):
-            step_logits.append(model(seq[:, t: t + 1], kv_cache=cache)[0])
+            step_logits.append(model(seq[:, t: t + 1], kv_cache=cache))
     assert torch.allclose(torch.cat(step_logits, dim=1), full, atol=1e-5)
     prompt = [5, 17, 99]
     greedy = generate(model, prompt, 2, 12, torch.Generator().manual_seed(0), top_k=1)
@@ -216,5 +221,6 @@ def test_kv_cache_matches_full_recompute(attn):
     sampled = generate(model, prompt, 3, 12, torch.Generator().manual_seed(7))
     assert sampled == no_cache_sample(model, prompt, 3, 12, torch.Generator().manual_seed(7), top_k=50)
     assert len(set(map(tuple, sampled))) > 1  # really sampled
-    # never past the position table: 32 positions in all
-    assert all(len(row) == 32 for row in generate(model, prompt, 1, 100, torch.Generator().manual_seed(0)))
+    # past the position table's 32 rows the window slides (tests/test_samples.py): all 100 tokens, after the prompt
+    longer = generate(model, prompt, 1, 100, torch.Generator().manual_seed(0))
+    assert len(longer[0]) == 3 + 100 and longer[0][:3] == prompt

@@ -1,15 +1,17 @@
 """plot.py: curves.png from a log.jsonl, the reading rules (last line per step, resumes, references, tokens), the loss
 axis' range, errors."""
 import json
+import math
 import os
-import subprocess
 import struct
+import subprocess
 import sys
 
 import pytest
 
 import plot
 from helpers import REPO
+
 PLOT = os.path.join(REPO, "plot.py")
 
 
@@ -24,7 +26,8 @@ def run_log(steps=(0, 1, 2, 3)):
     for step in steps:
         if step % 2 == 0:
             records.append({"step": step, "tokens": step * 1024, "val_loss": 10.0 - step})
-            records.append({"step": step, "tokens": step * 1024, "hellaswag_acc_norm": 0.25 + step / 100, "hellaswag_acc": 0.25})
+            records.append({"step": step, "tokens": step * 1024, "hellaswag_acc_norm": 0.25 + step / 100,
+                            "hellaswag_acc": 0.25})
         records.append({"step": step, "tokens": (step + 1) * 1024, "train_loss": 11.0 - step, "lr": 1e-3,
                         "grad_norm": 1.0, "dt_ms": 10.0, "tok_per_sec": 1e5})
     return records
@@ -112,6 +115,58 @@ def test_loss_axis_leaves_out_the_first_steps(steps, loss, reference):
         plot.plt.close(fig)
 
 
+def drawn(fig, label):
+    """The (x, y) points of the line labelled so in the step panels (loss row, HellaSwag row)."""
+    line = next(line for ax in fig.axes[::2] for line in ax.get_lines() if line.get_label() == label)
+    return list(zip(line.get_xdata(), line.get_ydata()))
+
+
+def test_non_finite_values_are_skipped_and_the_finite_points_drawn(tmp_path):
+    """A diverging run logs NaN (not JSON, but Python's json reads it) next to null; NaN or inf points made
+    matplotlib's axis limits NaN and plot.py crash. Each series drops its own non-finite points only."""
+    pytest.importorskip("matplotlib")
+    records = run_log(range(2)) + run_log(range(3, 6)) + [  # step 2: json.dumps writes NaN, and a skipped step
+        {"step": 2, "tokens": 2048, "val_loss": float("nan"), "hellaswag_acc_norm": 0.27},
+        {"step": 2, "tokens": 3072, "train_loss": None, "skipped": True}]
+    records.append({"step": 0, "tokens": 0, "val_loss": float("nan"), "hellaswag_acc_norm": 0.2955,
+                    "eval_only": True, "init_from": "gpt2"})
+    hand_written = ('{"step": 6, "tokens": 6144, "val_loss": Infinity, "hellaswag_acc_norm": 0.31}\n'
+                    '{"step": 6, "tokens": Infinity, "train_loss": 4.5}\n'
+                    '{"step": 7, "tokens": 8192, "train_loss": -Infinity}\n')
+    write_log(tmp_path, records, tail=hand_written)
+    assert "NaN" in (tmp_path / "log.jsonl").read_text()
+    result = subprocess.run([sys.executable, PLOT, str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "6 train_loss, 2 val_loss, 4 hellaswag_acc_norm, GPT-2 hellaswag_acc_norm 0.2955" in result.stdout
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+    curves, gpt2, bad_lines = plot.read_log(tmp_path / "log.jsonl")
+    assert gpt2 == {"hellaswag_acc_norm": 0.2955} and bad_lines == 0
+    assert curves["train_loss"][6] == (None, 4.5)  # drawn against steps; against tokens, as a line without them
+    fig = plot.plot_curves(curves, gpt2, "run")
+    assert drawn(fig, "train loss") == [(0, 11.0), (1, 10.0), (3, 8.0), (4, 7.0), (5, 6.0), (6, 4.5)]
+    assert drawn(fig, "val loss") == [(0, 10.0), (4, 6.0)]
+    assert drawn(fig, "HellaSwag acc_norm") == [(0, 0.25), (2, 0.27), (4, 0.29), (6, 0.31)]
+    assert all(map(math.isfinite, fig.axes[0].get_ylim() + fig.axes[1].get_xlim()))
+    plot.plt.close(fig)
+
+
+@pytest.mark.parametrize("bad_value", ["NaN", "Infinity", "-Infinity", "null"])
+def test_a_series_with_no_finite_point_leaves_the_others_drawn(tmp_path, bad_value):
+    pytest.importorskip("matplotlib")
+    records = [json.dumps({"step": step, "tokens": (step + 1) * 1024, "train_loss": 11.0 - step}) for step in range(4)]
+    records += [f'{{"step": {step}, "tokens": {step * 1024}, "val_loss": {bad_value}}}' for step in range(0, 4, 2)]
+    (tmp_path / "log.jsonl").write_text("\n".join(records) + "\n")
+    result = subprocess.run([sys.executable, PLOT, str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "4 train_loss, 0 val_loss" in result.stdout and (tmp_path / "curves.png").exists()
+    curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")
+    fig = plot.plot_curves(curves, gpt2, "run")
+    assert drawn(fig, "train loss") == [(0, 11.0), (1, 10.0), (2, 9.0), (3, 8.0)] and drawn(fig, "val loss") == []
+    plot.plt.close(fig)
+
+
 def test_failed_write_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch, capsys):
     matplotlib = pytest.importorskip("matplotlib")
 
@@ -125,7 +180,9 @@ def test_failed_write_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch,
         plot.main()
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: cannot write {tmp_path / 'log' / 'curves.png'} (") and len(err.strip().splitlines()) == 1
+    # the reason, in words, as every write that runs out of room says it
+    assert err.startswith(f"error: disk full writing {tmp_path / 'log' / 'curves.png'}: ")
+    assert len(err.strip().splitlines()) == 1
     assert os.listdir(tmp_path / "log") == ["log.jsonl"]
 
 

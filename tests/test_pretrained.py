@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from safetensors.torch import save_file
 
 import hellaswag
 import train_gpt2
-from helpers import REPO, run_script, serve_hellaswag, synthetic_examples, write_jsonl
+from helpers import REPO, run_main, run_script, serve_hellaswag, synthetic_examples, write_jsonl
+from plumbing import UsageError, gpt2_tokenizer
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
 
@@ -94,7 +94,7 @@ def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
     model = openai_gpt2(cache_dir=str(tmp_path / "cache")).eval()
     idx = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logits, _ = model(idx)
+        logits = model(idx)
     expected = reference_logits(weights, idx)
     assert logits.shape == (2, 24, 50304) and expected.shape == (2, 24, 50257)
     torch.testing.assert_close(logits[..., :50257].double(), expected, rtol=1e-4, atol=1e-4)
@@ -103,12 +103,12 @@ def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
     served.unlink()  # the second load reads the cached copy
     cached = openai_gpt2(cache_dir=str(tmp_path / "cache")).eval()
     with torch.no_grad():
-        assert torch.equal(cached(idx)[0], logits)
+        assert torch.equal(cached(idx), logits)
 
 
 def test_missing_weights_are_a_one_line_error(gpt2_server, tmp_path):
     gpt2_server[1].unlink()  # the hub answers 404
-    with pytest.raises(hellaswag.EvalError, match="could not download .*HF_ENDPOINT"):
+    with pytest.raises(UsageError, match="could not download .*HF_ENDPOINT"):
         openai_gpt2(cache_dir=str(tmp_path / "cache"))
     assert not os.listdir(tmp_path / "cache" / "gpt2")  # no file, and no temp file either
 
@@ -117,7 +117,7 @@ def test_truncated_download_is_not_cached(gpt2_server, static_server, tmp_path):
     _, served, _ = gpt2_server
     served.write_bytes(served.read_bytes()[:-1000])  # a connection that dropped near the end
     url = re.escape(f"{static_server[1]}/openai-community/gpt2/resolve/main/model.safetensors")
-    with pytest.raises(hellaswag.EvalError, match=f"^downloaded {url} is not a valid safetensors file \\(.+\\); "
+    with pytest.raises(UsageError, match=f"^downloaded {url} is not a valid safetensors file \\(.+\\); "
                                                   f"nothing was cached; retry, or set HF_ENDPOINT"):
         openai_gpt2(cache_dir=str(tmp_path / "cache"))
     assert not os.listdir(tmp_path / "cache" / "gpt2")
@@ -127,7 +127,7 @@ def test_too_few_token_rows_are_refused(gpt2_server, tmp_path):
     """A wte with fewer than GPT-2's 50257 rows would leave the other tokens' embeddings at zero."""
     weights, served, _ = gpt2_server
     save_file({**weights, "wte.weight": weights["wte.weight"][:50000]}, str(served), metadata={"format": "pt"})
-    with pytest.raises(hellaswag.EvalError, match=r"transformer\.wte\.weight has shape \(50000, 32\), expected \(50257, 32\)"):
+    with pytest.raises(UsageError, match=r"transformer\.wte\.weight has shape \(50000, 32\), expected \(50257, 32\)"):
         openai_gpt2(cache_dir=str(tmp_path / "cache"))
 
 
@@ -141,27 +141,35 @@ def test_hf_token_goes_to_the_hub_only(gpt2_server, static_server, tmp_path, mon
                               ("/hellaswag_val.jsonl", None)]
 
 
-def test_hellaswag_cli_init_from_gpt2(gpt2_server, tmp_path, monkeypatch, capsys):
+def test_eval_only_init_from_gpt2_prints_its_hellaswag_accuracy(gpt2_server, tmp_path, capsys):
+    """train_gpt2.py --eval-only --init-from gpt2 --hellaswag-every 1 (once hellaswag.py's command line): the last line
+    is the HellaSwag accuracy of OpenAI's weights."""
     examples = synthetic_examples([0, 1, 2, 3, 0, 1, 2])
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     cache_dir = str(tmp_path / "cache")
     model = openai_gpt2(cache_dir=cache_dir)
-    prepared = hellaswag.prepare(examples, train_gpt2.gpt2_tokenizer(), model.config.block_size)
+    prepared = hellaswag.prepare(examples, gpt2_tokenizer(), model.config.block_size)
     acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext())
 
-    monkeypatch.setattr(sys, "argv", ["hellaswag.py", "--init-from", "gpt2", "--cache-dir", cache_dir,
-                                      "--hellaswag-file", str(tmp_path / "hellaswag_val.jsonl"), "--device", "cpu"])
-    hellaswag.main()
-    assert capsys.readouterr().out.strip().splitlines()[-1] == f"acc_norm={acc_norm:.6f} acc={acc:.6f} n={n}"
+    code, out, err = run_main(["--eval-only", "--init-from", "gpt2", "--cache-dir", cache_dir, "--hellaswag-every", "1",
+                               "--hellaswag-file", tmp_path / "hellaswag_val.jsonl", "--device", "cpu",
+                               "--data", os.path.join(REPO, "input.txt"), "--log-dir", tmp_path / "log",
+                               "--batch-size", "2", "--seq-len", "64", "--total-batch-size", "128",
+                               "--val-tokens", "128", "--num-samples", "0"], capsys)
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == (
+        f"step     0 | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
 
 
-def test_hellaswag_script_that_cannot_download_gpt2_says_so_in_one_line(gpt2_server, tmp_path):
-    """`python hellaswag.py --init-from gpt2` with no hub to reach (an offline node): one line, not a traceback. The
-    script is __main__, and the EvalError of the download (raised in the hellaswag module train_gpt2 imports) was
-    another class than the one its main caught."""
+def test_eval_only_that_cannot_download_gpt2_says_so_in_one_line(gpt2_server, tmp_path):
+    """`python train_gpt2.py --eval-only --init-from gpt2` (once `python hellaswag.py --init-from gpt2`) with no hub to
+    reach (an offline node): one line, not a traceback. Run as a script, train_gpt2 is __main__: the UsageError of the
+    download, raised in plumbing, must be the class its main catches (hellaswag.py's script once raised another)."""
     gpt2_server[1].unlink()  # the hub answers 404
-    result = run_script(["--init-from", "gpt2", "--cache-dir", tmp_path / "cache", "--device", "cpu"], tmp_path,
-                        script=os.path.join(REPO, "hellaswag.py"), HF_ENDPOINT=os.environ["HF_ENDPOINT"])
+    write_jsonl(tmp_path / "hellaswag_val.jsonl", synthetic_examples([0, 1]))
+    result = run_script(["--eval-only", "--init-from", "gpt2", "--cache-dir", tmp_path / "cache", "--device", "cpu",
+                         "--hellaswag-every", "1", "--hellaswag-file", tmp_path / "hellaswag_val.jsonl"], tmp_path,
+                        HF_ENDPOINT=os.environ["HF_ENDPOINT"])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: could not download "), result.stderr
     assert "HF_ENDPOINT" in result.stderr.strip().splitlines()[-1]
@@ -183,14 +191,14 @@ def test_eval_only_init_from_gpt2_logs_the_reference(gpt2_server, tmp_path, monk
     val_loss = next(r["val_loss"] for r in records if "val_loss" in r)
     weights = gpt2_server[0]
     with open(os.path.join(REPO, "input.txt"), encoding="utf-8") as f:
-        tokens = train_gpt2.gpt2_tokenizer().encode_ordinary(f.read())
+        tokens = gpt2_tokenizer().encode_ordinary(f.read())
     val = torch.tensor(tokens[int(0.9 * len(tokens)):][:257])  # the last 10% validates: its first 256 targets
     logits = reference_logits(weights, val[:-1].view(4, 64))  # (4, 64, 50257) float64
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), val[1:]).item()
     assert val_loss == pytest.approx(expected, rel=1e-5)
 
     model = openai_gpt2()  # the logged HellaSwag is that of the loaded weights
-    prepared = hellaswag.prepare(examples, train_gpt2.gpt2_tokenizer(), 1024)
+    prepared = hellaswag.prepare(examples, gpt2_tokenizer(), 1024)
     acc_norm, acc, n = hellaswag.evaluate(model, prepared, "cpu", contextlib.nullcontext())
     logged = next(r for r in records if "hellaswag_acc_norm" in r)
     assert (logged["hellaswag_acc_norm"], logged["hellaswag_acc"]) == (acc_norm, acc)
@@ -207,7 +215,7 @@ def test_fine_tuning_starts_from_the_loaded_weights(gpt2_server, tmp_path, monke
     first = next(r for r in records if r.get("step") == 0 and "train_loss" in r)
     assert first["lr"] == pytest.approx(3e-5)  # the fine-tuning preset's peak; 2 steps leave no room for its warmup
     with open(os.path.join(REPO, "input.txt"), encoding="utf-8") as f:
-        tokens = torch.tensor(train_gpt2.gpt2_tokenizer().encode_ordinary(f.read())[:129])  # the first batch
+        tokens = torch.tensor(gpt2_tokenizer().encode_ordinary(f.read())[:129])  # the first batch
     logits = reference_logits(gpt2_server[0], tokens[:-1].view(1, 128))
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[1:]).item()
     assert first["train_loss"] == pytest.approx(expected, rel=1e-5)

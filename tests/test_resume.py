@@ -1,8 +1,8 @@
 """Checkpoints: SIGKILL and resume (bitwise, on CPU in fp32), SIGTERM, a damaged latest checkpoint, mismatched
-shapes, a different number of processes, non-finite steps, sampling from a checkpoint, --no-resume."""
+shapes, a different number of processes, checkpoints of another format, sampling from a checkpoint, --no-resume,
+--eval-only. (Non-finite steps: test_nonfinite.py.)"""
 import fcntl
 import os
-import random
 import re
 import shutil
 import signal
@@ -12,19 +12,50 @@ import subprocess
 import pytest
 import torch
 
+import plumbing
 import train_gpt2
-from helpers import (TINY, assert_tensors_equal, check_usage_error, checkpoint_path, expect_usage_error, load_ckpt,  # noqa: F401
-                     logged_train_steps, one_thread, printed_samples, read_log, run_main, run_script, run_script_on_tmpfs, script_command,
-                     script_env, shards, start_script, train_records, val_records, wait_for_step, write_shards)
+from helpers import (
+    TINY,
+    assert_tensors_equal,
+    check_usage_error,
+    checkpoint_path,
+    expect_usage_error,
+    load_ckpt,
+    logged_train_steps,
+    printed_samples,
+    read_log,
+    run_main,
+    run_script,
+    run_script_on_tmpfs,
+    script_command,
+    script_env,
+    start_script,
+    train_records,
+    val_records,
+    wait_for_step,
+    write_shards,
+)
 
 
-def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys):
-    args = TINY + ["--data", shards, "--max-steps", "60", "--checkpoint-every", "4", "--warmup-steps", "2", "--max-lr", "1e-2"]
+def checkpoint_names(log_dir):
+    return [os.path.basename(p) for p in plumbing.checkpoint_paths(str(log_dir))]
+
+
+def assert_optimizers_equal(a, b, exact=True, atol=1e-5):
+    """The optimizer states of two checkpoints (a list of state dicts each) are equal."""
+    assert len(a["optimizers"]) == len(b["optimizers"])
+    for x, y in zip(a["optimizers"], b["optimizers"]):
+        assert_tensors_equal(x["state"], y["state"], exact, atol)
+
+
+@pytest.mark.parametrize("kill_at", [5, 11])  # soon after the first checkpoint (step 4), and just before the third
+def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys, kill_at):
+    args = TINY + ["--data", shards, "--max-steps", "60", "--checkpoint-every", "4", "--warmup-steps", "2",
+                   "--max-lr", "1e-2"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     code, _, err = run_main(args + ["--log-dir", ref], capsys)  # the uninterrupted run
     assert code == 0, err
 
-    kill_at = random.randint(5, 12)  # any step after the first checkpoint (step 4)
     # stdout is a one-page pipe nobody reads: the run blocks in print() after ~40 steps, so it cannot reach its end
     # before the SIGKILL lands, however late this process gets to send it
     read_end, write_end = os.pipe()
@@ -61,7 +92,7 @@ def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys):
     assert val_records(read_log(run))[60]["val_loss"] == val_records(read_log(ref))[60]["val_loss"]
     a, b = load_ckpt(checkpoint_path(ref, 60)), load_ckpt(checkpoint_path(run, 60))
     assert_tensors_equal(a["model"], b["model"])
-    assert_tensors_equal(a["optimizer"]["state"], b["optimizer"]["state"])
+    assert_optimizers_equal(a, b)
     assert a["stream"] == b["stream"] and a["step"] == b["step"] == 60
 
 
@@ -86,7 +117,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path, signum)
     last = max(logged_train_steps(run))
     stop = last + 1  # it finished the step it was in
     assert f"stopped by signal at step {stop}" in out and "resume with the same command" in out
-    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(run))] == [f"ckpt_{stop:06d}.pt"]
+    assert checkpoint_names(run) == [f"ckpt_{stop:06d}.pt"]
     ckpt = load_ckpt(checkpoint_path(run, stop))
     assert ckpt["step"] == stop
     assert tokens_consumed(ckpt["stream"], [3000, 2500], 1337) == stop * 256  # the loader's position matches
@@ -100,7 +131,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(shards, tmp_path, 
     code, _, err = run_main(args, capsys)
     assert code == 0, err
     first = train_records(read_log(log_dir))
-    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000004.pt", "ckpt_000006.pt"]
+    assert checkpoint_names(log_dir) == ["ckpt_000004.pt", "ckpt_000006.pt"]
     latest = checkpoint_path(log_dir, 6)
     size = os.path.getsize(latest)
     with open(latest, "r+b") as f:
@@ -123,10 +154,14 @@ def test_mismatched_shapes_give_a_readable_error(shards, tmp_path, capsys):
     log_dir = tmp_path / "log"
     args = TINY + ["--data", shards, "--max-steps", "2", "--log-dir", log_dir]
     assert run_main(args, capsys)[0] == 0
-    line = expect_usage_error(args + ["--n-embd", "32", "--max-steps", "4"], capsys, "n_embd: checkpoint 64, flags 32", "--no-resume")
+    line = expect_usage_error(args + ["--n-embd", "32", "--max-steps", "4"], capsys, "n_embd: checkpoint 64, flags 32",
+                              "--no-resume")
     assert "n_layer" not in line
     line = expect_usage_error(args + ["--n-embd", "32", "--n-layer", "3", "--max-steps", "4"], capsys,
                               "n_embd: checkpoint 64, flags 32", "n_layer: checkpoint 2, flags 3")
+    # another number of heads leaves every weight's shape as it was, but it is another model
+    expect_usage_error(args + ["--n-head", "2", "--max-steps", "4"], capsys, "n_head: checkpoint 4, flags 2")
+    expect_usage_error(args + ["--n-head", "2", "--eval-only"], capsys, "n_head: checkpoint 4, flags 2")
     assert os.path.exists(checkpoint_path(log_dir, 2))  # nothing was moved or overwritten
 
 
@@ -147,50 +182,11 @@ def test_resume_with_another_number_of_processes(shards, tmp_path, capsys):
     assert sorted(resumed) == [2, 3]
     for step in (2, 3):
         assert resumed[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], abs=1e-5)
-    assert val_records(read_log(two))[4]["val_loss"] == pytest.approx(val_records(read_log(ref))[4]["val_loss"], abs=1e-5)
+    assert val_records(read_log(two))[4]["val_loss"] == pytest.approx(val_records(read_log(ref))[4]["val_loss"],
+                                                                      abs=1e-5)
     a, b = load_ckpt(checkpoint_path(ref, 4)), load_ckpt(checkpoint_path(two, 4))
     assert_tensors_equal(a["model"], b["model"], exact=False, atol=1e-5)
     assert a["stream"] == b["stream"]
-
-
-CONSTANT_LR = ["--warmup-steps", "0", "--min-lr-ratio", "1", "--max-lr", "1e-2"]  # the same lr whatever --max-steps
-
-
-def test_non_finite_step_is_skipped(shards, tmp_path, capsys, monkeypatch):
-    args = TINY + ["--data", shards, "--checkpoint-every", "4"] + CONSTANT_LR
-    monkeypatch.setenv("TRAIN_GPT2_NAN_STEPS", "3")
-    code, out, err = run_main(args + ["--max-steps", "6", "--log-dir", tmp_path / "nan"], capsys)
-    assert code == 0, err
-    assert "non-finite: update skipped (1 in a row)" in out
-    monkeypatch.delenv("TRAIN_GPT2_NAN_STEPS")
-    code, _, err = run_main(args + ["--max-steps", "3", "--log-dir", tmp_path / "ref"], capsys)
-    assert code == 0, err
-    nan, ref = train_records(read_log(tmp_path / "nan")), train_records(read_log(tmp_path / "ref"))
-    assert nan[3]["skipped"] is True and nan[3]["train_loss"] is None
-    for step in (0, 1, 2, 4, 5):
-        assert "skipped" not in nan[step] and nan[step]["train_loss"] is not None
-    for step in (0, 1, 2):
-        assert nan[step]["train_loss"] == ref[step]["train_loss"]
-    # ckpt 4 of the NaN run holds the weights after steps 0-3 with 3 skipped: those after steps 0-2, exactly
-    skipped, reference = load_ckpt(checkpoint_path(tmp_path / "nan", 4)), load_ckpt(checkpoint_path(tmp_path / "ref", 3))
-    assert_tensors_equal(skipped["model"], reference["model"])
-    assert_tensors_equal(skipped["optimizer"]["state"], reference["optimizer"]["state"])
-    assert all(torch.isfinite(t).all() for t in load_ckpt(checkpoint_path(tmp_path / "nan", 6))["model"].values())
-
-
-def test_too_many_bad_steps_stop_the_run(shards, tmp_path, capsys, monkeypatch):
-    log_dir = tmp_path / "log"
-    monkeypatch.setenv("TRAIN_GPT2_NAN_STEPS", "3,4,5,6")
-    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--max-bad-steps", "3", "--max-steps", "10",
-                   "--log-dir", log_dir] + CONSTANT_LR
-    line = expect_usage_error(args, capsys, "3 steps in a row", "non-finite", "step 5", "ckpt_000004.pt")
-    assert str(log_dir) in line
-    records = train_records(read_log(log_dir))
-    assert sorted(records) == [0, 1, 2, 3, 4, 5]  # stopped right after the third bad step
-    assert [s for s, r in records.items() if r.get("skipped")] == [3, 4, 5]
-    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt", "ckpt_000004.pt"]
-    last_good = load_ckpt(checkpoint_path(log_dir, 4))
-    assert all(torch.isfinite(t).all() for t in last_good["model"].values())
 
 
 def test_sample_from_a_checkpoint(shards, tmp_path, capsys):
@@ -203,7 +199,8 @@ def test_sample_from_a_checkpoint(shards, tmp_path, capsys):
     assert code == 0 and err == "", err
     lines = out.splitlines()
     assert lines[0].startswith("checkpoint of step 2") and repr("Hello, I'm") in lines[0]
-    assert [line for line in lines if line.startswith("--- ")] == ["--- sample 1/2 (step 2) ---", "--- sample 2/2 (step 2) ---",
+    assert [line for line in lines if line.startswith("--- ")] == ["--- sample 1/2 (step 2) ---",
+                                                                    "--- sample 2/2 (step 2) ---",
                                                                     "--- end of samples ---"]
     samples = printed_samples(out)
     assert [sample[:3] for sample in samples] == [(1, 2, 2), (2, 2, 2)]
@@ -238,7 +235,7 @@ def test_no_resume_moves_the_old_log_dir_aside(shards, tmp_path, capsys, monkeyp
     assert not any(r.get("event") == "resume" for r in fresh) and sorted(train_records(fresh)) == [0]
     # once more within the same second (the clock is frozen here): a second, distinct place aside
     stamp = aside.rsplit(".", 1)[1]
-    monkeypatch.setattr(train_gpt2.time, "strftime", lambda *a: stamp)
+    monkeypatch.setattr(plumbing.time, "strftime", lambda *a: stamp)
     code, out, err = run_main(args + ["--max-steps", "1", "--no-resume"], capsys)
     assert code == 0, err
     second_aside = re.search(r"aside to (\S+)", out).group(1)
@@ -284,7 +281,7 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     out = open(tmp_path / "out.txt").read()
     stop = max(logged_train_steps(run)) + 1
     assert f"stopped by signal at step {stop}" in out, out[-3000:]
-    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(run))] == [f"ckpt_{stop:06d}.pt"]
+    assert checkpoint_names(run) == [f"ckpt_{stop:06d}.pt"]
     assert tokens_consumed(load_ckpt(checkpoint_path(run, stop))["stream"], [3000, 2500], 1337) == stop * 256
 
 
@@ -305,8 +302,8 @@ def test_flags_win_over_the_checkpoints_optimizer_settings(shards, tmp_path, cap
     args = TINY + ["--data", shards, "--log-dir", log_dir]
     assert run_main(args + ["--max-steps", "2", "--weight-decay", "0.1"], capsys)[0] == 0
     assert run_main(args + ["--max-steps", "3", "--weight-decay", "0.0"], capsys)[0] == 0
-    groups = load_ckpt(checkpoint_path(log_dir, 3))["optimizer"]["param_groups"]
-    assert [group["weight_decay"] for group in groups] == [0.0, 0.0]
+    [optimizer] = load_ckpt(checkpoint_path(log_dir, 3))["optimizers"]
+    assert [group["weight_decay"] for group in optimizer["param_groups"]] == [0.0, 0.0]
 
 
 def test_resuming_under_another_seed_is_refused(shards, tmp_path, capsys):
@@ -317,7 +314,8 @@ def test_resuming_under_another_seed_is_refused(shards, tmp_path, capsys):
     expect_usage_error(args + ["--max-steps", "3", "--seed", "7"], capsys, "--seed 1337", "--seed 7")
 
 
-def test_a_signal_before_an_evaluation_saves_first_and_the_resumed_run_evaluates(shards, tmp_path, capsys, monkeypatch):
+def test_a_signal_before_an_evaluation_saves_first_and_the_resumed_run_evaluates(shards, tmp_path, capsys,
+                                                                                  monkeypatch):
     """A signal that lands after a step's stop vote, with an evaluation due next: the run saves without evaluating
     (the grace period before SIGKILL is short), and the resumed run does that evaluation, once."""
     args = TINY + ["--data", shards, "--max-steps", "8", "--eval-every", "4", "--checkpoint-every", "0"]
@@ -355,14 +353,15 @@ def test_a_finished_run_is_left_alone_and_a_lower_max_steps_is_refused(shards, t
     assert code == 0, err
     assert "nothing left to do" in out and "ckpt_000004.pt" in out
     assert open(log_dir / "log.jsonl").read() == finished  # not even the final evaluation again
-    expect_usage_error(args + ["--max-steps", "3"], capsys, "ckpt_000004.pt", "step 4", "past --max-steps 3", "--no-resume")
-    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    expect_usage_error(args + ["--max-steps", "3"], capsys, "ckpt_000004.pt", "step 4", "past --max-steps 3",
+                       "--no-resume")
+    assert checkpoint_names(log_dir) == ["ckpt_000002.pt", "ckpt_000004.pt"]
     assert open(log_dir / "log.jsonl").read() == finished
     with open(str(checkpoint_path(log_dir, 5)) + ".tmp", "wb") as f:  # a save that a crash cut short
         f.write(b"half a checkpoint")
     code, out, err = run_main(args + ["--max-steps", "5"], capsys)
     assert code == 0 and "resuming from the checkpoint of step 4" in out, err
-    assert sorted(os.listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000005.pt", "log.jsonl"]
+    assert sorted(os.listdir(log_dir)) == [".lock", "ckpt_000004.pt", "ckpt_000005.pt", "log.jsonl"]
 
 
 class RunsCodeWhenUnpickled:
@@ -402,7 +401,7 @@ def test_directory_names_are_paths_not_glob_patterns(tmp_path, capsys):
     assert code == 0, err
     assert "resuming from the checkpoint of step 2" in out and "starting fresh" not in out
     assert sorted(train_records(read_log(log_dir))) == [0, 1, 2]
-    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt", "ckpt_000003.pt"]
+    assert checkpoint_names(log_dir) == ["ckpt_000002.pt", "ckpt_000003.pt"]
 
 
 def test_checkpoints_past_step_999999_are_ordered_by_step(shards, tmp_path, capsys):
@@ -418,7 +417,7 @@ def test_checkpoints_past_step_999999_are_ordered_by_step(shards, tmp_path, caps
     code, out, err = run_main(args, capsys)
     assert code == 0, err
     assert "resuming from the checkpoint of step 999999" in out
-    assert [os.path.basename(p) for p in train_gpt2.checkpoint_paths(str(log_dir))] == ["ckpt_1000000.pt", "ckpt_1000001.pt"]
+    assert checkpoint_names(log_dir) == ["ckpt_1000000.pt", "ckpt_1000001.pt"]
     code, out, err = run_main(args, capsys)
     assert code == 0, err
     assert "nothing left to do" in out and "ckpt_1000001.pt" in out
@@ -465,29 +464,31 @@ def test_a_signal_in_the_last_step_leaves_a_run_that_finishes(shards, tmp_path, 
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(shards, tmp_path, capsys):
-    """A real ENOSPC: the log dir is a tmpfs with room for one checkpoint, not two. torch.save's error used to end the run
-    with a traceback (RuntimeError: [enforce fail at inline_container.cc]) and leave the partial .tmp behind."""
+    """A real ENOSPC: the log dir is a tmpfs with room for one checkpoint, not two. torch.save's error used to end the
+    run with a traceback (RuntimeError: [enforce fail at inline_container.cc]) and leave the partial .tmp behind."""
     args = TINY + ["--data", shards, "--max-steps", "3", "--checkpoint-every", "1"]
     assert run_main(args + ["--max-steps", "1", "--log-dir", tmp_path / "sized"], capsys)[0] == 0
     size = os.path.getsize(checkpoint_path(tmp_path / "sized", 1))
     log_dir = tmp_path / "log"
     result = run_script_on_tmpfs(args + ["--log-dir", log_dir], tmp_path, log_dir, f"size={size * 3 // 2 // 4096 * 4}k")
-    line = check_usage_error(result.returncode, result.stdout, result.stderr, "disk full", checkpoint_path(log_dir, 2),
-                             "MiB", "ckpt_000001.pt")
+    line = check_usage_error(result.returncode, result.stdout, result.stderr, "disk full",
+                             checkpoint_path(log_dir, 2), "MiB", "ckpt_000001.pt")
     assert re.search(r"needs about [\d.]+ MiB", line), line
     assert f"saved {checkpoint_path(log_dir, 1)}" in result.stdout
-    assert result.stdout.splitlines()[-1].split() == ["ckpt_000001.pt", "log.jsonl"]  # no partial ckpt_000002.pt.tmp
+    # no partial ckpt_000002.pt.tmp (ls -A: the lock file too; sorted here, as ls's order follows the locale)
+    assert sorted(result.stdout.splitlines()[-1].split()) == [".lock", "ckpt_000001.pt", "log.jsonl"]
 
 
 def test_files_of_the_users_own_in_the_log_dir_stay_where_they_are(shards, tmp_path, capsys):
     """`mkdir run1; python train_gpt2.py --log-dir run1 > run1/out.txt`: there is no earlier run, only the shell's
-    out.txt, and the run must start in run1 as it is. A fresh start later moves only the earlier run's own files aside."""
+    out.txt, and the run must start in run1 as it is. A fresh start later moves only the earlier run's own files
+    aside."""
     log_dir = tmp_path / "run1"
     log_dir.mkdir()
     args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "2"]
     with open(log_dir / "out.txt", "w") as out:
-        result = subprocess.run(script_command(args), cwd=tmp_path, env=script_env(), stdout=out, stderr=subprocess.PIPE,
-                                text=True, timeout=240)
+        result = subprocess.run(script_command(args), cwd=tmp_path, env=script_env(), stdout=out,
+                                stderr=subprocess.PIPE, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: step 2" in (log_dir / "out.txt").read_text()
     (log_dir / "notes").mkdir()
@@ -499,8 +500,9 @@ def test_files_of_the_users_own_in_the_log_dir_stay_where_they_are(shards, tmp_p
     assert moved and moved.group(1) == str(log_dir), out
     aside = moved.group(2)
     assert os.path.dirname(aside) == str(tmp_path) and os.path.basename(aside).startswith("run1.")
-    assert sorted(os.listdir(aside)) == ["ckpt_000002.pt", "log.jsonl"] and open(os.path.join(aside, "log.jsonl")).read() == first
-    assert sorted(os.listdir(log_dir)) == ["ckpt_000001.pt", "log.jsonl", "notes", "out.txt"]
+    assert sorted(os.listdir(aside)) == ["ckpt_000002.pt", "log.jsonl"]
+    assert open(os.path.join(aside, "log.jsonl")).read() == first
+    assert sorted(os.listdir(log_dir)) == [".lock", "ckpt_000001.pt", "log.jsonl", "notes", "out.txt"]
     assert "done: step 2" in (log_dir / "out.txt").read_text() and (log_dir / "notes" / "plan.md").read_text() == "mine"
 
 
@@ -514,7 +516,24 @@ def test_eval_only_evaluates_the_latest_checkpoint(shards, tmp_path, capsys):
     code, out, err = run_main(args + ["--eval-only"], capsys)
     assert code == 0, err
     last = read_log(log_dir)[-1]
-    assert last == {"step": 4, "tokens": 4 * 256, "val_loss": trained, "eval_only": True, "init_from": checkpoint_path(log_dir, 4)}
+    assert last == {"step": 4, "tokens": 4 * 256, "val_loss": trained, "eval_only": True,
+                    "init_from": checkpoint_path(log_dir, 4)}
+
+
+def test_eval_only_counts_the_tokens_of_the_checkpoints_batch_not_the_commands(shards, tmp_path, capsys):
+    """--eval-only logs tokens = step x the --total-batch-size the checkpoint was trained with: a step-30 checkpoint
+    of a 256-token-a-step run, evaluated with --total-batch-size 512, logged 15,360 tokens for 7,680."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]  # 256 tokens a step
+    assert run_main(args + ["--max-steps", "3"], capsys)[0] == 0
+    trained = val_records(read_log(log_dir))[3]
+    assert trained["tokens"] == 3 * 256
+    code, out, err = run_main(args + ["--eval-only", "--total-batch-size", "512"], capsys)
+    assert code == 0, err
+    last = read_log(log_dir)[-1]
+    assert last["eval_only"] is True and last["step"] == 3
+    assert last["tokens"] == 3 * 256, last  # not 3 x 512
+    assert last["val_loss"] == trained["val_loss"]
 
 
 def test_resuming_on_other_data_or_batch_is_refused(shards, tmp_path, capsys):
@@ -524,10 +543,12 @@ def test_resuming_on_other_data_or_batch_is_refused(shards, tmp_path, capsys):
     args = TINY + ["--log-dir", log_dir, "--max-steps", "3"]
     assert run_main(args + ["--data", shards, "--max-steps", "2"], capsys)[0] == 0
     other = write_shards(tmp_path / "other", train_lengths=(3000, 2400))
-    expect_usage_error(args + ["--data", other], capsys, "synth_train_000001.npy", "2,500", "2,400", "--data", "--no-resume")
+    expect_usage_error(args + ["--data", other], capsys, "synth_train_000001.npy", "2,500", "2,400", "--data",
+                       "--no-resume")
     renamed = write_shards(tmp_path / "renamed")
     os.rename(os.path.join(renamed, "synth_train_000001.npy"), os.path.join(renamed, "synth_train_000009.npy"))
-    expect_usage_error(args + ["--data", renamed], capsys, "synth_train_000001.npy", "synth_train_000009.npy", "--no-resume")
+    expect_usage_error(args + ["--data", renamed], capsys, "synth_train_000001.npy", "synth_train_000009.npy",
+                       "--no-resume")
     expect_usage_error(args + ["--data", shards, "--total-batch-size", "512"], capsys,
                        "--total-batch-size 256", "not 512", "--no-resume")
     moved = shutil.copytree(shards, tmp_path / "moved")  # the same shards elsewhere: the same position
@@ -535,18 +556,32 @@ def test_resuming_on_other_data_or_batch_is_refused(shards, tmp_path, capsys):
     assert code == 0 and "resuming from the checkpoint of step 2" in out, err
 
 
-def test_a_checkpoint_without_shard_names_still_resumes(shards, tmp_path, capsys):
-    """Checkpoints saved before the shards' names and sizes were recorded hold only their count."""
+def as_format_1(ckpt):
+    """A checkpoint as train_gpt2.py wrote it before checkpoints had a format: no "format" key, one "optimizer", and
+    (the oldest) a data position that holds only the shards' count."""
+    old = {k: v for k, v in ckpt.items() if k not in ("format", "optimizers")}
+    [old["optimizer"]] = ckpt["optimizers"]
+    old["stream"] = {k: v for k, v in ckpt["stream"].items() if k != "shards"} | {"n_shards": 2}
+    return old
+
+
+def test_a_checkpoint_of_an_older_format_is_refused_in_one_line(shards, tmp_path, capsys):
+    """Checkpoints written before the format was recorded (format 1: one optimizer, and some without the shards'
+    names) were read through fallbacks; now any other format is refused, naming it, and nothing is moved aside."""
     log_dir = tmp_path / "log"
     args = TINY + ["--data", shards, "--log-dir", log_dir]
     assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
-    ckpt = load_ckpt(checkpoint_path(log_dir, 2))
-    del ckpt["stream"]["shards"]
-    torch.save(ckpt, checkpoint_path(log_dir, 2))
-    expect_usage_error(args + ["--max-steps", "3", "--data", write_shards(tmp_path / "three", (1000, 1000, 1000))], capsys,
-                       "2 training shard(s) then, 3 now", "--no-resume")
-    code, out, err = run_main(args + ["--max-steps", "3"], capsys)
-    assert code == 0 and "resuming from the checkpoint of step 2" in out, err
+    path = checkpoint_path(log_dir, 2)
+    torch.save(as_format_1(load_ckpt(path)), path)
+    logged = open(log_dir / "log.jsonl").read()
+    for argv in (args + ["--max-steps", "3"], args + ["--max-steps", "3", "--resume", path], args + ["--eval-only"],
+                 ["--sample", path, "--device", "cpu"]):
+        expect_usage_error(argv, capsys, path, "format 1", "format 2")
+    assert checkpoint_names(log_dir) == ["ckpt_000002.pt"] and "format" not in load_ckpt(path)
+    assert open(log_dir / "log.jsonl").read() == logged
+    newer = dict(load_ckpt(path), format=3)  # a checkpoint of a later train_gpt2.py: named too
+    torch.save(newer, path)
+    expect_usage_error(args + ["--max-steps", "3"], capsys, path, "format 3", "format 2")
 
 
 def test_the_new_checkpoint_is_durable_before_old_ones_are_deleted(shards, tmp_path, capsys, monkeypatch):
@@ -562,10 +597,24 @@ def test_the_new_checkpoint_is_durable_before_old_ones_are_deleted(shards, tmp_p
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("rename", str(dst))), real_replace(src, dst))[1])
+    monkeypatch.setattr(os, "replace",
+                        lambda src, dst: (events.append(("rename", str(dst))), real_replace(src, dst))[1])
     monkeypatch.setattr(os, "remove", lambda path: (events.append(("remove", str(path))), real_remove(path))[1])
-    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "2", "--checkpoint-every", "1", "--keep-checkpoints", "1"]
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "2", "--checkpoint-every", "1",
+                   "--keep-checkpoints", "1"]
     assert run_main(args, capsys)[0] == 0
     saving_2 = events[events.index(("rename", checkpoint_path(log_dir, 2))):]
     assert saving_2[:3] == [("rename", checkpoint_path(log_dir, 2)), ("sync dir", str(log_dir)),
                             ("remove", checkpoint_path(log_dir, 1))]
+
+
+def test_resuming_a_middle_checkpoint_as_the_end_evaluates_it(shards, tmp_path, capsys):
+    """A checkpoint saved mid-run, with no evaluation due at its step, resumed with --max-steps at that step: it is the
+    end of this run, unvalidated, and gets its final evaluation (it crashed on its missing val loss)."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "2"]
+    assert run_main(args + ["--max-steps", "4"], capsys)[0] == 0
+    code, out, err = run_main(args + ["--max-steps", "2", "--resume", checkpoint_path(log_dir, 2)], capsys)
+    assert code == 0, err
+    assert "done: step 2, val loss" in out
+    assert [r["step"] for r in read_log(log_dir) if "val_loss" in r][-1] == 2

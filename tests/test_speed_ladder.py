@@ -1,4 +1,5 @@
-"""benchmarks/: the speed ladder end to end on a tiny CPU model (each rung a real train_gpt2.py run), and the profiler."""
+"""benchmarks/: the speed ladder end to end on a tiny CPU model (each rung a real train_gpt2.py run), and the
+profiler."""
 import json
 import os
 import sys
@@ -11,8 +12,9 @@ from helpers import REPO, process_stat, run_script
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import speed_ladder  # noqa: E402
 
-CPU_RUNGS = ["1. fp32", "3. bf16 autocast", "5. flash attention", "6. vocab 50304", "8. micro-batch 8", "9. chunked loss",
-             "10. trainer defaults"]
+CPU_RUNGS = ["1. fp32", "3. bf16 autocast", "5. flash attention", "6. vocab 50304", "8. micro-batch 8",
+             "9. chunked loss", "10. trainer defaults"]
+SCRIPTS = os.path.join(REPO, "tests", "scripts")
 SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW"]
 
 
@@ -34,14 +36,17 @@ def test_tiny_ladder_on_cpu(tmp_path):
         assert speedup == "-" if name == CPU_RUNGS[0] else float(speedup.rstrip("x")) > 0
     for name in SKIPPED_RUNGS:
         assert rows[name].strip().startswith("skipped: "), rows[name]
-    assert lines[-1].startswith(f"CPU ({os.cpu_count()} cores) | torch {torch.__version__} | T=32, B as in each row | the ladder took ")
+    assert lines[-1].startswith(f"CPU ({os.cpu_count()} cores) | torch {torch.__version__} | T=32, B as in each row | "
+                                f"the ladder took ")
 
     saved = json.loads((tmp_path / "ladder.json").read_text())
     assert (saved["lecture_batch_size"], saved["batch_size"], saved["seq_len"], saved["n_layer"]) == (4, 8, 32, 2)
     rungs = saved["rungs"]
-    assert [rung["status"] for rung in rungs] == ["ok", "skipped", "ok", "skipped", "ok", "ok", "skipped", "ok", "ok", "ok"]
+    assert [rung["status"] for rung in rungs] == ["ok", "skipped", "ok", "skipped", "ok", "ok", "skipped", "ok", "ok",
+                                                  "ok"]
     # cumulative: the vocab rung keeps bf16 and SDPA, and compile stays off on the CPU
-    assert rungs[5]["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304", "--no-fused-adamw"]
+    assert rungs[5]["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304",
+                                 "--no-fused-adamw"]
     assert rungs[8]["flags"] == rungs[5]["flags"] + ["--loss", "chunked"] and rungs[8]["batch_size"] == 8
     assert rungs[9]["flags"] == []  # the trainer's own defaults
     for rung in rungs[8:]:
@@ -49,25 +54,9 @@ def test_tiny_ladder_on_cpu(tmp_path):
     assert rungs[1]["reason"] == "needs CUDA: TF32 is a mode of NVIDIA tensor cores"
 
 
-FAKE_TRAINER = """
-import json, os, subprocess, sys, time
-worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # as compile workers are
-with open(sys.argv[1] + ".pids", "w") as f:
-    f.write(f"{os.getpid()} {worker.pid}")
-with open(sys.argv[1], "a") as f:
-    for step in range(int(sys.argv[2])):
-        f.write(json.dumps({"step": step, "dt_ms": 1.0}) + "\\n")
-        f.flush()
-        time.sleep(0.05)
-    f.write('{"step": 99, "dt')  # half a line, then a final evaluation that would take long
-    f.flush()
-    time.sleep(60)
-"""
-
-
 def test_a_rung_is_stopped_once_its_steps_are_logged(tmp_path):
     log = tmp_path / "log.jsonl"
-    command = [sys.executable, "-c", FAKE_TRAINER, str(log), "5"]
+    command = [sys.executable, os.path.join(SCRIPTS, "trainer_that_logs_then_hangs.py"), str(log), "5"]
     t0 = time.perf_counter()
     steps = speed_ladder.train_until_logged(command, str(log), 5, str(tmp_path / "out.txt"), timeout=30)
     assert [r["step"] for r in steps] == [0, 1, 2, 3, 4] and time.perf_counter() - t0 < 15
@@ -77,9 +66,9 @@ def test_a_rung_is_stopped_once_its_steps_are_logged(tmp_path):
     log.unlink()
     steps = speed_ladder.train_until_logged(command, str(log), 6, str(tmp_path / "out.txt"), timeout=2)
     assert steps == "timed out after 2 s, at 5 of 6 steps"
-    failing = [sys.executable, "-c", "import sys; print('CUDA out of memory. Tried to allocate 1 GiB'); sys.exit(1)"]
-    assert speed_ladder.train_until_logged(failing, str(tmp_path / "none.jsonl"), 5, str(tmp_path / "out.txt"), timeout=30) == \
-        "CUDA out of memory. Tried to allocate 1 GiB"
+    failing = [sys.executable, os.path.join(SCRIPTS, "trainer_out_of_memory.py")]
+    assert speed_ladder.train_until_logged(failing, str(tmp_path / "none.jsonl"), 5, str(tmp_path / "out.txt"),
+                                           timeout=30) == "CUDA out of memory. Tried to allocate 1 GiB"
 
 
 def test_ladder_rejects_bad_input():

@@ -12,23 +12,38 @@ import time
 
 import pytest
 import wandb
+from scripts.nan_loss import nan_loss_at
 from wandb.proto import wandb_internal_pb2
 
-from helpers import (TINY, checkpoint_path, expect_usage_error, load_ckpt, one_thread, read_log, run_main,  # noqa: F401
-                     run_script, run_source, shards, start_script, train_records, wait_for_step)
+from helpers import (
+    REPO,
+    TINY,
+    checkpoint_path,
+    expect_usage_error,
+    load_ckpt,
+    read_log,
+    run_main,
+    run_script,
+    start_script,
+    train_records,
+    wait_for_step,
+)
+
+SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
 
 @pytest.fixture(autouse=True)
 def wandb_offline(tmp_path, monkeypatch):
-    """W&B offline, its settings, cache and logs in tmp_path rather than the home directory, and no server it could reach."""
+    """W&B offline, its settings, cache and logs in tmp_path rather than the home directory, and no server it could
+    reach."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # were it ever to go online: nothing listens there
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb_home" / name.lower()))
     monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))  # where wandb would look for a login
-    for name in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_NAME", "WANDB_RUN_ID", "WANDB_RESUME",
-                 "WANDB_SERVICE"):
+    for name in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_NAME", "WANDB_RUN_ID",
+                 "WANDB_RESUME", "WANDB_SERVICE"):
         monkeypatch.delenv(name, raising=False)
     wandb.teardown()  # wandb reads the environment once, at its set-up: set up again with this test's
     yield
@@ -108,14 +123,17 @@ def test_wandb_logs_what_log_jsonl_holds_and_a_resumed_run_continues_it(shards, 
     assert first["history"] == records[:resume] and second["history"] == records[resume + 1:]
     # W&B's own step is the record's line in log.jsonl: it goes on growing across the resume, so that W&B can append
     # the second offline run to the first (wandb sync --append) instead of writing over its history
-    assert first["wandb_steps"] == list(range(resume)) and second["wandb_steps"] == list(range(resume + 1, len(records)))
+    assert first["wandb_steps"] == list(range(resume))
+    assert second["wandb_steps"] == list(range(resume + 1, len(records)))
     assert [r["step"] for r in second["history"] if "train_loss" in r] == [2, 3, 4]  # steps 2 and 3 again
-    assert [r["step"] for r in second["history"] if "val_loss" in r] == [4, 5]  # step 2 was evaluated before its checkpoint
+    # step 2 was evaluated before its checkpoint
+    assert [r["step"] for r in second["history"] if "val_loss" in r] == [4, 5]
     assert first["x_axes"] == second["x_axes"] == {"*": "step"}
     assert first["exit_code"] == second["exit_code"] == 0
     for run, max_steps in ((first, 4), (second, 5)):  # the resolved settings, flags and defaults alike
-        assert run["config"]["max_steps"] == max_steps and run["config"]["n_layer"] == 2 and run["config"]["data"] == shards
-        assert run["config"]["wandb_project"] == "tiny" and run["config"]["max_lr"] == 6e-4 and run["config"]["dtype"] == "fp32"
+        config = run["config"]
+        assert config["max_steps"] == max_steps and config["n_layer"] == 2 and config["data"] == shards
+        assert config["wandb_project"] == "tiny" and config["max_lr"] == 6e-4 and config["dtype"] == "fp32"
     # --eval-only of the latest checkpoint logs to a W&B run of its own: the training's may still be going on
     code, out, err = run_main(args + ["--max-steps", "5", "--eval-only"], capsys)
     assert code == 0 and "evaluating" in out, err
@@ -155,9 +173,10 @@ def test_a_signal_stops_a_run_that_logs_to_wandb_promptly_and_its_resume_continu
 def test_an_error_ends_the_wandb_run_as_failed(shards, tmp_path, capsys, monkeypatch):
     """Two non-finite steps in a row stop the run with an error: the W&B run ends failed, holding the skipped steps
     as log.jsonl does (a null loss)."""
-    monkeypatch.setenv("TRAIN_GPT2_NAN_STEPS", "1,2")
+    nan_loss_at({1, 2}, monkeypatch.setattr)  # the loss of steps 1 and 2 is NaN (tests/scripts/nan_loss.py)
     log_dir = tmp_path / "log"
-    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "6", "--max-bad-steps", "2", "--wandb-project", "tiny"]
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "6", "--max-bad-steps", "2",
+                   "--wandb-project", "tiny"]
     expect_usage_error(args, capsys, "2 steps in a row had a non-finite loss")
     (run,) = wandb_runs(log_dir)
     assert run["exit_code"] == 1 and run["history"] == read_log(log_dir)
@@ -174,22 +193,13 @@ def test_two_processes_make_one_wandb_run(shards, tmp_path):
     assert run["history"] == read_log(log_dir) and sorted(train_records(run["history"])) == [0, 1]
 
 
-WITHOUT_WANDB_SCRIPT = """
-import sys
-sys.modules["wandb"] = None  # `import wandb` raises ImportError, as if it were not installed
-sys.path.insert(0, sys.argv[1])
-import train_gpt2
-train_gpt2.main(sys.argv[2:])
-"""
-
-
 def test_without_wandb_installed_the_flag_is_a_one_line_error(shards, tmp_path, capsys, monkeypatch):
     args = TINY + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "1"]
     monkeypatch.setitem(sys.modules, "wandb", None)
     expect_usage_error(args + ["--wandb-project", "tiny"], capsys, "--wandb-project tiny", "pip install wandb")
     assert not (tmp_path / "log").exists()  # refused before any work
     # without the flag, the trainer never imports wandb: not even at its own import, which this process did long ago
-    result = run_source(WITHOUT_WANDB_SCRIPT, tmp_path, args)
+    result = run_script(args, cwd=tmp_path, timeout=120, script=os.path.join(SCRIPTS, "train_without_wandb.py"))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
@@ -199,5 +209,6 @@ def test_wandb_that_cannot_start_is_a_one_line_error(shards, tmp_path, capsys, m
     expect_usage_error(args + ["--wandb-run-name", "lonely"], capsys, "--wandb-run-name lonely", "--wandb-project")
     monkeypatch.setenv("WANDB_MODE", "online")
     wandb.teardown()  # so that it reads WANDB_MODE again
-    line = expect_usage_error(args + ["--wandb-project", "tiny"], capsys, "--wandb-project tiny", "wandb login", "WANDB_MODE=offline")
+    line = expect_usage_error(args + ["--wandb-project", "tiny"], capsys, "--wandb-project tiny", "wandb login",
+                              "WANDB_MODE=offline")
     assert "API key" in line  # wandb's own reason

@@ -1,0 +1,511 @@
+"""
+The plumbing of a training run: what train_gpt2.py, hellaswag.py and fineweb.py need that teaches nothing about GPT-2.
+
+- the GPT-2 tokenizer from the shipped gpt2.tiktoken;
+- one-line errors, agreed on by every rank;
+- shard files: how their names say their split, and their two formats (.npy, and llm.c's .bin);
+- files written whole or not at all, and what to say when the disk, a quota or a file-size limit stops a write;
+- the log directory: its lock, what a fresh start moves aside, checkpoint files and their pruning;
+- the run's log: log.jsonl, and Weights & Biases;
+- downloads into a cache that the processes of a node share;
+- the CPU heap setting.
+
+It never imports torch at the top: fineweb.py, which never runs distributed, should not wait a second to import it.
+"""
+
+import contextlib
+import ctypes
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+import uuid
+
+import numpy as np
+import requests
+import tiktoken
+from safetensors import safe_open
+from tiktoken.load import load_tiktoken_bpe
+
+try:
+    import fcntl
+except ImportError:  # Windows: two runs in one directory are not caught there
+    fcntl = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+# The GPT-2 tokenizer, and shard names
+
+GPT2_VOCAB = 50257  # tokens of the GPT-2 tokenizer
+EOT = 50256  # <|endoftext|>, which separates documents
+# a shard's split is a whole word of its name (x_val_000000.npy, x_train.bin), so that "interval_train" is no val shard
+SPLIT_WORD = re.compile(r"(?:^|[_.-])(train|val)(?=[_.-]|$)")
+
+
+def gpt2_tokenizer():
+    """The GPT-2 BPE from the shipped gpt2.tiktoken (tiktoken's r50k_base): no network needed."""
+    ranks = load_tiktoken_bpe(os.path.join(HERE, "gpt2.tiktoken"))
+    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    return tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT})
+
+
+# -----------------------------------------------------------------------------
+# One-line errors, on every rank
+
+
+class UsageError(Exception):
+    """A mistake or a problem the user can fix: the command line prints it as one line, without a traceback."""
+
+
+def first_error_of_any_rank(error):
+    """The first rank's error message (or None), on every rank: a rank that stopped alone would leave the others
+    waiting in their next collective, forever under NCCL, or dying in it with tracebacks. All ranks must call it."""
+    import torch.distributed as dist  # here, not at the top: see the module's docstring
+
+    if dist.is_available() and dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    return error
+
+
+@contextlib.contextmanager
+def failing_together():
+    """A UsageError raised inside on any rank stops every rank with it: raised on one rank alone, as by work only rank 0
+    does, it would leave the others waiting in their next collective. Every rank must enter; it is also a barrier."""
+    error = None
+    try:
+        yield
+    except UsageError as e:
+        error = str(e)
+    error = first_error_of_any_rank(error)
+    if error is not None:
+        raise UsageError(error)
+
+
+def files_in(directory, pattern):
+    """The files of directory whose names fully match the regex pattern. Not glob: "run[a]" is a name, not a pattern."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(os.path.join(directory, name) for name in names if re.fullmatch(pattern, name))
+
+
+# -----------------------------------------------------------------------------
+# Shard files: how the trainer finds and opens what fineweb.py writes
+
+BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
+
+
+def open_shard(path):
+    """A shard's tokens as a read-only uint16 memory map: .npy (np.save) or .bin (llm.c's format)."""
+    if path.endswith(".bin"):
+        header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
+        if len(header) < BIN_HEADER_INTS or header[0] != BIN_MAGIC or header[1] != BIN_VERSION:
+            raise UsageError(f"{path}: bad header (want magic {BIN_MAGIC}, version {BIN_VERSION}); re-create the shard")
+        n_tokens = int(header[2])
+        if os.path.getsize(path) != 4 * BIN_HEADER_INTS + 2 * n_tokens:
+            raise UsageError(f"{path}: the header promises {n_tokens} tokens but the file size disagrees "
+                             f"(truncated?); re-create it")
+        return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            raise UsageError(f"{path}: not an .npy file (no NUMPY header); re-create it with fineweb.py")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise UsageError(f"{path}: not a readable .npy shard ({e}); re-create it with fineweb.py")
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise UsageError(f"{path}: expected a 1-D uint16 token array, found {tokens.dtype} {tokens.shape}; "
+                         f"re-create it with fineweb.py")
+    return tokens
+
+
+def shard_paths(directory):
+    """The train and val shards of a directory, by the split word in their names."""
+    splits = {"train": [], "val": []}
+    try:
+        paths = files_in(directory, r"[^.].*\.(npy|bin)")  # not hidden files, such as macOS's ._x_train.npy
+    except OSError as e:
+        raise UsageError(f"--data {directory}: cannot list it ({e.strerror})")
+    for path in paths:
+        words = set(SPLIT_WORD.findall(os.path.basename(path)))
+        if len(words) > 1:
+            raise UsageError(f"{path}: its name says both train and val; rename it to one of them")
+        for word in words:
+            splits[word].append(path)
+    for split, found in splits.items():
+        if not found:
+            raise UsageError(f"--data {directory}: no {split} shards (*_{split}_*.npy or .bin) in it; make them with "
+                             f"`python fineweb.py`")
+    return splits["train"], splits["val"]
+
+
+# -----------------------------------------------------------------------------
+# Files written whole, and the writes that run out of room
+
+NO_ROOM = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large for this process's file-size limit (ulimit -f)",
+}
+
+
+def no_room(error):
+    """What stopped a write for lack of room (disk full, quota, file-size limit), in words; None if something else.
+    torch.save raises a RuntimeError that keeps the OSError as its context."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in NO_ROOM:
+            return NO_ROOM[error.errno]
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def sync_directory(path):
+    """Makes the renames in a directory durable (where directories can be opened: not on Windows)."""
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomically(path, write, temp, if_no_room):
+    """Writes path whole or not at all: write(f) fills temp, which is synced, then renamed to path. A write that runs
+    out of room deletes temp and raises a UsageError: the reason, path, then if_no_room(), which says what to do."""
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+        reason = no_room(e)
+        if isinstance(e, OSError) and e.errno is None:  # how numpy reports a short write to a full disk
+            reason = NO_ROOM[errno.ENOSPC]
+        if reason is None:
+            raise
+        raise UsageError(f"{reason} writing {path}: {if_no_room()}") from None
+    sync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def append_line(path, line, if_no_room):
+    """Appends line (and a newline) to path; one that does not fit is taken back whole, and raises a UsageError."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size, written = os.fstat(fd).st_size, 0
+        try:
+            while written < len(data):  # unbuffered: a failed write is known here, not at a later flush
+                written += os.write(fd, data[written:])
+        except OSError as e:
+            if os.fstat(fd).st_size == size + written:  # never half a line, nor another process's (--eval-only) line
+                os.ftruncate(fd, size)
+            reason = no_room(e)
+            if reason is None:
+                raise
+            raise UsageError(f"{reason} writing {path}: {if_no_room()}") from None
+    finally:
+        os.close(fd)
+
+
+def free_mib(directory):
+    return shutil.disk_usage(directory).free / 2**20
+
+
+def tensor_bytes(obj):
+    """About the size of obj saved: the bytes of the tensors in it, each storage once (tied weights share one)."""
+    storages, todo = {}, [obj]
+    while todo:
+        obj = todo.pop()
+        if hasattr(obj, "untyped_storage"):  # a tensor
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return sum(storages.values())
+
+
+# -----------------------------------------------------------------------------
+# Directory locks
+
+
+def holder_of(lock_file):
+    lock_file.seek(0)
+    return lock_file.read().strip() or "a process that did not say which"
+
+
+@contextlib.contextmanager
+def directory_lock(directory, refusal, unwritable):
+    """Holds <directory>/.lock while inside, having checked that this process can write there. Raises UsageError:
+    refusal.format(holder=...) if another process holds the lock, unwritable.format(reason=...) if it cannot write.
+    With no refusal, only checks (a process that shares the directory with others takes no lock).
+    A POSIX record lock belongs to its process: the kernel drops it when the process dies, even by SIGKILL, and the
+    processes it forks do not hold it. A directory made here that holds nothing but the lock at the end is removed."""
+    made = []  # deepest first
+    path = os.path.abspath(directory)
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    lock_path = os.path.join(directory, ".lock")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write_test.{os.getpid()}")  # the lock file may be writable, the dir not
+        open(probe, "w").close()
+        os.remove(probe)
+        lock_file = open(lock_path, "a+")
+    except OSError as e:
+        raise UsageError(unwritable.format(reason=e.strerror)) from None
+    with lock_file:
+        try:
+            if fcntl and refusal:
+                try:
+                    fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except (BlockingIOError, PermissionError):
+                    raise UsageError(refusal.format(holder=holder_of(lock_file))) from None
+                lock_file.truncate(0)
+                lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+                lock_file.flush()
+            yield
+        finally:  # while the lock is held: no other process can have taken the directory meanwhile
+            with contextlib.suppress(OSError):
+                if made and os.listdir(directory) == [".lock"]:
+                    os.remove(lock_path)
+                    for path in made:
+                        os.rmdir(path)
+
+
+# -----------------------------------------------------------------------------
+# The log directory: what a run writes there, and its checkpoint files
+
+CHECKPOINT = r"ckpt_\d+\.pt"  # a checkpoint's name, ckpt_<step>.pt, as a regex
+# What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
+# other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
+RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, CHECKPOINT + r"\.tmp", CHECKPOINT + r"\.abandoned", r"wandb"]
+
+
+def checkpoint_step(path):
+    return int(os.path.basename(path)[len("ckpt_"):-len(".pt")])
+
+
+def checkpoint_paths(log_dir):
+    """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
+    return sorted(files_in(log_dir, CHECKPOINT), key=checkpoint_step)
+
+
+def latest_checkpoint(log_dir, before_step=None):
+    """The path of the latest checkpoint in log_dir (of a step before before_step, if given), or None."""
+    paths = [p for p in checkpoint_paths(log_dir) if before_step is None or checkpoint_step(p) < before_step]
+    return paths[-1] if paths else None
+
+
+def lock_log_dir(log_dir, exclusive):
+    """The log directory, locked for this run if exclusive: a second run in it would move the first's files aside, or
+    resume from its live checkpoints, and prune them. --eval-only, which only appends its lines to log.jsonl, may run
+    beside the training it evaluates. Also checks now that the run can write there, not at its first log line."""
+    refusal = (f"another run is using --log-dir {log_dir} ({{holder}}); wait for it to end or stop it, or pass another "
+               f"--log-dir")
+    return directory_lock(log_dir, refusal if exclusive else None,
+                          f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run may "
+                          f"write to")
+
+
+def move_old_run_aside(log_dir):
+    """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>."""
+    old = files_in(log_dir, "|".join(RUN_FILES))
+    if not old:
+        return
+    aside = stamped = f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 0
+    while os.path.exists(aside):  # two fresh starts within a second must not collide
+        n += 1
+        aside = f"{stamped}.{n}"
+    os.mkdir(aside)
+    for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
+        os.rename(path, os.path.join(aside, os.path.basename(path)))
+    names = ", ".join(os.path.basename(path) for path in old)
+    print(f"starting fresh: moved the old run's files ({names}) from {log_dir} aside to {aside}")
+
+
+def prepare_log_dir(log_dir, resumed_step):
+    """A fresh run (resumed_step None) moves an earlier run's files aside; a resumed run moves aside the checkpoints
+    newer than its own (abandoned, or unreadable), so that they are never resumed later."""
+    if resumed_step is None:
+        move_old_run_aside(log_dir)
+        return
+    for stale in files_in(log_dir, CHECKPOINT + r"\.tmp"):  # a save cut short by a crash
+        os.remove(stale)
+    for path in checkpoint_paths(log_dir):
+        if checkpoint_step(path) > resumed_step:
+            os.replace(path, path + ".abandoned")
+            print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
+
+
+def write_checkpoint(log_dir, step, save, size, keep):
+    """Writes log_dir/ckpt_<step>.pt whole or not at all, with save(file); size: about how many bytes it takes."""
+    path = os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+    t0 = time.perf_counter()
+    write_atomically(path, save, path + ".tmp", lambda: (
+        f"a checkpoint needs about {size / 2**20:,.1f} MiB, {free_mib(log_dir):,.1f} MiB are free (saving needs room "
+        f"for --keep-checkpoints {keep} of them and one more); make room, then run the same command again: it "
+        f"resumes from {latest_checkpoint(log_dir) or 'the start'}"))
+    print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def prune_checkpoints(log_dir, keep):
+    """Deletes all but the latest keep checkpoints; only once the newest is durably in place (write_checkpoint)."""
+    for old in checkpoint_paths(log_dir)[:-keep]:
+        os.remove(old)
+
+
+# -----------------------------------------------------------------------------
+# The run's log: log.jsonl, and Weights & Biases
+
+
+def finite_only(record):
+    """record with null for each NaN or infinity, which JSON has no words for (strict parsers, jq, refuse them)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def import_wandb(project):
+    """wandb, an optional dependency: imported only when --wandb-project asks for it."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError(f"--wandb-project {project} needs the wandb package: pip install wandb "
+                         f"(or leave out --wandb-project)") from None
+    return wandb
+
+
+class RunLog:
+    """Rank 0's record of a run: lines appended to <log-dir>/log.jsonl (never truncated), and the same records in a
+    W&B run with --wandb-project."""
+
+    def __init__(self, log_dir):
+        self.log_dir, self.path = log_dir, os.path.join(log_dir, "log.jsonl")
+        self.wandb, self.wandb_step = None, 0
+        self.wandb_id = None  # kept in the checkpoints: a resumed run continues the same W&B run
+
+    def write(self, record):
+        record = finite_only(record)
+        append_line(self.path, json.dumps(record, allow_nan=False), lambda: (
+            f"make room, then run the same command again: it resumes from "
+            f"{latest_checkpoint(self.log_dir) or 'the start'}"))
+        if self.wandb:
+            self.wandb.log(record, step=self.wandb_step)
+            self.wandb_step += 1
+
+    def start_wandb(self, project, name, config):
+        """Starts logging to W&B, under <log-dir>/wandb (where WANDB_MODE=offline leaves it, for `wandb sync`),
+        continuing the W&B run of wandb_id if set."""
+        wandb = import_wandb(project)
+        try:
+            self.wandb = wandb.init(project=project, name=name or None, id=self.wandb_id, resume="allow",
+                                    dir=self.log_dir, config=config)
+        except wandb.errors.Error as e:  # not logged in, no network, ...
+            reason = str(e).strip().partition("\n")[0]  # its hints run over several lines
+            raise UsageError(f"--wandb-project {project}: W&B cannot start the run ({reason}); log in with "
+                             f"`wandb login`, or set WANDB_MODE=offline on a machine with no internet (and "
+                             f"`wandb sync` later)") from None
+        # W&B's step only goes up, but a resumed run logs the steps after its checkpoint again: W&B's step is the
+        # record's line in log.jsonl, which only grows, across resumes and offline runs alike, and every chart's x-axis
+        # is the training step, so a step trained again is drawn again rather than refused as a step back in time.
+        with open(self.path, "a+") as f:
+            f.seek(0)
+            self.wandb_step = sum(1 for _ in f)
+        self.wandb.define_metric("*", step_metric="step")
+        self.wandb_id = self.wandb.id
+
+    def finish(self, failed):
+        """Ends the W&B run, if one started: failed, if an error stopped the run."""
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if failed else 0)
+
+
+# -----------------------------------------------------------------------------
+# Downloads, once per node, into a cache
+
+
+class BadFile(Exception):
+    """What is wrong with a file's contents, without its name: the caller says which file and what to do about it."""
+
+
+def check_safetensors(path):
+    """Raises BadFile unless path is a whole safetensors file: its header must cover the file."""
+    try:
+        with safe_open(path, "pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own error types, not OSError
+        raise BadFile(str(e))
+
+
+def default_cache_dir():
+    return os.environ.get("GPT2_CACHE_DIR") or os.path.expanduser("~/.cache/train_gpt2")
+
+
+def download(url, path, check, what, hint, headers=None):
+    """Fetches url to path: the file appears whole and passed by check(temp_path), which raises BadFile, or not at all.
+    what names the kind of file and hint says where else to get it, in the one-line errors."""
+    cache_dir = os.path.dirname(path)
+    # a unique temp name in the same directory: the rename is atomic and concurrent downloads (nodes sharing the
+    # cache) don't mix. os.open applies the umask to 0o666, so that a shared $GPT2_CACHE_DIR stays shared
+    # (tempfile.mkstemp would make the file private to this user).
+    tmp_path = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f, \
+                requests.get(url, headers=headers, stream=True, timeout=60) as response:
+            response.raise_for_status()
+            for chunk in response.iter_content(chunk_size=1 << 20):
+                f.write(chunk)
+        check(tmp_path)  # never cache a truncated or wrong file
+        os.replace(tmp_path, path)
+    except BadFile as e:
+        raise UsageError(f"downloaded {url} is not a valid {what} ({e}); nothing was cached; retry, or "
+                         f"{hint}") from None
+    except requests.RequestException as e:  # before OSError, which it subclasses
+        raise UsageError(f"could not download {url} ({e}); {hint}") from None
+    except OSError as e:
+        raise UsageError(f"cannot write to the cache directory {cache_dir} ({e}); "
+                         f"pass --cache-dir or set $GPT2_CACHE_DIR to a writable directory") from None
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+def download_once_per_node(url, path, check, what, hint, headers=None):
+    """One process per node downloads (the cache may be node-local); the others wait for it, then all read the file.
+    A failed download fails every rank with its one-line error. The group may span nodes, so all ranks learn whether
+    any node's download failed."""
+    error = None
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(path):
+        print(f"downloading {url} to {path}")
+        try:
+            download(url, path, check, what, hint, headers)
+        except UsageError as e:
+            error = str(e)
+    error = first_error_of_any_rank(error)  # also the wait: it returns once every node's download has ended
+    if error is not None:
+        raise UsageError(error)
+
+
+# -----------------------------------------------------------------------------
+# The CPU heap
+
+
+def keep_freed_memory():
+    """On Linux, glibc gives every freed block over 32 MB back to the OS, and the next step faults its pages back in,
+    zeroed: on a CPU, GPT-2's 50257-wide logits made that 40% of a small model's step. Freed memory stays in the
+    heap."""
+    libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: no block gets an mmap of its own, big ones come from the heap too
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: the heap's free top goes back to the OS only past 1 GiB

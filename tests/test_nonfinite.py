@@ -1,0 +1,180 @@
+"""Steps with a non-finite loss: the update is skipped and logged (as null: log.jsonl stays strict JSON), no checkpoint
+is written or pruned while they last, and too many in a row stop the run, naming the checkpoint to go back to. Most
+NaNs are made here: GPT.loss is multiplied by NaN in the steps chosen, so train_step itself must find the step
+non-finite; the last test's weights really diverge."""
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+import plumbing
+import train_gpt2
+from helpers import (
+    TINY,
+    assert_tensors_equal,
+    check_usage_error,
+    checkpoint_path,
+    expect_usage_error,
+    load_ckpt,
+    read_log,
+    run_main,
+    train_records,
+)
+
+CONSTANT_LR = ["--warmup-steps", "0", "--min-lr-ratio", "1", "--max-lr", "1e-2"]  # the same lr whatever --max-steps
+
+
+def poison_steps(monkeypatch, steps, after_step=None):
+    """Makes the loss NaN in the given steps of a run started fresh (its n-th train_step call is step n), as a bad
+    batch or a diverging model would. after_step(step, model, optimizers) is called after each step."""
+    real_train_step, real_loss = train_gpt2.train_step, train_gpt2.GPT.loss
+    state = {"step": -1, "poisoned": False}
+
+    def train_step(model, optimizers, *args, **kwargs):
+        state["step"] += 1
+        state["poisoned"] = state["step"] in steps
+        try:
+            result = real_train_step(model, optimizers, *args, **kwargs)
+        finally:
+            state["poisoned"] = False
+        if after_step:
+            after_step(state["step"], model, optimizers)
+        return result
+
+    def loss(self, x, targets):
+        value = real_loss(self, x, targets)
+        return value * float("nan") if state["poisoned"] else value
+
+    monkeypatch.setattr(train_gpt2, "train_step", train_step)
+    monkeypatch.setattr(train_gpt2.GPT, "loss", loss)
+
+
+def copy_of(state_dict):
+    """A deep copy of a (nested) state dict's tensors, as a checkpoint would hold them."""
+    if isinstance(state_dict, dict):
+        return {key: copy_of(value) for key, value in state_dict.items()}
+    if isinstance(state_dict, list):
+        return [copy_of(value) for value in state_dict]
+    return state_dict.detach().clone() if isinstance(state_dict, torch.Tensor) else state_dict
+
+
+def test_non_finite_step_is_skipped(shards, tmp_path, capsys, monkeypatch):
+    args = TINY + ["--data", shards, "--checkpoint-every", "4"] + CONSTANT_LR
+    after_3 = {}
+
+    def keep_step_3(step, model, optimizers):
+        if step == 3:
+            after_3.update(model=copy_of(model.state_dict()), optimizers=[copy_of(o.state_dict()) for o in optimizers])
+
+    poison_steps(monkeypatch, {3}, keep_step_3)
+    code, out, err = run_main(args + ["--max-steps", "6", "--log-dir", tmp_path / "nan"], capsys)
+    assert code == 0, err
+    assert "non-finite: update skipped (1 in a row)" in out
+    monkeypatch.undo()
+    code, _, err = run_main(args + ["--max-steps", "3", "--log-dir", tmp_path / "ref"], capsys)
+    assert code == 0, err
+    nan, ref = train_records(read_log(tmp_path / "nan")), train_records(read_log(tmp_path / "ref"))
+    assert nan[3]["skipped"] is True and nan[3]["train_loss"] is None
+    for step in (0, 1, 2, 4, 5):
+        assert "skipped" not in nan[step] and nan[step]["train_loss"] is not None
+    for step in (0, 1, 2):
+        assert nan[step]["train_loss"] == ref[step]["train_loss"]
+    # the weights after steps 0-3 with 3 skipped are those after steps 0-2, exactly. (Taken from the model itself: the
+    # checkpoint of step 4 waits for a finite step, as the step before it was non-finite, and is written at step 5.)
+    assert not os.path.exists(checkpoint_path(tmp_path / "nan", 4))
+    assert os.path.exists(checkpoint_path(tmp_path / "nan", 5))
+    reference = load_ckpt(checkpoint_path(tmp_path / "ref", 3))
+    assert_tensors_equal(after_3["model"], reference["model"])
+    assert len(after_3["optimizers"]) == len(reference["optimizers"])
+    for skipped, saved in zip(after_3["optimizers"], reference["optimizers"]):
+        assert_tensors_equal(skipped["state"], saved["state"])
+    assert all(torch.isfinite(t).all() for t in load_ckpt(checkpoint_path(tmp_path / "nan", 6))["model"].values())
+
+
+@pytest.mark.parametrize("first_bad", [3, 4])
+def test_too_many_bad_steps_stop_the_run(shards, tmp_path, capsys, monkeypatch, first_bad):
+    """Three bad steps in a row stop the run, naming the latest checkpoint from before them: one written during them
+    (none is) or at the step they began from holds the weights that went non-finite, and is named as such."""
+    log_dir = tmp_path / "log"
+    bad = [first_bad, first_bad + 1, first_bad + 2]
+    poison_steps(monkeypatch, set(bad + [first_bad + 3]))
+    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--max-bad-steps", "3", "--max-steps", "10",
+                   "--log-dir", log_dir] + CONSTANT_LR
+    good = checkpoint_path(log_dir, 2)
+    line = expect_usage_error(args, capsys, "3 steps in a row", "non-finite", f"step {bad[-1]}", f"resume from {good}")
+    assert str(log_dir) in line
+    records = train_records(read_log(log_dir))
+    assert sorted(records) == list(range(bad[-1] + 1))  # stopped right after the third bad step
+    assert [s for s, r in records.items() if r.get("skipped")] == bad
+    if first_bad == 3:  # no checkpoint of step 4: the step before it was non-finite
+        assert [os.path.basename(p) for p in plumbing.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt"]
+        assert "--resume" not in line
+    else:  # ckpt 4, written before step 4, holds the weights that went non-finite: kept, and named as such
+        assert [os.path.basename(p) for p in plumbing.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt",
+                                                                                           "ckpt_000004.pt"]
+        assert f"--resume {good}: the later checkpoints hold the weights that went non-finite" in line
+    last_good = load_ckpt(good)
+    assert all(torch.isfinite(t).all() for t in last_good["model"].values())
+
+
+def test_a_stop_signal_during_non_finite_steps_saves_nothing_and_says_so(shards, tmp_path, capsys, monkeypatch):
+    """A SIGTERM while the steps are non-finite: no checkpoint of their weights, and the last line says so, naming the
+    latest checkpoint (it said "checkpoint saved" of a save that never happened)."""
+    log_dir = tmp_path / "log"
+
+    def terminate_in_step_5(step, model, optimizers):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # caught by the run: it stops after this step
+
+    poison_steps(monkeypatch, {4, 5}, terminate_in_step_5)
+    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--max-steps", "10", "--log-dir", log_dir] + CONSTANT_LR
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err
+    assert plumbing.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 2), checkpoint_path(log_dir, 4)]
+    last = out.strip().splitlines()[-1]
+    assert last == (f"stopped by signal at step 6, not saved: the steps since 4 were non-finite; the latest checkpoint "
+                    f"is {checkpoint_path(log_dir, 4)}"), last
+
+
+# Weights that really diverge (a learning rate of 1e20, not a patched loss)
+
+SCHEDULE_OFF = ["--warmup-steps", "0", "--min-lr-ratio", "1"]  # the --max-lr given, at every step
+
+
+def strict_records(log_dir):
+    """log.jsonl's records, read as strict JSON: NaN and Infinity are not JSON, and parsers such as jq refuse them."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    with open(os.path.join(log_dir, "log.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def test_a_diverging_run_keeps_the_last_checkpoint_that_trains_and_names_it(shards, tmp_path, capsys):
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "1"] + SCHEDULE_OFF
+    code, out, err = run_main(args + ["--max-steps", "6", "--max-lr", "1e-3"], capsys)
+    assert code == 0, err
+    assert [plumbing.checkpoint_step(p) for p in plumbing.checkpoint_paths(log_dir)] == [5, 6]
+
+    # the step from 6 has a finite loss and takes the weights to ~1e20; every step after it is non-finite
+    code, out, err = run_main(args + ["--max-steps", "30", "--max-lr", "1e20", "--eval-every", "1"], capsys)
+    line = check_usage_error(code, out, err, "5 steps in a row had a non-finite loss", "(last: step 11)",
+                             f"resume from {checkpoint_path(log_dir, 6)}", f"--resume {checkpoint_path(log_dir, 6)}")
+    # the checkpoint of step 7 was written before its step showed its weights non-finite; none after, none pruned
+    assert [plumbing.checkpoint_step(p) for p in plumbing.checkpoint_paths(log_dir)] == [5, 6, 7], line
+
+    records = strict_records(log_dir)
+    diverged = [r for r in records if r.get("step", 0) >= 7 and ("val_loss" in r or "train_loss" in r)]
+    assert diverged and all(r.get("val_loss", r.get("train_loss")) is None for r in diverged), diverged
+
+    # the named checkpoint trains again, at a sane learning rate
+    code, out, err = run_main(args + ["--max-steps", "8", "--max-lr", "1e-3", "--resume", checkpoint_path(log_dir, 6)],
+                              capsys)
+    assert code == 0, err
+    resumed = [r for r in strict_records(log_dir) if "train_loss" in r][-2:]
+    assert [r["step"] for r in resumed] == [6, 7]
+    assert all(r["train_loss"] is not None and math.isfinite(r["train_loss"]) for r in resumed), resumed
