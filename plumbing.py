@@ -16,6 +16,7 @@ It never imports torch at the top: fineweb.py, which never runs distributed, sho
 import contextlib
 import ctypes
 import errno
+import functools
 import json
 import math
 import os
@@ -48,8 +49,10 @@ EOT = 50256  # <|endoftext|>, which separates documents
 SPLIT_WORD = re.compile(r"(?:^|[_.-])(train|val)(?=[_.-]|$)")
 
 
+@functools.cache
 def gpt2_tokenizer():
-    """The GPT-2 BPE from the shipped gpt2.tiktoken (tiktoken's r50k_base): no network needed."""
+    """The GPT-2 BPE from the shipped gpt2.tiktoken (tiktoken's r50k_base): no network needed. Read once per process:
+    parsing its 50,000 ranks takes a noticeable fraction of a second, and evaluations and samples ask for it often."""
     ranks = load_tiktoken_bpe(os.path.join(HERE, "gpt2.tiktoken"))
     pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
     return tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT})
@@ -89,16 +92,16 @@ def failing_together():
         raise UsageError(error)
 
 
-def files_in(directory, pattern):
-    """The files of directory whose names fully match the regex pattern. Not glob: "run[a]" is a name, not a pattern."""
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    return sorted(os.path.join(directory, name) for name in names if re.fullmatch(pattern, name))
-
-
 # -----------------------------------------------------------------------------
 # Shard files: how the trainer finds and opens what fineweb.py writes
 
 BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
+
+
+def files_in(directory, pattern):
+    """The files of directory whose names fully match the regex pattern. Not glob: "run[a]" is a name, not a pattern."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(os.path.join(directory, name) for name in names if re.fullmatch(pattern, name))
 
 
 def open_shard(path):
@@ -165,6 +168,14 @@ def no_room(error):
     return None
 
 
+def raise_if_no_room(error, path, if_no_room, reason=None):
+    """Raises the one-line UsageError of a write to path that ran out of room (reason, if given, or no_room's): the
+    reason, path, then if_no_room(), which says what to do. Returns if the error is something else."""
+    reason = reason or no_room(error)
+    if reason is not None:
+        raise UsageError(f"{reason} writing {path}: {if_no_room()}") from None
+
+
 def sync_directory(path):
     """Makes the renames in a directory durable (where directories can be opened: not on Windows)."""
     if hasattr(os, "O_DIRECTORY"):
@@ -187,12 +198,9 @@ def write_atomically(path, write, temp, if_no_room):
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)
-        reason = no_room(e)
-        if isinstance(e, OSError) and e.errno is None:  # how numpy reports a short write to a full disk
-            reason = NO_ROOM[errno.ENOSPC]
-        if reason is None:
-            raise
-        raise UsageError(f"{reason} writing {path}: {if_no_room()}") from None
+        short_write = isinstance(e, OSError) and e.errno is None  # how numpy reports a short write to a full disk
+        raise_if_no_room(e, path, if_no_room, NO_ROOM[errno.ENOSPC] if short_write else None)
+        raise
     sync_directory(os.path.dirname(os.path.abspath(path)))
 
 
@@ -208,10 +216,8 @@ def append_line(path, line, if_no_room):
         except OSError as e:
             if os.fstat(fd).st_size == size + written:  # never half a line, nor another process's (--eval-only) line
                 os.ftruncate(fd, size)
-            reason = no_room(e)
-            if reason is None:
-                raise
-            raise UsageError(f"{reason} writing {path}: {if_no_room()}") from None
+            raise_if_no_room(e, path, if_no_room)
+            raise
     finally:
         os.close(fd)
 
@@ -485,16 +491,10 @@ def download_once_per_node(url, path, check, what, hint, headers=None):
     """One process per node downloads (the cache may be node-local); the others wait for it, then all read the file.
     A failed download fails every rank with its one-line error. The group may span nodes, so all ranks learn whether
     any node's download failed."""
-    error = None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(path):
-        print(f"downloading {url} to {path}")
-        try:
+    with failing_together():  # also the wait: it ends once every node's download has ended
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not os.path.exists(path):
+            print(f"downloading {url} to {path}")
             download(url, path, check, what, hint, headers)
-        except UsageError as e:
-            error = str(e)
-    error = first_error_of_any_rank(error)  # also the wait: it returns once every node's download has ended
-    if error is not None:
-        raise UsageError(error)
 
 
 # -----------------------------------------------------------------------------

@@ -418,6 +418,7 @@ def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k
 # -----------------------------------------------------------------------------
 # Data: token shards read through memory maps, or a text file tokenized in memory.
 
+
 def check_token_ids(tokens, vocab_size, source):
     n_tokens = min(vocab_size, GPT2_VOCAB)  # the ids the model scores: padding rows are not tokens
     if len(tokens) and int(tokens.max()) >= n_tokens:
@@ -531,8 +532,8 @@ def load_data(cfg):
     elif cfg.data.endswith((".npy", ".bin")):
         raise UsageError(f"--data {cfg.data} is a single shard; pass the directory that holds the train and val shards")
     else:
-        train_tokens, val_tokens = read_text(cfg.data)
-        train_shards, names, val_shards = [train_tokens], [cfg.data], [val_tokens]
+        text_train, text_val = read_text(cfg.data)
+        train_shards, names, val_shards = [text_train], [cfg.data], [text_val]
     train_tokens = sum(len(s) for s in train_shards)
     if train_tokens < cfg.total_batch_size + 1:
         raise UsageError(f"--data {cfg.data}: {train_tokens} training tokens, fewer than one batch of "
@@ -1021,15 +1022,14 @@ def evaluate(run):
                                     env.rank, env.world_size)
         run.val_step = step
         report(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra},
-            f"step {step:5d} | val loss {run.val_loss:.4f}")
+               f"step {step:5d} | val loss {run.val_loss:.4f}")
         if run.master and cfg.num_samples > 0:  # eager, so that growing lengths never recompile
             print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step)
     if hellaswag_due:
         acc_norm, acc, n = hellaswag.evaluate(run.compiled, run.hellaswag_data, env.device, run.autocast_ctx,
                                               env.rank, env.world_size)
         report(run, {"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc, **extra},
-            f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
-    run.evaluated = True
+               f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
 
 
 def evaluate_unless_stopped(run, stop_signal):
@@ -1230,16 +1230,18 @@ def log_step(run, result, lr, dt):
     report(run, record, line)
 
 
-def prune_or_stop(run):
-    """After a finite step, the checkpoints past --keep-checkpoints go: the newest one's weights train. After
-    --max-bad-steps non-finite ones in a row, the run stops, naming the checkpoint to go back to: the latest from
-    before them, as the weights that made them non-finite came later."""
+def prune_checkpoints(run):
+    """Rank 0 deletes the checkpoints past --keep-checkpoints: only once the newest one's weights trained to a finite
+    loss, so that the last checkpoint that trains is never deleted."""
+    if run.master:
+        plumbing.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
+
+
+def stop_if_diverging(run):
+    """After --max-bad-steps non-finite steps in a row, stops the run, naming the checkpoint to go back to: the latest
+    from before them, as the weights that made them non-finite came later."""
     cfg = run.cfg
-    if run.nonfinite_since is None:
-        if run.master:
-            plumbing.prune_checkpoints(cfg.log_dir, cfg.keep_checkpoints)
-        return
-    in_a_row = run.step - run.nonfinite_since + 1
+    in_a_row = 0 if run.nonfinite_since is None else run.step - run.nonfinite_since + 1
     if in_a_row >= cfg.max_bad_steps:
         good = plumbing.latest_checkpoint(cfg.log_dir, before_step=run.nonfinite_since)
         later = good != plumbing.latest_checkpoint(cfg.log_dir)
@@ -1258,7 +1260,8 @@ def training_loop(run, stop_signal):
         if evaluate_unless_stopped(run, stop_signal):
             return True
         save_due |= run.step > start and cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0
-        if save_due and run.nonfinite_since is None:  # not while steps are non-finite: their weights may be why
+        saved = save_due and run.nonfinite_since is None  # not while steps are non-finite: their weights may be why
+        if saved:
             save_checkpoint(run)
             save_due = False
         t0 = time.perf_counter()
@@ -1270,10 +1273,12 @@ def training_loop(run, stop_signal):
             torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
         if result.finite:
             run.nonfinite_since = None
+            if saved:
+                prune_checkpoints(run)
         elif run.nonfinite_since is None:
             run.nonfinite_since = run.step
         log_step(run, result, get_lr(run.step, cfg.max_lr, cfg), time.perf_counter() - t0)
-        prune_or_stop(run)
+        stop_if_diverging(run)
         run.step, run.evaluated = run.step + 1, False
         if any_rank(bool(stop_signal), env.device):  # a signal that came during the step
             return True
@@ -1286,9 +1291,9 @@ def finish(run, stopped_by_signal, seconds):
     if not run.master:
         return
     last = plumbing.latest_checkpoint(cfg.log_dir)
-    if stopped_by_signal and run.nonfinite_since is not None:
-        print(f"stopped by signal at step {run.step}, not saved: the steps since {run.nonfinite_since} were "
-              f"non-finite; the latest checkpoint is {last or 'none'}")
+    if run.nonfinite_since is not None:
+        print(f"{'stopped by signal' if stopped_by_signal else 'done'} at step {run.step}, not saved: the steps since "
+              f"{run.nonfinite_since} were non-finite; the latest checkpoint is {last or 'none'}")
     elif stopped_by_signal and last is None:
         print("stopped by signal before the first step: nothing to save")
     elif stopped_by_signal:
@@ -1296,9 +1301,6 @@ def finish(run, stopped_by_signal, seconds):
         same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
         print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up "
               f"{cfg.log_dir})")
-    elif run.nonfinite_since is not None:
-        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, not saved: the steps since {run.nonfinite_since} "
-              f"were non-finite; the latest checkpoint is {last or 'none'}")
     else:
         hint = f"; for more samples: python train_gpt2.py --sample {last}" if last else ""
         print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {seconds / 60:.1f} min{hint}")
@@ -1313,8 +1315,7 @@ def train_to_the_end(run):
     # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it
     if (run.step > start or (run.resumed_from and run.evaluated)) and run.nonfinite_since is None:
         save_checkpoint(run)
-        if run.master:
-            plumbing.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
+        prune_checkpoints(run)  # the run ended on a finite step
     finish(run, stopped, time.perf_counter() - t0)
 
 
