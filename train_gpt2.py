@@ -14,6 +14,7 @@ import datetime
 import functools
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 import hellaswag
+import hf_export
 import plumbing
 from plumbing import EOT, GPT2_VOCAB, UsageError, failing_together
 
@@ -71,6 +73,9 @@ class TrainConfig:
                                             "for faster matmuls")
     attn: str = setting("sdpa", "sdpa (flash attention) or naive (explicit masked softmax, for tests)",
                         ["sdpa", "naive"])
+    recipe: str = setting("gpt2", "gpt2: GPT-2 exactly; modern: rotary, QK-norm, ReLU², an untied zero-init head, "
+                          "logit soft-cap, Muon, and a constant learning rate then a cool-down (the README's Modern "
+                          "recipe)", ["gpt2", "modern"])
     init_from: str = setting("scratch", "start from random weights or from OpenAI's", ["scratch", *MODEL_SIZES])
     # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
     batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process")
@@ -82,6 +87,12 @@ class TrainConfig:
     max_lr: float = setting(6e-4, "peak learning rate; cosine decay then takes it to min_lr_ratio of this")
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --max-lr")
     weight_decay: float = setting(0.1, "AdamW weight decay of the matmul and embedding weights")
+    muon_lr: float = setting(0.02, "--recipe modern: Muon's learning rate, for the blocks' matrices")
+    embed_lr: float = setting(0.2, "--recipe modern: Adam's learning rate for the token embedding")
+    head_lr: float = setting(0.004, "--recipe modern: Adam's learning rate for the output layer")
+    cooldown_frac: float = setting(0.4, "--recipe modern: the last fraction of the run, over which the learning rate "
+                                        "falls linearly to --min-lr-ratio of its peak")
+    logit_softcap: float = setting(15.0, "--recipe modern: logits are squashed smoothly into (-cap, cap)")
     grad_clip: float = setting(1.0, "clip the global gradient norm to this")
     seed: int = setting(1337, "seeds the weights, the shard order and the samples")
     # evaluation, samples, checkpoints
@@ -97,6 +108,8 @@ class TrainConfig:
     num_samples: int = setting(4, "samples printed at each evaluation")
     max_new_tokens: int = setting(32, "length of each sample")
     sample: str = setting("", "print samples from this checkpoint and exit, with no training")
+    export_hf: str = setting("", "write the latest checkpoint in --log-dir (or --resume's, or --init-from's weights) "
+                                 "to this new directory as a Hugging Face model, and exit")
     checkpoint_every: int = setting(2500, "steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)")
     keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep")
     resume: str = setting("auto", "auto: from the latest checkpoint in --log-dir; or a checkpoint path; "
@@ -130,6 +143,14 @@ SHAKESPEARE = dict(
 )
 # Fine-tuning OpenAI's GPT-2 on it instead (--init-from gpt2): a far gentler learning rate, and fewer steps.
 SHAKESPEARE_FINETUNE = dict(max_steps=100, warmup_steps=10, max_lr=3e-5, eval_every=25)
+# The modern recipe (--recipe modern) on FineWeb: a fifth of GPT-2's steps (the speedrun's plain-attention trainer
+# reached GPT-2's loss in 3,250; not yet measured with this one), at full rate from the first. On tiny Shakespeare:
+# the rates of benchmarks/recipes.py's search, on a model of about that size (the README has it).
+MODERN = dict(max_steps=3815, warmup_steps=0)
+SHAKESPEARE_MODERN = dict(warmup_steps=0, muon_lr=0.02, embed_lr=0.3, head_lr=0.004)
+# the settings each recipe alone reads: given with the other, they would do nothing
+RECIPE_SETTINGS = {"gpt2": ("max_lr", "weight_decay"),
+                   "modern": ("muon_lr", "embed_lr", "head_lr", "cooldown_frac", "logit_softcap")}
 
 
 def parse_args(argv=None):
@@ -150,7 +171,8 @@ def parse_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# The model: GPT-2 exactly, so OpenAI's weights load into it one-to-one.
+# The model: GPT-2 exactly, so OpenAI's weights load into it one-to-one. The modern recipe changes it where the lines
+# marked "modern:" say (the README's Modern recipe has where each change comes from).
 
 
 @dataclass
@@ -162,6 +184,29 @@ class GPTConfig:
     n_embd: int = 768
     attn: str = "sdpa"  # or "naive"
     loss: str = "full"  # or "chunked"
+    recipe: str = "gpt2"  # or "modern"
+    logit_softcap: float = 15.0  # modern only
+
+
+def rotary_tables(head_size, n_positions, base=10000.0):
+    """cos and sin (T, hs/2) of the angle position * frequency, for frequencies from 1 down to about 1/base."""
+    frequencies = base ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+    angles = torch.outer(torch.arange(n_positions, dtype=torch.float32), frequencies)  # (T, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x, cos, sin):
+    """Rotary embedding: each pair (x1[i], x2[i]) of a query or key turned by its position's angle i, so that q.k
+    depends on how far apart the two positions are, not where they are."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)  # (B, nh, T, hs)
+
+
+def make_norm(config):
+    if config.recipe == "modern":  # modern: RMSNorm with no gain or bias, as the matrices after it can learn any scale
+        return nn.RMSNorm(config.n_embd, elementwise_affine=False)
+    return nn.LayerNorm(config.n_embd)
 
 
 def naive_attention(q, k, v):
@@ -176,17 +221,22 @@ def naive_attention(q, k, v):
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.naive = config.n_head, config.attn == "naive"
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v of all heads in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.n_head, self.naive, self.modern = config.n_head, config.attn == "naive", config.recipe == "modern"
+        bias = not self.modern  # modern: no biases anywhere
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=bias)  # q, k, v of all heads in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=bias)
         self.c_proj.RESIDUAL_PROJECTION = True
 
-    def forward(self, x, kv_cache=None):
+    def forward(self, x, rotary=None, kv_cache=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.modern:
+            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))  # modern: QK-norm bounds q.k
+            q, k = rotate(q, *rotary).to(v.dtype), rotate(k, *rotary).to(v.dtype)  # modern: rotary positions
+            # (.to: autocast may run the norm in float32, and attention wants one dtype)
         if kv_cache is not None:  # sampling: one new token attends to the keys and values of all earlier ones
             if kv_cache:
                 k, v = torch.cat([kv_cache[0], k], dim=2), torch.cat([kv_cache[1], v], dim=2)
@@ -202,35 +252,42 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.modern = config.recipe == "modern"
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=not self.modern)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=not self.modern)
         self.c_proj.RESIDUAL_PROJECTION = True
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        x = self.c_fc(x)
+        x = F.relu(x).square() if self.modern else self.gelu(x)  # modern: ReLU², sparser and cheaper than GELU
+        return self.c_proj(x)
 
 
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None):
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x, rotary=None, kv_cache=None):
+        x = x + self.attn(self.ln_1(x), rotary, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
 
+def soft_cap(logits, cap):
+    return cap * torch.tanh(logits / cap)  # logits near 0 pass unchanged, large ones level off below cap
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """The mean cross-entropy of the logits x @ weight.T + mask over the targets that are not -1, a chunk of rows at a
-    time: only (chunk, V) logits ever exist, never all (N, V). Each chunk's gradients are computed in the forward pass,
-    while its logits exist; backward only scales them by the loss's own gradient (1 / accumulation steps)."""
+    """The mean cross-entropy of the logits x @ weight.T (soft-capped, if cap) + mask over the targets that are not -1,
+    a chunk of rows at a time: only (chunk, V) tensors ever exist, never (N, V). Each chunk's gradients are computed
+    in the forward pass, while its logits exist; backward only scales them by the loss's own gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, mask, dtype, chunk_rows, need_grads):
+    def forward(ctx, x, weight, targets, mask, cap, dtype, chunk_rows, need_grads):
         ctx.dtypes = x.dtype, weight.dtype
         xd, wd = x.to(dtype), weight.to(dtype)  # (N, C), (V, C): the matmuls in the autocast dtype, as lm_head's are
         valid = targets != -1  # (N,)
@@ -241,6 +298,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, x.size(0), chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = (xd[rows] @ wd.T).float()  # (n, V)
+            if cap:
+                logits = soft_cap(logits, cap)  # modern
+                if need_grads:
+                    cap_slope = 1 - (logits / cap).square()  # (n, V) d soft_cap(z) / dz = 1 - tanh(z / cap)**2
             if mask is not None:
                 logits += mask
             lse = logits.logsumexp(dim=-1)  # (n,)
@@ -249,6 +310,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if need_grads:  # d loss_i / d logits_i = softmax_i - one_hot(target_i), zero for the rows left out
                 grad_logits = logits.sub_(lse[:, None]).exp_()  # (n, V) the softmax, in place of the logits
                 grad_logits[torch.arange(len(lse), device=x.device), safe_targets[rows]] -= 1.0
+                if cap:
+                    grad_logits *= cap_slope
                 grad_logits = grad_logits.mul_(valid[rows, None]).to(dtype)
                 grad_x[rows] = grad_logits @ wd  # (n, C)
                 grad_w += grad_logits.T @ xd[rows]  # (V, C)
@@ -260,16 +323,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w, n_valid = ctx.saved_tensors
         scale = grad_loss / n_valid
-        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None, None, None
+        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), *[None] * 6
 
 
-def chunked_cross_entropy(x, weight, targets, mask=None, chunk_rows=8192):
-    """F.cross_entropy(x @ weight.T + mask, targets, ignore_index=-1) with no (N, V) tensor: 8192 rows of 50304
-    float32 logits are 1.6 GB, where all of a 64 x 1024 micro-batch's are 13 GB (and its gradient as much again)."""
+def chunked_cross_entropy(x, weight, targets, mask=None, cap=None, chunk_rows=8192):
+    """F.cross_entropy(soft_cap(x @ weight.T) + mask, targets, ignore_index=-1) with no (N, V) tensor: 8192 rows of
+    50304 float32 logits are 1.6 GB, where all of a 64 x 1024 micro-batch's are 13 GB (and its gradient as much
+    again)."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     need_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation needs none
-    return ChunkedCrossEntropy.apply(x, weight, targets, mask, dtype, chunk_rows, need_grads)
+    return ChunkedCrossEntropy.apply(x, weight, targets, mask, cap, dtype, chunk_rows, need_grads)
 
 
 class GPT(nn.Module):
@@ -281,14 +345,21 @@ class GPT(nn.Module):
         vocab_mask[GPT2_VOCAB:] = float("-inf")  # -inf for the padding ids, which get no probability and no gradient
         padded = config.vocab_size > GPT2_VOCAB
         self.register_buffer("vocab_mask", vocab_mask if padded else None, persistent=False)  # not saved
+        self.modern = config.recipe == "modern"
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            # modern: no position table (rotary instead); in the dict, so that GPT-2's modules keep their order
+            # and with it their random initial weights
+            **({} if self.modern else {"wpe": nn.Embedding(config.block_size, config.n_embd)}),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
+            ln_f=make_norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        if not self.modern:  # modern: untied, the output layer and the embedding learn at rates of their own
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        cos, sin = rotary_tables(config.n_embd // config.n_head, config.block_size) if self.modern else (None, None)
+        self.register_buffer("rotary_cos", cos, persistent=False)  # (block_size, hs/2)
+        self.register_buffer("rotary_sin", sin, persistent=False)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -296,11 +367,15 @@ class GPT(nn.Module):
             std = 0.02
             if hasattr(module, "RESIDUAL_PROJECTION"):  # keeps the residual stream's variance from growing with depth
                 std *= (2 * self.config.n_layer) ** -0.5
+            if self.modern:  # modern: zero for the blocks' outputs and the head (each block starts as the identity,
+                # and the first predictions are uniform); for the rest, a scale set by the input width
+                zero = hasattr(module, "RESIDUAL_PROJECTION") or module is self.lm_head
+                std = 0.0 if zero else 0.5 * module.in_features**-0.5
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.Embedding):  # modern: N(0, 1), as the norm after it sets its scale
+            torch.nn.init.normal_(module.weight, mean=0.0, std=1.0 if self.modern else 0.02)
 
     def forward(self, idx, targets=None, kv_cache=None):
         """The logits (B, T, vocab_size), the padding ids at -inf; given targets, the mean loss instead."""
@@ -311,13 +386,19 @@ class GPT(nn.Module):
         """The final hidden states (B, T, C) of the tokens idx (B, T), which follow those in kv_cache, if any."""
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         pos = torch.arange(past, past + idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        if self.modern:  # modern: the embedding normed; the positions go to attention as rotary angles
+            x = F.rms_norm(self.transformer.wte(idx), (self.config.n_embd,))  # (B, T, C)
+            rotary = self.rotary_cos[pos], self.rotary_sin[pos]  # (T, hs/2) each
+        else:
+            x, rotary = self.transformer.wte(idx) + self.transformer.wpe(pos), None  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, None if kv_cache is None else kv_cache[i])
+            x = block(x, rotary, None if kv_cache is None else kv_cache[i])
         return self.transformer.ln_f(x)  # (B, T, C)
 
     def logits(self, x):
         logits = self.lm_head(x)  # (B, T, V)
+        if self.modern:  # modern: soft-capped, in float32 (bf16 would round the logits near the cap to a few values)
+            logits = soft_cap(logits.float(), self.config.logit_softcap)
         if self.vocab_mask is not None:  # in the logits' dtype: bf16 stays bf16; compile fuses the add into the loss
             logits = logits + self.vocab_mask.to(logits.dtype)
         return logits
@@ -325,26 +406,32 @@ class GPT(nn.Module):
     def loss(self, x, targets):
         """The mean cross-entropy over the targets that are not -1 (evaluate_val's filler rows)."""
         if self.config.loss == "chunked":  # a chunk of rows at a time: no (B*T, V) logits in memory
-            return chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
+            cap = self.config.logit_softcap if self.modern else None
+            return chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask, cap)
         return F.cross_entropy(self.logits(x).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     @classmethod
     def from_pretrained(cls, name, config=None, cache_dir=None):
         """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl) from the Hugging Face hub, or $HF_ENDPOINT's
-        mirror, downloaded once into the cache. A config, if given, must have that model's shapes."""
-        endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-        path = os.path.join(cache_dir or plumbing.default_cache_dir(), name, "model.safetensors")
-        headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
-        plumbing.download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path,
-                                        plumbing.check_safetensors, "safetensors file",
-                                        "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
+        mirror, downloaded once into the cache; or, if name is a directory, the GPT-2 in it (model.safetensors and
+        config.json, as --export-hf writes them). A config, if given, must have that model's shapes."""
+        if os.path.isdir(name):
+            path, config = os.path.join(name, "model.safetensors"), config or GPTConfig(**hf_export.read_shape(name))
+            fix = "export it again"
+        else:
+            fix = "delete it to download it again"
+            endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+            path = os.path.join(cache_dir or plumbing.default_cache_dir(), name, "model.safetensors")
+            headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
+            plumbing.download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path,
+                                            plumbing.check_safetensors, "safetensors file",
+                                            "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
         try:
             weights = load_file(path)
         except Exception as e:
-            raise UsageError(f"{path} is not a readable safetensors file ({e}); delete it to download it again")
+            raise UsageError(f"{path} is not a readable safetensors file ({e}); {fix}")
         model = cls(config or GPTConfig(**MODEL_SIZES[name]))
         ours = model.state_dict()
-        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         loaded = set()
         with torch.no_grad():
             ours["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never used or scored
@@ -354,7 +441,7 @@ class GPT(nn.Module):
                     continue
                 if key not in ours:
                     raise UsageError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
-                if key.endswith(conv1d):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
+                if key.endswith(hf_export.CONV1D):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
                     tensor = tensor.t()
                 # all of GPT-2's token rows, n_tokens of them: a file with fewer would leave tokens at zero
                 target = ours[key][: model.n_tokens] if key == "transformer.wte.weight" else ours[key]
@@ -365,14 +452,13 @@ class GPT(nn.Module):
                 loaded.add(key)
         missing = set(ours) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
         if missing:
-            raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; delete it to download it again")
+            raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; {fix}")
         return model
 
 
 def gpt_config(cfg):
-    """The model's part of the settings."""
-    return GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, attn=cfg.attn, loss=cfg.loss)
+    """The model's part of the settings: each field of GPTConfig is a setting of the same name."""
+    return GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
 
 
 def make_model(cfg, device, pretrained=False):
@@ -384,9 +470,12 @@ def make_model(cfg, device, pretrained=False):
 
 
 def flops_per_token(config, seq_len):
-    """6N for the matmuls' forward and backward, plus attention's 12*L*H*Q*T (PaLM's appendix B)."""
+    """6N for the matmuls' forward and backward, plus attention's 12*L*H*Q*T (PaLM's appendix B). N counts every
+    parameter but the position table: the tied embedding is the output layer's matmul."""
     C, L = config.n_embd, config.n_layer
     n_params = config.vocab_size * C + L * (12 * C**2 + 13 * C) + 2 * C
+    if config.recipe == "modern":  # no biases or gains; its own embedding table is a lookup, not a matmul
+        n_params = config.vocab_size * C + L * 12 * C**2
     return 6 * n_params + 12 * L * C * seq_len
 
 
@@ -553,12 +642,16 @@ def load_data(cfg):
 
 
 # -----------------------------------------------------------------------------
-# Optimization: AdamW with decay on the weight matrices only, warmup then cosine decay.
+# Optimization: AdamW with decay on the weight matrices only, warmup then cosine decay; the modern recipe's Muon and
+# Adam, with a constant learning rate then a linear cool-down.
 
 
 def make_optimizers(model, cfg, device_type):
     """The optimizers, a list: a recipe may give each kind of parameter an optimizer of its own. Each parameter group
     keeps its peak learning rate as max_lr, which the schedule scales."""
+    fused = cfg.fused_adamw and device_type == "cuda"  # one kernel for all parameters, not one per tensor
+    if cfg.recipe == "modern":
+        return modern_optimizers(model, cfg, fused)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},  # matmuls and embeddings
@@ -566,15 +659,31 @@ def make_optimizers(model, cfg, device_type):
     ]
     for group in groups:
         group["max_lr"] = cfg.max_lr
-    fused = cfg.fused_adamw and device_type == "cuda"  # one kernel for all parameters, not one per tensor
     return [torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
 
 
+def modern_optimizers(model, cfg, fused):
+    """Muon for the blocks' matrices: their momentum orthogonalized, so that every direction of a matrix learns at
+    the same rate (Jordan et al. 2024). Adam for the embedding and the output layer, which are lookups and a
+    classifier rather than maps between hidden spaces, each at a rate of its own."""
+    matrices = list(model.transformer.h.parameters())  # all of the blocks' parameters: modern blocks have no biases
+    muon = torch.optim.Muon([{"params": matrices, "max_lr": cfg.muon_lr}], lr=cfg.muon_lr, momentum=0.95,
+                            weight_decay=0.0)
+    adam = torch.optim.Adam([{"params": [model.transformer.wte.weight], "max_lr": cfg.embed_lr},
+                             {"params": [model.lm_head.weight], "max_lr": cfg.head_lr}],
+                            lr=cfg.head_lr, betas=(0.8, 0.95), eps=1e-10, fused=fused)
+    return [muon, adam]
+
+
 def get_lr(step, max_lr, cfg):
-    """Linear warmup to max_lr, then a cosine down to min_lr_ratio * max_lr, reached at the last step."""
+    """Linear warmup to max_lr, then down to min_lr_ratio * max_lr, reached at the last step: along a cosine for
+    GPT-2; for the modern recipe, held at max_lr, then straight down over the last --cooldown-frac of the run."""
     min_lr = max_lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return max_lr * (step + 1) / cfg.warmup_steps
+    if cfg.recipe == "modern":
+        left = (cfg.max_steps - 1 - step) / max(1, cfg.cooldown_frac * (cfg.max_steps - 1))  # 1 where it starts
+        return min_lr + min(1.0, max(0.0, left)) * (max_lr - min_lr)
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
@@ -734,11 +843,13 @@ def require(cfg, names, ok, what):
 
 def check_config(cfg, world_size):
     require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len",
-                  "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip"),
+                  "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip",
+                  "muon_lr", "embed_lr", "head_lr", "logit_softcap"),
             lambda v: v > 0, "positive")
     require(cfg, ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples",
                   "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
     require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
+    require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
@@ -764,6 +875,21 @@ def check_config(cfg, world_size):
                          f"one of them")
 
 
+def check_recipe(cfg, given):
+    if cfg.recipe == "modern" and not hasattr(torch.optim, "Muon"):
+        raise UsageError(f"--recipe modern needs torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: "
+                         f"upgrade torch, or drop --recipe modern")
+    if cfg.recipe == "modern" and cfg.init_from != "scratch":
+        raise UsageError(f"--init-from {cfg.init_from} loads OpenAI's GPT-2, which --recipe modern's model cannot "
+                         f"hold (no position table, untied head, no biases); drop one of the two")
+    other_recipe = "gpt2" if cfg.recipe == "modern" else "modern"
+    other = [f"--{name.replace('_', '-')}" for name in RECIPE_SETTINGS[other_recipe] if name in given]
+    if other:
+        what = f"{other[0]} is a setting" if len(other) == 1 else f"{', '.join(other)} are settings"
+        raise UsageError(f"{what} of --recipe {other_recipe} only, and this run is --recipe {cfg.recipe}; drop "
+                         f"{'it' if len(other) == 1 else 'them'}, or pass --recipe {other_recipe}")
+
+
 def resolve_config(cfg, given, env):
     """Fills in the defaults that depend on the data, the model preset and the device, then checks everything."""
     if "data" not in given and not os.path.exists(cfg.data):
@@ -773,10 +899,15 @@ def resolve_config(cfg, given, env):
             print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): {doing} on tiny "
                   f"Shakespeare instead")
         preset = SHAKESPEARE if cfg.init_from == "scratch" else {**SHAKESPEARE, **SHAKESPEARE_FINETUNE}
+        if cfg.recipe == "modern":
+            preset = {**SHAKESPEARE, **SHAKESPEARE_MODERN}
         keep = set(given) | (set(MODEL_SIZES[cfg.model]) if "model" in given else set())  # --model gpt2-medium means it
         cfg.__dict__.update({k: v for k, v in preset.items() if k not in keep})
         if "batch_size" not in given and cfg.seq_len > 0:  # one micro-batch a step, split over the processes
             cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
+    elif cfg.recipe == "modern":
+        cfg.__dict__.update({k: v for k, v in MODERN.items() if k not in given})
+    check_recipe(cfg, given)
     if cfg.init_from != "scratch":  # OpenAI's shapes, whatever a preset said
         pretrained = dict(MODEL_SIZES[cfg.init_from], block_size=1024, vocab_size=PADDED_VOCAB)
         clash = [f"--{k.replace('_', '-')}" for k, v in pretrained.items() if k in given and getattr(cfg, k) != v]
@@ -835,7 +966,9 @@ def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     loss_value, norm_value = loss_sum.item() / world_size, norm.item()
     finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
-    if finite:  # with fp16, the scaler itself skips steps whose gradients overflowed
+    # with fp16, gradients that overflowed are normal: the scaler lowers its scale, and the step is skipped for every
+    # optimizer, not only for the one whose gradients overflowed (clipping zeroed the others', and momentum would move)
+    if math.isfinite(loss_value) and math.isfinite(norm_value):
         for optimizer in optimizers:
             scaler.step(optimizer)
     scaler.update()
@@ -978,8 +1111,10 @@ def start_log(run):
         return
     print(what_runs(run))
     n_params = sum(p.numel() for p in run.model.parameters())
-    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters | "
-          f"{env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}")
+    recipe = ", the modern recipe" if cfg.recipe == "modern" else ""
+    compiled = "on" if cfg.compile else "off"
+    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters"
+          f"{recipe} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {compiled}")
     train_tokens = sum(len(shard) for shard in run.stream.shards)
     print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
           f"{cfg.batch_size} x {cfg.seq_len} x {accumulation_steps(cfg, env.world_size)} accumulation steps x "
@@ -1088,6 +1223,11 @@ def load_checkpoint(path):
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{path} is a checkpoint of format {ckpt.get('format', 1)}, and this train_gpt2.py reads "
                          f"format {CHECKPOINT_FORMAT} only; use the train_gpt2.py that wrote it")
+    try:  # a checkpoint from before the modern recipe lacks its settings: it is a GPT-2 model
+        ckpt["model_config"] = asdict(GPTConfig(**ckpt["model_config"]))
+    except TypeError as e:
+        raise UsageError(f"{path} has model settings this train_gpt2.py does not know ({e}); use the train_gpt2.py "
+                         f"that wrote it") from None
     return ckpt
 
 
@@ -1277,7 +1417,7 @@ def training_loop(run, stop_signal):
                 prune_checkpoints(run)
         elif run.nonfinite_since is None:
             run.nonfinite_since = run.step
-        log_step(run, result, get_lr(run.step, cfg.max_lr, cfg), time.perf_counter() - t0)
+        log_step(run, result, run.optimizers[0].param_groups[0]["lr"], time.perf_counter() - t0)
         stop_if_diverging(run)
         run.step, run.evaluated = run.step + 1, False
         if any_rank(bool(stop_signal), env.device):  # a signal that came during the step
@@ -1355,7 +1495,7 @@ def train(cfg, given):
 
 
 # -----------------------------------------------------------------------------
-# The command line: train, or print samples from a checkpoint.
+# The command line: train, print samples from a checkpoint, or export one for Hugging Face's transformers.
 
 
 def checkpoint_val_loss(ckpt):
@@ -1384,6 +1524,40 @@ def sample_from_checkpoint(cfg):
                   cfg.seed, ckpt["step"])
 
 
+def export_checkpoint(cfg, argv):
+    """--export-hf DIR: the latest checkpoint in --log-dir (or --resume's, or OpenAI's weights with --init-from) as a
+    Hugging Face model directory, which transformers loads as a GPT-2; no training setup."""
+    hf_export.check_new_directory(cfg.export_hf)  # now, not after a long load
+    if cfg.init_from != "scratch":
+        model = GPT.from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)
+        source = f"OpenAI's {cfg.init_from}"
+        about = dict(source=f"{source}, as published", trained="WebText, by OpenAI",
+                     validation="not evaluated by train_gpt2.py")
+    else:
+        ckpt, source = find_resume_checkpoint(cfg, Env(rank=0, local_rank=0, world_size=1, device="cpu",
+                                                       device_type="cpu"))  # one process: the weights, on the CPU
+        if ckpt is None:
+            raise UsageError(f"--export-hf {cfg.export_hf}: no checkpoint in --log-dir {cfg.log_dir}; pass the "
+                             f"run's --log-dir, --resume PATH, or --init-from gpt2")
+        if ckpt["model_config"]["recipe"] != "gpt2":  # transformers would load it as a GPT-2 that computes otherwise
+            raise UsageError(f"--export-hf: {source} holds a model of --recipe {ckpt['model_config']['recipe']}, "
+                             f"which GPT-2's Hugging Face format cannot hold; only GPT-2's recipe exports")
+        model, step, trained_with = model_from_checkpoint(ckpt), ckpt["step"], ckpt["train_config"]
+        batch, init_from = trained_with["total_batch_size"], trained_with["init_from"]
+        fine_tuned = "" if init_from == "scratch" else f", fine-tuning OpenAI's {init_from}"
+        about = dict(source=f"the checkpoint {source} (step {step} of {trained_with['max_steps']})",
+                     trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {trained_with['data']}"
+                             f"{fine_tuned}",
+                     validation=checkpoint_val_loss(ckpt))
+    shape = dict(n_layer=model.config.n_layer, n_head=model.config.n_head, n_embd=model.config.n_embd,
+                 block_size=model.config.block_size, vocab_size=model.n_tokens)  # the padding rows are left out
+    command = shlex.join(["python", "train_gpt2.py", *argv])
+    weights = hf_export.gpt2_layout(model.state_dict(), model.n_tokens)
+    n_params = hf_export.export(cfg.export_hf, weights, shape, dict(about, command=command))
+    print(f"exported {source} to {cfg.export_hf}: a GPT-2 of {n_params / 1e6:.2f}M parameters for Hugging Face's "
+          f"transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
+
+
 def main(argv=None):
     """A UsageError ends the process with its one line on stderr and exit code 2, never a traceback, once the process
     group is torn down."""
@@ -1391,7 +1565,12 @@ def main(argv=None):
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     error = None
     try:
-        sample_from_checkpoint(cfg) if cfg.sample else train(cfg, given)
+        if cfg.sample:
+            sample_from_checkpoint(cfg)
+        elif cfg.export_hf:
+            export_checkpoint(cfg, sys.argv[1:] if argv is None else argv)
+        else:
+            train(cfg, given)
     except UsageError as e:
         error = str(e)  # not e: its traceback holds the (DDP) model, which must be freed before its process group
     finally:

@@ -60,6 +60,8 @@ COMPILE_MODE_RUNGS = [  # --compile-modes: minutes of autotuning each, so not in
     Rung("max-autotune", dict(compile_mode="max-autotune-no-cudagraphs"), skip_on_cpu=COMPILING_ON_CPU, lecture=False),
     Rung("CUDA graphs", dict(compile_mode="max-autotune"), skip_on_cpu=COMPILING_ON_CPU, lecture=False),
 ]
+# last, on top of all the rest: the modern recipe's model and optimizers, what a step of it costs
+MODERN_RUNG = Rung("modern recipe", dict(recipe="modern"), lecture=False)
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64, batch_size=8, lecture_batch_size=4, seq_len=32, warmup_steps=1,
             timed_steps=2)
@@ -199,7 +201,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     T, start = args.seq_len, time.perf_counter()
-    rungs = RUNGS + (COMPILE_MODE_RUNGS if args.compile_modes else [])
+    rungs = RUNGS + (COMPILE_MODE_RUNGS if args.compile_modes else []) + [MODERN_RUNG]
     print(f"speed ladder: {args.n_layer} layers, {args.n_head} heads, width {args.n_embd}, T={T} on {args.device}; "
           f"median of {args.timed_steps} steps after {args.warmup_steps} warm-up steps")
     print(NAME.format("rung"), NUMBERS.format("B", "1st step", "ms/step", "tok/s", "MFU", "peak mem", "speed-up"))

@@ -21,6 +21,8 @@ from plumbing import GPT2_VOCAB
 from train_gpt2 import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# --recipe modern's Muon is torch.optim.Muon, new in PyTorch 2.9; requirements.txt allows older ones
+needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="--recipe modern needs PyTorch 2.9 or later")
 SCRIPT = os.path.join(REPO, "train_gpt2.py")
 VOCAB = 128
 
@@ -231,12 +233,13 @@ def process_stat(pid):
 # tiny models, and the float64 cross-entropy over GPT-2's real ids that their losses are checked against
 
 
-def tiny_gpt(vocab_size=50304, block_size=32, n_layer=2, n_head=4, n_embd=64, attn="sdpa", loss="full", seed=0):
+def tiny_gpt(vocab_size=50304, block_size=32, n_layer=2, n_head=4, n_embd=64, attn="sdpa", loss="full", seed=0,
+             recipe="gpt2"):
     """A small GPT of train_gpt2.py, the same weights for the same arguments; by default GPT-2's vocabulary padded
     to 50304 rows, as the trainer has it."""
     torch.manual_seed(seed)
     return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                         attn=attn, loss=loss))
+                         attn=attn, loss=loss, recipe=recipe))
 
 
 def random_ids(B, T, high=GPT2_VOCAB, seed=1):

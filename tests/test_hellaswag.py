@@ -29,9 +29,9 @@ from plumbing import EOT, UsageError, gpt2_tokenizer
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, recipe="gpt2"):
     """A random 2-layer model; weights larger than at init, so that the losses differ clearly between endings."""
-    model = tiny_gpt(block_size=64, n_head=2, n_embd=32, seed=seed)
+    model = tiny_gpt(block_size=64, n_head=2, n_embd=32, seed=seed, recipe=recipe)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -217,9 +217,10 @@ TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size
               "--num-samples", "0"]
 
 
-def checkpoint_holding(model, shards, log_dir, capsys):
-    """A checkpoint that train_gpt2.py wrote (a step of training on shards) in log_dir, holding model's weights."""
-    code, _, err = run_main(TINY_MODEL + ["--data", shards, "--log-dir", log_dir, "--max-steps", "1"], capsys)
+def checkpoint_holding(model, shards, log_dir, capsys, *flags):
+    """A checkpoint that train_gpt2.py wrote (a step of training on shards, with flags) in log_dir, holding model's
+    weights."""
+    code, _, err = run_main(TINY_MODEL + ["--data", shards, "--log-dir", log_dir, "--max-steps", "1", *flags], capsys)
     assert code == 0, err
     path = log_dir / "ckpt_000001.pt"
     ckpt = torch.load(path, map_location="cpu", weights_only=True)

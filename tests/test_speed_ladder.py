@@ -12,8 +12,9 @@ from helpers import REPO, process_stat, run_script
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import speed_ladder  # noqa: E402
 
+MUON = hasattr(torch.optim, "Muon")  # the modern recipe's rung needs PyTorch 2.9; before, its row says it failed
 CPU_RUNGS = ["1. fp32", "3. bf16 autocast", "5. flash attention", "6. vocab 50304", "8. micro-batch 8",
-             "9. chunked loss", "10. trainer defaults"]
+             "9. chunked loss", "10. trainer defaults"] + (["11. modern recipe"] if MUON else [])
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW"]
 
@@ -27,7 +28,7 @@ def test_tiny_ladder_on_cpu(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     rows = {line[:22].strip(): line[22:] for line in lines if line.split(".")[0].isdigit()}
-    assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS)
+    assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS + ([] if MUON else ["11. modern recipe"]))
     for name in CPU_RUNGS:  # B, first step ("0.1 s"), ms/step, tok/s, MFU, peak mem, speed-up
         B, first, _, ms, tok_per_sec, mfu, mem, speedup = rows[name].split()
         assert int(B) == (4 if int(name.split(".")[0]) <= 7 else 8), rows[name]  # the lecture's rungs, then ours
@@ -43,12 +44,13 @@ def test_tiny_ladder_on_cpu(tmp_path):
     assert (saved["lecture_batch_size"], saved["batch_size"], saved["seq_len"], saved["n_layer"]) == (4, 8, 32, 2)
     rungs = saved["rungs"]
     assert [rung["status"] for rung in rungs] == ["ok", "skipped", "ok", "skipped", "ok", "ok", "skipped", "ok", "ok",
-                                                  "ok"]
+                                                  "ok", "ok" if MUON else "failed"]
     # cumulative: the vocab rung keeps bf16 and SDPA, and compile stays off on the CPU
     assert rungs[5]["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304",
                                  "--no-fused-adamw"]
     assert rungs[8]["flags"] == rungs[5]["flags"] + ["--loss", "chunked"] and rungs[8]["batch_size"] == 8
     assert rungs[9]["flags"] == []  # the trainer's own defaults
+    assert rungs[10]["flags"] == ["--recipe", "modern"]  # on top of them
     for rung in rungs[8:]:
         assert len(rung["timed_ms"]) == 2 and rung["ms_per_step"] in rung["timed_ms"] and rung["first_step_s"] > 0
     assert rungs[1]["reason"] == "needs CUDA: TF32 is a mode of NVIDIA tensor cores"

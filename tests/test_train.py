@@ -19,7 +19,10 @@ from helpers import (
     REPO,
     TINY,
     VOCAB,
+    checkpoint_path,
     last_json,
+    load_ckpt,
+    needs_muon,
     read_log,
     run_main,
     run_script,
@@ -182,12 +185,14 @@ def test_samples_with_a_small_vocab(shards, tmp_path, capsys):
     assert sorted(val_records(read_log(tmp_path / "log"))) == [0, 1]  # evaluated at the start and the end
 
 
-def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("recipe", [["--max-lr", "1e-2"], pytest.param(["--recipe", "modern"], marks=needs_muon)])
+def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypatch, recipe):
     """--loss chunked through the whole trainer, eager and compiled (aot_eager: dynamo and AOTAutograd as for
-    inductor, no code generated), with a padded vocabulary: the same training and validation losses as --loss full.
-    The two losses agree, so the runs count their chunked losses in training (grad mode) to show which one they ran."""
+    inductor, no code generated), with a padded vocabulary: the same training and validation losses as --loss full,
+    for either recipe. The two losses agree, so the runs count their chunked losses in training (grad mode) to show
+    which one they ran."""
     args = TINY + ["--vocab-size", "50304", "--data", shards, "--max-steps", "3", "--eval-every", "3",
-                   "--warmup-steps", "1", "--max-lr", "1e-2",
+                   "--warmup-steps", "1", *recipe,
                    "--val-tokens", "192"]  # 6 sequences: a last batch with -1 rows
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
@@ -217,10 +222,12 @@ def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypa
                     assert mine[key] == pytest.approx(full[key], rel=1e-5), (name, mine["step"], key)
 
 
-def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, capsys):
+@pytest.mark.parametrize("recipe", ["gpt2", pytest.param("modern", marks=needs_muon)])
+def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, capsys, recipe):
     """torchrun --nproc_per_node=2 (gloo, 1 micro-step each) against 1 process with 2 accumulation steps: the same
-    global batch of 256 tokens, so the same losses and validation losses to ~1e-5."""
-    args = TINY + ["--data", shards, "--max-steps", "4", "--eval-every", "2", "--warmup-steps", "1", "--max-lr", "1e-2"]
+    global batch of 256 tokens, so the same losses, validation losses and weights, for either recipe."""
+    flags = ["--max-lr", "1e-2"] if recipe == "gpt2" else ["--recipe", "modern"]
+    args = TINY + ["--data", shards, "--max-steps", "4", "--eval-every", "2", "--warmup-steps", "1", *flags]
     code, out, err = run_main(args + ["--log-dir", tmp_path / "one"], capsys)
     assert code == 0, err
     assert "4 x 32 x 2 accumulation steps x 1 process(es)" in out
@@ -231,12 +238,24 @@ def test_two_processes_match_one_process_with_accumulation(shards, tmp_path, cap
     one_train, two_train = train_records(one_log), train_records(two_log)
     # rank 0 logs alone
     assert sorted(two_train) == [0, 1, 2, 3] and len([r for r in two_log if "train_loss" in r]) == 4
-    for step in range(4):
+    # Muon orthogonalizes in bf16 (torch.optim.Muon's Newton-Schulz iteration): gradients summed in another order,
+    # which differ in their last float32 bits, can round to other bf16 values there, so after its first update the
+    # modern recipe's runs agree to bf16's precision; its weights are compared below instead
+    exact_steps = range(4) if recipe == "gpt2" else range(1)
+    for step in exact_steps:
         assert two_train[step]["train_loss"] == pytest.approx(one_train[step]["train_loss"], abs=1e-5), step
         assert two_train[step]["grad_norm"] == pytest.approx(one_train[step]["grad_norm"], rel=1e-4), step
-    assert val_records(one_log)[4]["val_loss"] < val_records(one_log)[0]["val_loss"] - 0.01  # the weights really moved
-    for step, r in val_records(one_log).items():
-        assert val_records(two_log)[step]["val_loss"] == pytest.approx(r["val_loss"], abs=1e-5)
+    if recipe == "gpt2":
+        assert val_records(one_log)[4]["val_loss"] < val_records(one_log)[0]["val_loss"] - 0.01  # the weights moved
+        for step, r in val_records(one_log).items():
+            assert val_records(two_log)[step]["val_loss"] == pytest.approx(r["val_loss"], abs=1e-5)
+        return
+    torch.manual_seed(1337)  # the run's initial weights: --seed's
+    start = train_gpt2.GPT(train_gpt2.GPTConfig(32, VOCAB, 2, 4, 64, recipe="modern")).state_dict()
+    one, two = (load_ckpt(checkpoint_path(tmp_path / name, 4))["model"] for name in ("one", "two"))
+    for name, weights in one.items():
+        moved, apart = (weights - start[name]).norm(), (two[name] - weights).norm()
+        assert moved > 0.1 and apart < 0.01 * moved, (name, moved, apart)  # 100 times closer than they moved
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")

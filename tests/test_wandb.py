@@ -21,6 +21,7 @@ from helpers import (
     checkpoint_path,
     expect_usage_error,
     load_ckpt,
+    needs_muon,
     read_log,
     run_main,
     run_script,
@@ -145,6 +146,18 @@ def test_wandb_logs_what_log_jsonl_holds_and_a_resumed_run_continues_it(shards, 
     assert code == 0 and "moved the old" in out, err
     (fresh,) = wandb_runs(log_dir)
     assert fresh["id"] != first["id"] and fresh["history"] == read_log(log_dir)
+
+
+@needs_muon
+def test_a_modern_run_logs_its_recipe_and_muons_learning_rate(shards, tmp_path, capsys):
+    log_dir = tmp_path / "log"
+    code, _, err = run_main(TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "3", "--recipe", "modern",
+                                    "--muon-lr", "0.03", "--wandb-project", "tiny"], capsys)
+    assert code == 0, err
+    (run,) = wandb_runs(log_dir)
+    assert run["history"] == read_log(log_dir) and run["exit_code"] == 0
+    assert (run["config"]["recipe"], run["config"]["muon_lr"], run["config"]["warmup_steps"]) == ("modern", 0.03, 0)
+    assert [r["lr"] for r in run["history"] if "lr" in r] == pytest.approx([0.03, 0.03, 0.003])  # cooled down
 
 
 def test_a_signal_stops_a_run_that_logs_to_wandb_promptly_and_its_resume_continues_it(shards, tmp_path, capsys):

@@ -1,0 +1,270 @@
+"""
+A GPT-2 as a Hugging Face model directory, which `transformers` loads offline with from_pretrained: the machinery of
+`train_gpt2.py --export-hf`, which teaches nothing about GPT-2. train_gpt2.py hands over the weights, already in
+GPT-2's Hugging Face layout, the model's shape and the facts of its model card; this module writes
+
+- model.safetensors, config.json and generation_config.json, for GPT2LMHeadModel;
+- the tokenizer files, made from the shipped gpt2.tiktoken with no network: vocab.json and merges.txt (the merges
+  recovered from the BPE ranks), tokenizer.json, tokenizer_config.json, special_tokens_map.json;
+- README.md, the model card;
+
+into a new directory beside the one asked for, renamed into place once whole. It needs json and safetensors only,
+never transformers, and never imports train_gpt2 (which imports it).
+"""
+
+import json
+import os
+import shutil
+import uuid
+
+from safetensors.torch import save_file
+from tiktoken.load import load_tiktoken_bpe
+
+import plumbing
+from plumbing import EOT, GPT2_VOCAB, UsageError
+
+EOT_TEXT = "<|endoftext|>"
+# the weights OpenAI's Conv1D stores (in, out), where nn.Linear has (out, in)
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+# -----------------------------------------------------------------------------
+# The model's files
+
+
+def gpt2_layout(state_dict, n_tokens):
+    """train_gpt2.py's GPT-2 weights in GPT-2's Hugging Face layout, as GPT.from_pretrained reads them: the Conv1D
+    weights (in, out) again, the first n_tokens token rows alone (the padding past GPT-2's 50257 is never scored),
+    and no lm_head, which is the token embedding."""
+    weights = {}
+    for key, tensor in state_dict.items():
+        if key == "lm_head.weight":
+            continue
+        if key.endswith(CONV1D):
+            tensor = tensor.t()
+        if key == "transformer.wte.weight":
+            tensor = tensor[:n_tokens]
+        weights[key] = tensor.contiguous()  # safetensors stores whole, dense tensors
+    return weights
+
+
+def model_config(n_layer, n_head, n_embd, block_size, vocab_size, dtype):
+    """config.json of GPT2LMHeadModel. A vocabulary smaller than GPT-2's (a toy model's --vocab-size 128) has no
+    <|endoftext|>, so it names no bos or eos token (transformers warns of one beyond the vocabulary)."""
+    eot = EOT if vocab_size > EOT else None
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "n_inner": None,  # None: 4 * n_embd
+        "n_positions": block_size, "n_ctx": block_size, "vocab_size": vocab_size,
+        "activation_function": "gelu_new",  # GELU's tanh approximation, as GPT-2 and train_gpt2.py have it
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # trained without dropout: fine-tune it the same
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "use_cache": True,
+        "torch_dtype": dtype, "dtype": dtype,  # transformers 4 reads the first, 5 the second
+    }
+
+
+def generation_config(vocab_size):
+    """Sampling as train_gpt2.py's samples do it: top-k 50 from the softmax."""
+    eot = EOT if vocab_size > EOT else None
+    return {"do_sample": True, "top_k": 50, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+
+
+def read_shape(directory):
+    """n_layer, n_head, n_embd, block_size and vocab_size from a Hugging Face GPT-2's config.json."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        return dict(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
+                    block_size=config["n_positions"], vocab_size=config["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{path}: not the config.json of a Hugging Face GPT-2 ({type(e).__name__}: {e})")
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer's files
+
+
+def byte_stand_ins():
+    """GPT-2's printable character for each byte: vocab.json and merges.txt hold tokens as text, where a space,
+    which separates the two halves of a merge, or a control byte cannot stand for itself. Printable bytes keep their
+    own character; the others take the characters from 256 on (the space becomes "Ġ")."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def bpe_parts(token, ranks, max_rank):
+    """The parts that byte-pair merging of token's bytes ends with, using only the merges ranked below max_rank."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        pairs = [(ranks.get(a + b, max_rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs, default=(max_rank, 0))
+        if rank >= max_rank:
+            return parts
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+def recover_merges(ranks):
+    """GPT-2's merges in priority order, from its BPE ranks: each token of several bytes, in rank order, is the merge
+    of the two parts that merging its bytes with the lower ranks alone ends with."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            left, right = bpe_parts(token, ranks, rank)  # two: the token itself is the next merge
+            merges.append((left, right))
+    return merges
+
+
+def tokenizer_files(block_size):
+    """{file name: contents} of GPT-2's tokenizer, from the shipped BPE ranks: vocab.json and merges.txt (what
+    GPT2Tokenizer reads), the same in tokenizer.json (what the `tokenizers` library reads), and the special token."""
+    ranks = load_tiktoken_bpe(plumbing.GPT2_BPE_FILE)
+    stand_in = byte_stand_ins()
+
+    def text(token):
+        return "".join(stand_in[b] for b in token)
+
+    vocab = {**{text(token): rank for token, rank in ranks.items()}, EOT_TEXT: EOT}
+    merges = [f"{text(left)} {text(right)}" for left, right in recover_merges(ranks)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    eot = {"content": EOT_TEXT, "single_word": False, "lstrip": False, "rstrip": False, "normalized": True,
+           "special": True}
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [{"id": EOT, **eot}],
+        "normalizer": None,
+        "pre_tokenizer": byte_level,  # with use_regex, GPT-2's split into words (plumbing's pattern) comes first
+        "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                  "merges": merges},
+    }
+    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
+    tokenizer_config = {
+        "tokenizer_class": "GPT2Tokenizer", **special, "add_prefix_space": False, "add_bos_token": False,
+        "model_max_length": block_size, "errors": "replace",
+        "clean_up_tokenization_spaces": False,  # decoding gives the text back as it was, " ." and " 's" included
+        "added_tokens_decoder": {str(EOT): eot},
+    }
+    return {
+        "vocab.json": json.dumps(vocab, ensure_ascii=False),
+        "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
+        "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
+        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
+        "special_tokens_map.json": json.dumps(special, indent=2),
+    }
+
+
+# -----------------------------------------------------------------------------
+# The model card
+
+
+def model_card(shape, n_params, about):
+    """README.md: what the model is, what it was trained on and how well, how to use it, and how it was made."""
+    vocab = shape["vocab_size"]
+    if vocab < GPT2_VOCAB:
+        vocab_note = (f"Its vocabulary is GPT-2's first {vocab} token ids (trained with `--vocab-size {vocab}`): the "
+                      f"tokenizer is GPT-2's whole, and text that tokenizes to an id of {vocab} or more is outside "
+                      f"the model (its embedding has no row for it, and no logit scores it); it knows no "
+                      f"`{EOT_TEXT}`, so config.json names no bos or eos token.")
+    else:
+        vocab_note = f"Its vocabulary and tokenizer are GPT-2's, {GPT2_VOCAB:,} tokens with `{EOT_TEXT}` ({EOT})."
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags:
+- gpt2
+- train_gpt2
+---
+
+# GPT-2 from train_gpt2.py
+
+A GPT-2 ({shape["n_layer"]} layers, {shape["n_head"]} heads, width {shape["n_embd"]}, context of \
+{shape["block_size"]} tokens), {n_params:,} parameters ({n_params / 1e6:.2f}M; the output layer is the token \
+embedding). {vocab_note}
+
+- weights: {about["source"]}
+- trained on: {about["trained"]}
+- validation: {about["validation"]}
+- HellaSwag: not recorded with these weights (train_gpt2.py's checkpoints do not keep it); \
+`lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks hellaswag` measures it
+
+```python
+from transformers import pipeline
+print(pipeline("text-generation", model="path/to/this/directory")("Hello, I'm a language model,")[0]["generated_text"])
+```
+
+Made with `{about["command"]}`.
+"""
+
+
+# -----------------------------------------------------------------------------
+# The directory, whole or not at all
+
+
+def check_new_directory(out_dir):
+    """Refuses an out_dir that holds anything: an export never mixes its files with others, nor replaces them."""
+    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        raise UsageError(f"--export-hf {out_dir}: it exists and is not an empty directory; pass a new one (or "
+                         f"delete it)")
+
+
+def write_file(directory, name, contents):
+    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+        f.write(contents)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_file(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_directory(out_dir, fill):
+    """Makes out_dir with fill(directory), whole or not at all: fill writes into a new directory beside out_dir,
+    which is synced, then renamed to it. A failed or interrupted fill leaves no out_dir, and deletes the temporary
+    one (only a process killed outright leaves it, as OUT_DIR.<random>.tmp)."""
+    check_new_directory(out_dir)
+    out = os.path.abspath(out_dir)
+    temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        os.mkdir(temp)  # not tempfile.mkdtemp's 0700: the umask's permissions, as any directory the user makes
+        fill(temp)
+        plumbing.sync_directory(temp)
+        os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
+    except BaseException as e:
+        shutil.rmtree(temp, ignore_errors=True)
+        plumbing.raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
+        if isinstance(e, OSError):
+            raise UsageError(f"--export-hf {out_dir}: cannot write it ({e}); pass a directory you may write to")
+        raise
+    plumbing.sync_directory(os.path.dirname(out))
+
+
+def export(out_dir, weights, shape, about):
+    """Writes out_dir as a Hugging Face GPT-2: weights (a GPT-2 state dict in Hugging Face's layout, lm_head left
+    out: it is tied to the token embedding), shape (n_layer, n_head, n_embd, block_size, vocab_size), GPT-2's
+    tokenizer, and a model card with about's facts: source, trained, validation, command. Returns the number of
+    parameters."""
+    dtype = str(weights["transformer.wte.weight"].dtype).removeprefix("torch.")
+    n_params = sum(tensor.numel() for tensor in weights.values())
+
+    def fill(directory):
+        path = os.path.join(directory, "model.safetensors")
+        save_file(weights, path, metadata={"format": "pt"})  # transformers refuses a file without "format"
+        os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
+        sync_file(path)
+        write_file(directory, "config.json", json.dumps(model_config(**shape, dtype=dtype), indent=2))
+        write_file(directory, "generation_config.json", json.dumps(generation_config(shape["vocab_size"]), indent=2))
+        for name, contents in tokenizer_files(shape["block_size"]).items():
+            write_file(directory, name, contents)
+        write_file(directory, "README.md", model_card(shape, n_params, about))
+
+    write_directory(out_dir, fill)
+    return n_params
