@@ -1,9 +1,10 @@
 """
 A GPT-2 as a Hugging Face model directory, which `transformers` loads offline with from_pretrained: the machinery of
-`train_gpt2.py --export-hf`, which teaches nothing about GPT-2. train_gpt2.py hands over the weights, already in
-GPT-2's Hugging Face layout, the model's shape and the facts of its model card; this module writes
+`train_gpt2.py --export-hf`, which teaches nothing about GPT-2. train_gpt2.py hands over the model's state dict, its
+config and the facts of its model card; this module writes
 
-- model.safetensors, config.json and generation_config.json, for GPT2LMHeadModel;
+- model.safetensors (the weights in GPT-2's Hugging Face layout), config.json and generation_config.json, for
+  GPT2LMHeadModel;
 - the tokenizer files, made from the shipped gpt2.tiktoken with no network: vocab.json and merges.txt (the merges
   recovered from the BPE ranks), tokenizer.json, tokenizer_config.json, special_tokens_map.json;
 - README.md, the model card;
@@ -160,6 +161,21 @@ def tokenizer_files(block_size):
 # The model card
 
 
+def published_facts(name):
+    """The model card's facts of OpenAI's own weights."""
+    return dict(source=f"OpenAI's {name}, as published", trained="WebText, by OpenAI",
+                validation="not evaluated by train_gpt2.py")
+
+
+def checkpoint_facts(source, step, train_config, validation):
+    """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config."""
+    batch, init_from = train_config["total_batch_size"], train_config["init_from"]
+    fine_tuned = "" if init_from == "scratch" else f", fine-tuning OpenAI's {init_from}"
+    return dict(source=f"the checkpoint {source} (step {step} of {train_config['max_steps']})",
+                trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {train_config['data']}{fine_tuned}",
+                validation=validation)
+
+
 def model_card(shape, n_params, about):
     """README.md: what the model is, what it was trained on and how well, how to use it, and how it was made."""
     vocab = shape["vocab_size"]
@@ -217,14 +233,6 @@ def write_file(directory, name, contents):
         os.fsync(f.fileno())
 
 
-def sync_file(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_directory(out_dir, fill):
     """Makes out_dir with fill(directory), whole or not at all: fill writes into a new directory beside out_dir,
     which is synced, then renamed to it. A failed or interrupted fill leaves no out_dir, and deletes the temporary
@@ -247,11 +255,13 @@ def write_directory(out_dir, fill):
     plumbing.sync_directory(os.path.dirname(out))
 
 
-def export(out_dir, weights, shape, about):
-    """Writes out_dir as a Hugging Face GPT-2: weights (a GPT-2 state dict in Hugging Face's layout, lm_head left
-    out: it is tied to the token embedding), shape (n_layer, n_head, n_embd, block_size, vocab_size), GPT-2's
+def export(out_dir, state_dict, config, n_tokens, about):
+    """Writes out_dir as a Hugging Face GPT-2: the weights of train_gpt2.py's state_dict in Hugging Face's layout,
+    the shapes of its model config (dict) with its first n_tokens token ids (the padding rows are left out), GPT-2's
     tokenizer, and a model card with about's facts: source, trained, validation, command. Returns the number of
     parameters."""
+    weights = gpt2_layout(state_dict, n_tokens)
+    shape = dict({k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}, vocab_size=n_tokens)
     dtype = str(weights["transformer.wte.weight"].dtype).removeprefix("torch.")
     n_params = sum(tensor.numel() for tensor in weights.values())
 
@@ -259,7 +269,7 @@ def export(out_dir, weights, shape, about):
         path = os.path.join(directory, "model.safetensors")
         save_file(weights, path, metadata={"format": "pt"})  # transformers refuses a file without "format"
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
-        sync_file(path)
+        plumbing.sync_file(path)
         write_file(directory, "config.json", json.dumps(model_config(**shape, dtype=dtype), indent=2))
         write_file(directory, "generation_config.json", json.dumps(generation_config(shape["vocab_size"]), indent=2))
         for name, contents in tokenizer_files(shape["block_size"]).items():

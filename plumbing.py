@@ -177,14 +177,19 @@ def raise_if_no_room(error, path, if_no_room, reason=None):
         raise UsageError(f"{reason} writing {path}: {if_no_room()}") from None
 
 
+def sync_file(path, flags=0):
+    """Makes what was written to path durable, whoever wrote it."""
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sync_directory(path):
     """Makes the renames in a directory durable (where directories can be opened: not on Windows)."""
     if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        sync_file(path, os.O_DIRECTORY)
 
 
 def write_atomically(path, write, temp, if_no_room):

@@ -646,12 +646,8 @@ def load_data(cfg):
 # Adam, with a constant learning rate then a linear cool-down.
 
 
-def make_optimizers(model, cfg, device_type):
-    """The optimizers, a list: a recipe may give each kind of parameter an optimizer of its own. Each parameter group
-    keeps its peak learning rate as max_lr, which the schedule scales."""
-    fused = cfg.fused_adamw and device_type == "cuda"  # one kernel for all parameters, not one per tensor
-    if cfg.recipe == "modern":
-        return modern_optimizers(model, cfg, fused)
+def gpt2_optimizers(model, cfg, fused):
+    """AdamW (0.9, 0.95), as GPT-3 used it: weight decay on the matmuls and embeddings, none on biases and gains."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},  # matmuls and embeddings
@@ -673,6 +669,13 @@ def modern_optimizers(model, cfg, fused):
                              {"params": [model.lm_head.weight], "max_lr": cfg.head_lr}],
                             lr=cfg.head_lr, betas=(0.8, 0.95), eps=1e-10, fused=fused)
     return [muon, adam]
+
+
+def make_optimizers(model, cfg, device_type):
+    """The recipe's optimizers, a list: a recipe may give each kind of parameter an optimizer of its own. Each
+    parameter group keeps its peak learning rate as max_lr, which the schedule scales."""
+    fused = cfg.fused_adamw and device_type == "cuda"  # one kernel for all parameters, not one per tensor
+    return (modern_optimizers if cfg.recipe == "modern" else gpt2_optimizers)(model, cfg, fused)
 
 
 def get_lr(step, max_lr, cfg):
@@ -1530,9 +1533,7 @@ def export_checkpoint(cfg, argv):
     hf_export.check_new_directory(cfg.export_hf)  # now, not after a long load
     if cfg.init_from != "scratch":
         model = GPT.from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)
-        source = f"OpenAI's {cfg.init_from}"
-        about = dict(source=f"{source}, as published", trained="WebText, by OpenAI",
-                     validation="not evaluated by train_gpt2.py")
+        source, about = f"OpenAI's {cfg.init_from}", hf_export.published_facts(cfg.init_from)
     else:
         ckpt, source = find_resume_checkpoint(cfg, Env(rank=0, local_rank=0, world_size=1, device="cpu",
                                                        device_type="cpu"))  # one process: the weights, on the CPU
@@ -1542,18 +1543,11 @@ def export_checkpoint(cfg, argv):
         if ckpt["model_config"]["recipe"] != "gpt2":  # transformers would load it as a GPT-2 that computes otherwise
             raise UsageError(f"--export-hf: {source} holds a model of --recipe {ckpt['model_config']['recipe']}, "
                              f"which GPT-2's Hugging Face format cannot hold; only GPT-2's recipe exports")
-        model, step, trained_with = model_from_checkpoint(ckpt), ckpt["step"], ckpt["train_config"]
-        batch, init_from = trained_with["total_batch_size"], trained_with["init_from"]
-        fine_tuned = "" if init_from == "scratch" else f", fine-tuning OpenAI's {init_from}"
-        about = dict(source=f"the checkpoint {source} (step {step} of {trained_with['max_steps']})",
-                     trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {trained_with['data']}"
-                             f"{fine_tuned}",
-                     validation=checkpoint_val_loss(ckpt))
-    shape = dict(n_layer=model.config.n_layer, n_head=model.config.n_head, n_embd=model.config.n_embd,
-                 block_size=model.config.block_size, vocab_size=model.n_tokens)  # the padding rows are left out
+        model = model_from_checkpoint(ckpt)
+        about = hf_export.checkpoint_facts(source, ckpt["step"], ckpt["train_config"], checkpoint_val_loss(ckpt))
     command = shlex.join(["python", "train_gpt2.py", *argv])
-    weights = hf_export.gpt2_layout(model.state_dict(), model.n_tokens)
-    n_params = hf_export.export(cfg.export_hf, weights, shape, dict(about, command=command))
+    n_params = hf_export.export(cfg.export_hf, model.state_dict(), asdict(model.config), model.n_tokens,
+                                dict(about, command=command))
     print(f"exported {source} to {cfg.export_hf}: a GPT-2 of {n_params / 1e6:.2f}M parameters for Hugging Face's "
           f"transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
 

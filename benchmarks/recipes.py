@@ -142,7 +142,7 @@ def recipe_config(args, recipe, seed, vocab_size):
                       warmup_steps=args.steps // 10, dtype=args.dtype, compile=False, device=args.device,
                       loss=args.loss)
     if recipe == "modern":
-        cfg.__dict__.update({k: v for k, v in train_gpt2.SHAKESPEARE_MODERN.items() if hasattr(cfg, k)})
+        cfg.__dict__.update(train_gpt2.SHAKESPEARE_MODERN)
         cfg.__dict__.update({k: getattr(args, k) for k in train_gpt2.RECIPE_SETTINGS["modern"]
                              if getattr(args, k) is not None})
     if args.warmup_steps is not None:
