@@ -165,6 +165,10 @@ def no_room(error):
     while error is not None:
         if isinstance(error, OSError) and error.errno in NO_ROOM:
             return NO_ROOM[error.errno]
+        # torch.distributed.checkpoint's CheckpointException: each failed rank's (exception, traceback)
+        for failure, _ in getattr(error, "failures", {}).values():
+            if no_room(failure):
+                return no_room(failure)
         error = error.__cause__ or error.__context__
     return None
 
@@ -237,6 +241,8 @@ def tensor_bytes(obj):
     storages, todo = {}, [obj]
     while todo:
         obj = todo.pop()
+        if hasattr(obj, "to_local"):  # a DTensor: this rank's slice
+            obj = obj.to_local()
         if hasattr(obj, "untyped_storage"):  # a tensor
             storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
         elif isinstance(obj, dict):
@@ -298,14 +304,23 @@ def directory_lock(directory, refusal, unwritable):
 # -----------------------------------------------------------------------------
 # The log directory: what a run writes there, and its checkpoint files
 
-CHECKPOINT = r"ckpt_\d+\.pt"  # a checkpoint's name, ckpt_<step>.pt, as a regex
+CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckpt_<step>.pt, or --fsdp's directory
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
 # other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
-RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, CHECKPOINT + r"\.tmp", CHECKPOINT + r"\.abandoned", r"wandb"]
+PARTIAL = CHECKPOINT + r"\.tmp(\.old)?"  # a checkpoint being written, or one being replaced by its step's new one
+RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, CHECKPOINT + r"\.abandoned", r"wandb"]
 
 
 def checkpoint_step(path):
-    return int(os.path.basename(path)[len("ckpt_"):-len(".pt")])
+    return int(os.path.splitext(os.path.basename(path))[0][len("ckpt_"):])
+
+
+def remove(path):
+    """Deletes a file, or a directory and all in it."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def checkpoint_paths(log_dir):
@@ -353,29 +368,75 @@ def prepare_log_dir(log_dir, resumed_step):
     if resumed_step is None:
         move_old_run_aside(log_dir)
         return
-    for stale in files_in(log_dir, CHECKPOINT + r"\.tmp"):  # a save cut short by a crash
-        os.remove(stale)
+    for stale in files_in(log_dir, PARTIAL):  # a save cut short by a crash
+        remove(stale)
     for path in checkpoint_paths(log_dir):
         if checkpoint_step(path) > resumed_step:
             os.replace(path, path + ".abandoned")
             print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
 
 
+def no_room_for_checkpoint(log_dir, size, keep):
+    """What to do when a checkpoint of about size bytes does not fit, in words."""
+    return (f"a checkpoint needs about {size / 2**20:,.1f} MiB, {free_mib(log_dir):,.1f} MiB are free (saving needs "
+            f"room for --keep-checkpoints {keep} of them and one more); make room, then run the same command again: "
+            f"it resumes from {latest_checkpoint(log_dir) or 'the start'}")
+
+
 def write_checkpoint(log_dir, step, save, size, keep):
     """Writes log_dir/ckpt_<step>.pt whole or not at all, with save(file); size: about how many bytes it takes."""
     path = os.path.join(log_dir, f"ckpt_{step:06d}.pt")
     t0 = time.perf_counter()
-    write_atomically(path, save, path + ".tmp", lambda: (
-        f"a checkpoint needs about {size / 2**20:,.1f} MiB, {free_mib(log_dir):,.1f} MiB are free (saving needs room "
-        f"for --keep-checkpoints {keep} of them and one more); make room, then run the same command again: it "
-        f"resumes from {latest_checkpoint(log_dir) or 'the start'}"))
+    write_atomically(path, save, path + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
     print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
+    """Writes log_dir/ckpt_<step>.dcp/ whole or not at all: rank 0 makes ckpt_<step>.dcp.tmp/, save(directory) fills
+    it, every rank writing its own part (torch.distributed.checkpoint, which rank 0 ends with the index of all parts),
+    then rank 0 renames it. Every rank calls it, save being collective; size: about how many bytes all ranks write."""
+    path = os.path.join(log_dir, f"ckpt_{step:06d}.dcp")
+    temp, t0 = path + ".tmp", time.perf_counter()
+    if_no_room = functools.partial(no_room_for_checkpoint, log_dir, size, keep)
+    with failing_together():  # also the barrier after which every rank looks for the directory
+        if master:
+            try:
+                if os.path.exists(temp):  # a save cut short, in this very run
+                    remove(temp)
+                os.mkdir(temp)
+            except OSError as e:
+                raise_if_no_room(e, path, if_no_room)
+                raise UsageError(f"--log-dir {log_dir}: cannot make the checkpoint directory {temp} ({e.strerror})")
+    with failing_together():
+        if not os.path.isdir(temp):
+            raise UsageError(f"--log-dir {log_dir}: this node does not see the checkpoint directory {temp} that rank 0 "
+                             f"made; put --log-dir on a file system that every node shares")
+    try:
+        save(temp)
+        if master:  # torch.distributed.checkpoint syncs its own files; the rest of them too, before the rename
+            for name in os.listdir(temp):
+                sync_file(os.path.join(temp, name))
+    except BaseException as e:
+        if master:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise_if_no_room(e, path, if_no_room)
+        raise
+    if master:
+        replaced = path + ".tmp.old"
+        if os.path.exists(path):  # the same step saved again, evaluated since: the new one takes its place
+            os.replace(path, replaced)
+        os.replace(temp, path)
+        sync_directory(log_dir)
+        if os.path.exists(replaced):
+            remove(replaced)
+        written = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+        print(f"saved {path} ({written / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
 
 
 def prune_checkpoints(log_dir, keep):
     """Deletes all but the latest keep checkpoints; only once the newest is durably in place (write_checkpoint)."""
     for old in checkpoint_paths(log_dir)[:-keep]:
-        os.remove(old)
+        remove(old)
 
 
 # -----------------------------------------------------------------------------

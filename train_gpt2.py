@@ -12,12 +12,14 @@ import argparse
 import contextlib
 import datetime
 import functools
+import gc
 import math
 import os
 import shlex
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple, Optional
 
@@ -33,10 +35,20 @@ import hf_export
 import plumbing
 from plumbing import EOT, GPT2_VOCAB, UsageError, failing_together
 
-if dist.is_available():  # builds without torch.distributed have no torch.distributed.nn
-    # imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
-    # the group and its threads alive past destroy_process_group, and a gloo thread alive at exit can abort the process
+# torch.distributed.nn is imported before any process group exists: imported after one (as DDP does), its group.WORLD
+# default arguments keep the group and its threads alive past destroy_process_group, and a gloo thread alive at exit
+# can abort the process
+if dist.is_available():  # builds without torch.distributed have none of these
+    import torch.distributed.checkpoint as dcp  # --fsdp's checkpoints
     import torch.distributed.nn  # noqa: F401
+    from torch.distributed.checkpoint import state_dict as dcp_state  # state dicts named by parameter, sharded or not
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+try:  # torch.optim.Muon's own steps (torch 2.9 and later), so that ShardedMuon's update is exactly Muon's; private
+    from torch.optim._muon import _adjust_lr as muon_lr_scale
+    from torch.optim._muon import _zeropower_via_newtonschulz as orthogonalize
+except ImportError:  # --fsdp --recipe modern is refused then (check_recipe), and nothing else needs them
+    muon_lr_scale = orthogonalize = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
@@ -128,6 +140,8 @@ class TrainConfig:
                                 "(compiles for minutes), reduce-overhead adds CUDA graphs",
                                 ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
+    fsdp: bool = setting(False, "shard the weights, gradients and optimizer state over the processes (FSDP2) instead "
+                                "of copying them to each (DDP): for models too large for one GPU (the README's FSDP)")
     loss: str = setting("full", "full: one cross-entropy over all the (B*T, vocab) logits, which compile fuses; "
                         "chunked: the lm_head matmul and the cross-entropy a chunk of rows at a time, never holding "
                         "all the logits (less memory)", ["full", "chunked"])
@@ -658,13 +672,42 @@ def gpt2_optimizers(model, cfg, fused):
     return [torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
 
 
+class ShardedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch.optim.Muon is new in torch 2.9
+    """torch's Muon for matrices that FSDP shards over the ranks, row blocks of each to each rank. Orthogonalizing an
+    update needs the whole matrix: every rank gathers each matrix's update in bf16 (the precision the orthogonalization
+    runs in, so it is the same as Muon's unsharded), orthogonalizes it (all ranks the same work), and applies its own
+    rows. The momentum stays sharded: it is elementwise. The arithmetic is on each rank's plain local rows: DTensor's
+    operations each cost a dispatch in Python, and a step makes several for every matrix of the model."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:  # torch's name; a DTensor like p, so checkpoints save it sharded
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                momentum, grad = state["momentum_buffer"].to_local(), p.grad.to_local()  # this rank's rows
+                momentum.lerp_(grad, 1 - group["momentum"])
+                update = grad.lerp(momentum, group["momentum"]) if group["nesterov"] else momentum
+                whole = DTensor.from_local(update.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
+                                           stride=p.stride()).full_tensor()  # (out, in), gathered on every rank
+                whole = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                weights = p.to_local()
+                first_row = p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())  # FSDP's chunks
+                weights.mul_(1 - group["lr"] * group["weight_decay"])
+                weights.add_(whole[first_row:first_row + weights.shape[0]],
+                             alpha=-muon_lr_scale(group["lr"], group["adjust_lr_fn"], p.shape))
+
+
 def modern_optimizers(model, cfg, fused):
     """Muon for the blocks' matrices: their momentum orthogonalized, so that every direction of a matrix learns at
     the same rate (Jordan et al. 2024). Adam for the embedding and the output layer, which are lookups and a
     classifier rather than maps between hidden spaces, each at a rate of its own."""
     matrices = list(model.transformer.h.parameters())  # all of the blocks' parameters: modern blocks have no biases
-    muon = torch.optim.Muon([{"params": matrices, "max_lr": cfg.muon_lr}], lr=cfg.muon_lr, momentum=0.95,
-                            weight_decay=0.0)
+    muon_class = ShardedMuon if cfg.fsdp else torch.optim.Muon
+    muon = muon_class([{"params": matrices, "max_lr": cfg.muon_lr}], lr=cfg.muon_lr, momentum=0.95, weight_decay=0.0)
     adam = torch.optim.Adam([{"params": [model.transformer.wte.weight], "max_lr": cfg.embed_lr},
                              {"params": [model.lm_head.weight], "max_lr": cfg.head_lr}],
                             lr=cfg.head_lr, betas=(0.8, 0.95), eps=1e-10, fused=fused)
@@ -711,8 +754,9 @@ class Env(NamedTuple):
     device_type: str
 
 
-def set_up_distributed(device="auto"):
-    """One process per GPU under torchrun (RANK, LOCAL_RANK, WORLD_SIZE), or a single process."""
+def set_up_distributed(device="auto", fsdp=False):
+    """One process per GPU under torchrun (RANK, LOCAL_RANK, WORLD_SIZE), or a single process; in a process group
+    if there are several, or for FSDP, which shards over one even in a single process."""
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "auto":
@@ -730,12 +774,14 @@ def set_up_distributed(device="auto"):
     elif device == "mps" and not torch.backends.mps.is_available():
         raise UsageError("--device mps, but this machine has no Apple GPU available to PyTorch; use --device cpu")
     device_type = device.split(":")[0]
-    if world_size > 1:
+    if world_size > 1 or fsdp:
         if device_type == "mps":
-            raise UsageError("several processes need CUDA or the CPU; run one process on mps")
+            raise UsageError("several processes need CUDA or the CPU; run one process on mps" if world_size > 1 else
+                             "--fsdp needs CUDA or the CPU (its collectives have no mps backend); drop --fsdp")
         # an hour, not 10 minutes: rank 0 alone may download GPT-2 XL or write a large checkpoint while the others wait
         backend, device_id = ("nccl", torch.device(device)) if device_type == "cuda" else ("gloo", None)
-        dist.init_process_group(backend=backend, device_id=device_id, timeout=datetime.timedelta(hours=1))
+        alone = {} if world_size > 1 else dict(store=dist.HashStore(), rank=0, world_size=1)  # no torchrun needed
+        dist.init_process_group(backend=backend, device_id=device_id, timeout=datetime.timedelta(hours=1), **alone)
     return Env(rank, local_rank, world_size, device, device_type)
 
 
@@ -750,6 +796,9 @@ def any_rank(flag, device):
 
 def tear_down_distributed():
     if dist.is_available() and dist.is_initialized():
+        # the last references to the group go first: FSDP's state and the model refer to each other, and such cycles
+        # are freed only by the garbage collector; one freed after the group, at exit, can abort the process
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -792,11 +841,38 @@ def compile_model(model, cfg):
     return torch.compile(model, dynamic=False, mode=cfg.compile_mode) if cfg.compile else model
 
 
+def shard_model(model, dtype):
+    """FSDP2, in place: each block, then the rest (embedding, final norm, head), becomes a group whose tensors are
+    split over the ranks, each rank holding 1/world of every one. A group's weights are gathered whole just before
+    its forward and backward and freed after them, and its gradients are reduce-scattered: each rank receives the
+    sum of its own slice. The optimizers then step on slices, so their state is sharded too."""
+    block_policy = MixedPrecisionPolicy()
+    if dtype == "bf16":  # the blocks' weights gathered in bf16 (half the bytes), their gradients summed in float32;
+        # inputs not cast, and the embedding and head gathered in float32: the residual stream stays float32, and
+        # autocast computes what it does under DDP (but for LayerNorm's gains and biases, rounded to bf16)
+        block_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                            cast_forward_inputs=False)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=block_policy)
+    fully_shard(model, reshard_after_forward=False)  # the head's backward comes first: no gather of it again
+    return model
+
+
+def gradient_sync(model, on):
+    """A context in which backward reduces the gradients over the ranks (on), or only adds them up on each rank:
+    DDP and FSDP reduce once per optimizer step, after the last micro-batch."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
+        model.set_requires_gradient_sync(on)
+    elif not on and isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 def compile_and_wrap(model, cfg, env):
     """What training and evaluation run: the model compiled and, under torchrun, in DDP, which all-reduces the
-    gradients (its constructor gives every rank rank 0's weights)."""
+    gradients (its constructor gives every rank rank 0's weights). An FSDP model (shard_model) is only compiled."""
     compiled = compile_model(model, cfg)
-    if env.world_size == 1:
+    if env.world_size == 1 or cfg.fsdp:
         return compiled
     return nn.parallel.DistributedDataParallel(
         compiled, device_ids=[env.local_rank] if env.device_type == "cuda" else None,
@@ -868,6 +944,8 @@ def check_config(cfg, world_size):
         raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the "
                          "gradient scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, "
                          "or --loss full")
+    if cfg.fsdp:
+        check_fsdp(cfg)
     if cfg.seq_len > cfg.block_size:
         raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; "
                          f"shorten it")
@@ -878,10 +956,26 @@ def check_config(cfg, world_size):
                          f"one of them")
 
 
+def check_fsdp(cfg):
+    if not dist.is_available():
+        raise UsageError(f"--fsdp needs torch.distributed, and this build of PyTorch ({torch.__version__}) has none; "
+                         f"install one that has (pytorch.org), or drop --fsdp")
+    if cfg.dtype == "fp16":
+        raise UsageError("--fsdp cannot run with --dtype fp16: the gradient scaler that fp16 needs does not take "
+                         "FSDP's sharded gradients; use --dtype bf16 or fp32, or drop --fsdp")
+    if cfg.compile_mode == "reduce-overhead":
+        raise UsageError("--compile-mode reduce-overhead cannot run with --fsdp: its CUDA graphs cannot hold FSDP's "
+                         "gathers and reductions; pick another --compile-mode, or drop --fsdp")
+
+
 def check_recipe(cfg, given):
     if cfg.recipe == "modern" and not hasattr(torch.optim, "Muon"):
         raise UsageError(f"--recipe modern needs torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: "
                          f"upgrade torch, or drop --recipe modern")
+    if cfg.recipe == "modern" and cfg.fsdp and orthogonalize is None:
+        raise UsageError(f"--fsdp --recipe modern shards Muon with the steps of torch.optim.Muon's own update, which "
+                         f"this torch ({torch.__version__}) does not have where it looked (torch.optim._muon); use the "
+                         f"torch that requirements.txt names, or drop --fsdp")
     if cfg.recipe == "modern" and cfg.init_from != "scratch":
         raise UsageError(f"--init-from {cfg.init_from} loads OpenAI's GPT-2, which --recipe modern's model cannot "
                          f"hold (no position table, untied head, no biases); drop one of the two")
@@ -946,7 +1040,7 @@ class StepResult(NamedTuple):
 def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
     """One optimizer step over this rank's micro-batches (x, y), skipped if the loss or gradient norm is not finite."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device  # of FSDP's slices, too
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
@@ -954,9 +1048,7 @@ def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
         if device.type == "cuda":
             x, y = x.pin_memory(), y.pin_memory()  # lets the copy overlap with the GPU's work
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last_micro = micro == len(batches) - 1
-        sync_context = model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
-        with sync_context:  # DDP all-reduces the gradients only once, after the last micro-step
+        with gradient_sync(model, on=micro == len(batches) - 1):
             with autocast_ctx:
                 loss = model(x, y)
             loss = loss / len(batches)  # the gradients add up to those of the mean over the whole batch
@@ -966,7 +1058,9 @@ def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
         dist.all_reduce(loss_sum)
     for optimizer in optimizers:
         scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # under FSDP, over every rank's slices
+    if hasattr(norm, "full_tensor"):  # FSDP: the norm is a DTensor, and every rank needs its value
+        norm = norm.full_tensor()
     loss_value, norm_value = loss_sum.item() / world_size, norm.item()
     finite = math.isfinite(loss_value) and (math.isfinite(norm_value) or scaler.is_enabled())
     # with fp16, gradients that overflowed are normal: the scaler lowers its scale, and the step is skipped for every
@@ -984,18 +1078,21 @@ def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
 
 @torch.no_grad()
 def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
-    """Mean loss per token over the fixed validation set; rank r takes every world_size-th batch of B sequences."""
+    """Mean loss per token over the fixed validation set; rank r takes every world_size-th batch of B sequences.
+    Every rank runs as many batches, the last ones empty where the set runs out: under FSDP each forward pass gathers
+    weights from all ranks, so each needs all of them."""
     n_seq = (len(val) - 1) // T
     totals = torch.zeros(2, device=device)  # loss sum, token count
-    for first in range(rank * B, n_seq, world_size * B):
-        rows = min(B, n_seq - first)
+    for first in range(rank * B, math.ceil(n_seq / (world_size * B)) * world_size * B, world_size * B):
+        rows = max(0, min(B, n_seq - first))
         buf = torch.from_numpy(val[first * T: (first + rows) * T + 1].astype(np.int64))
         x = torch.zeros(B, T, dtype=torch.long)  # a short last batch is padded, so shapes never change
         y = torch.full((B, T), -1, dtype=torch.long)
         x[:rows], y[:rows] = buf[:-1].view(rows, T), buf[1:].view(rows, T)
         with autocast_ctx:
             loss = model(x.to(device), y.to(device))
-        totals += torch.stack([loss.float() * rows * T, torch.tensor(float(rows * T), device=device)])
+        if rows:  # an empty batch's loss is 0 / 0
+            totals += torch.stack([loss.float() * rows * T, torch.tensor(float(rows * T), device=device)])
     if world_size > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
@@ -1006,22 +1103,27 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
 CONTROL_SYMBOLS = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
 
 
-def print_samples(model, cfg, enc, device, autocast_ctx, seed, step):
-    """Prints --num-samples continuations of --prompt as text, line breaks and all, each under a header line."""
+def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, show=True):
+    """Prints --num-samples continuations of --prompt as text, line breaks and all, each under a header line (if
+    show: an FSDP rank that only lends its slices of the weights samples without printing)."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
+    lines = []
     if max(prompt) >= model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
-        print(f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's {model.n_tokens}")
-        return
-    if len(prompt) > model.config.block_size:
-        print(f"the prompt's {len(prompt)} tokens outgrow the block of {model.config.block_size}: each token is "
-              f"sampled from the last {model.config.block_size} before it")
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with autocast_ctx:
-        samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
-    for i, tokens in enumerate(samples):
-        print(f"--- sample {i + 1}/{len(samples)} (step {step}) ---")
-        print(enc.decode(tokens).translate(CONTROL_SYMBOLS))
-    print("--- end of samples ---", flush=True)
+        lines.append(f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's "
+                     f"{model.n_tokens}")
+    else:
+        if len(prompt) > model.config.block_size:
+            lines.append(f"the prompt's {len(prompt)} tokens outgrow the block of {model.config.block_size}: each "
+                         f"token is sampled from the last {model.config.block_size} before it")
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with autocast_ctx:
+            samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
+        for i, tokens in enumerate(samples):
+            lines += [f"--- sample {i + 1}/{len(samples)} (step {step}) ---",
+                      enc.decode(tokens).translate(CONTROL_SYMBOLS)]
+        lines.append("--- end of samples ---")
+    if show:
+        print("\n".join(lines), flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -1063,6 +1165,8 @@ def set_up(cfg, env, pretrained):
         examples = hellaswag.load_examples(cfg.hellaswag_file or None, cfg.cache_dir or None)
         hellaswag_data = hellaswag.prepare(examples, plumbing.gpt2_tokenizer(), cfg.block_size)
     model = make_model(cfg, env.device, pretrained)
+    if cfg.fsdp:
+        shard_model(model, cfg.dtype)  # before the optimizers are made: sharding replaces the parameters
     return Run(cfg, env, stream, val, hellaswag_data, model,
                optimizers=make_optimizers(model, cfg, env.device_type),
                scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow
@@ -1161,8 +1265,10 @@ def evaluate(run):
         run.val_step = step
         report(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra},
                f"step {step:5d} | val loss {run.val_loss:.4f}")
-        if run.master and cfg.num_samples > 0:  # eager, so that growing lengths never recompile
-            print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step)
+        # eager, so that growing lengths never recompile; under FSDP on every rank, as each holds a slice of the weights
+        if (run.master or cfg.fsdp) and cfg.num_samples > 0:
+            print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
+                          show=run.master)
     if hellaswag_due:
         acc_norm, acc, n = hellaswag.evaluate(run.compiled, run.hellaswag_data, env.device, run.autocast_ctx,
                                               env.rank, env.world_size)
@@ -1188,18 +1294,31 @@ CHECKPOINT_FORMAT = 2  # raised whenever what a checkpoint holds changes: a chec
 
 
 def checkpoint_contents(run, rng_per_rank):
+    """All a checkpoint holds, but for FSDP's weights and optimizer state (sharded_contents), kept apart."""
+    whole = {} if run.cfg.fsdp else {
+        "model": run.model.state_dict(), "optimizers": [optimizer.state_dict() for optimizer in run.optimizers]}
     return {
-        "format": CHECKPOINT_FORMAT,
-        "model": run.model.state_dict(), "model_config": asdict(run.model.config),
-        "optimizers": [optimizer.state_dict() for optimizer in run.optimizers], "scaler": run.scaler.state_dict(),
+        "format": CHECKPOINT_FORMAT, "sharded": run.cfg.fsdp, **whole, "model_config": asdict(run.model.config),
+        "scaler": run.scaler.state_dict(),
         "step": run.step, "evaluated": run.evaluated, "val_loss": run.val_loss, "val_step": run.val_step,
         "stream": run.stream.state_dict(), "rng": rng_per_rank,
         "train_config": asdict(run.cfg), "wandb_id": run.log.wandb_id,
     }
 
 
+def sharded_contents(model, optimizers=None):
+    """FSDP's weights and optimizer state: each rank's own slices, as DTensors named by parameter (not by position),
+    which torch.distributed.checkpoint writes and reads on any number of ranks, splitting them anew for that number.
+    A model that is not sharded gets its whole tensors, which it loads such a checkpoint into."""
+    contents = {"model": dcp_state.get_model_state_dict(model)}
+    if optimizers is not None:
+        contents["optimizers"] = dcp_state.get_optimizer_state_dict(model, optimizers)
+    return contents
+
+
 def save_checkpoint(run):
-    """Rank 0 writes the checkpoint of run.step, with every rank's RNG states."""
+    """Rank 0 writes the checkpoint of run.step, with every rank's RNG states; under FSDP, every rank writes its
+    slices of the weights and optimizer state beside it, in a directory."""
     cfg, env = run.cfg, run.env
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
     rng_per_rank = [rng]
@@ -1207,8 +1326,18 @@ def save_checkpoint(run):
         rng_per_rank = [None] * env.world_size
         dist.all_gather_object(rng_per_rank, rng)
     with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
-        if run.master:
-            ckpt = checkpoint_contents(run, rng_per_rank)
+        ckpt = checkpoint_contents(run, rng_per_rank)
+        if cfg.fsdp:
+            sharded = sharded_contents(run.model, run.optimizers)
+
+            def save(directory):  # every rank writes its slices there, and rank 0 all the rest beside them
+                dcp.save(sharded, checkpoint_id=directory)
+                if run.master:
+                    torch.save(ckpt, os.path.join(directory, "run.pt"))
+
+            plumbing.write_sharded_checkpoint(cfg.log_dir, run.step, save, plumbing.tensor_bytes(sharded) *
+                                              env.world_size, cfg.keep_checkpoints, run.master)
+        elif run.master:
             plumbing.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
                                       plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
 
@@ -1217,12 +1346,14 @@ def load_checkpoint(path):
     """A checkpoint of this train_gpt2.py. Raises ValueError if it cannot be read, UsageError if it is of another
     format."""
     # weights_only: a checkpoint is data, and loading one can never run code
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no private copy per rank
+    try:  # --fsdp's is a directory: all but the sharded tensors are in its run.pt (save_checkpoint)
+        ckpt = torch.load(os.path.join(path, "run.pt") if os.path.isdir(path) else path, map_location="cpu",
+                          weights_only=True, mmap=True)  # mmap: no private copy per rank
     except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
         raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+    if not isinstance(ckpt, dict) or not ("model" in ckpt or ckpt.get("sharded")) or "model_config" not in ckpt:
         raise ValueError("not a train_gpt2.py checkpoint")
+    ckpt.setdefault("sharded", False)  # written before --fsdp was
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{path} is a checkpoint of format {ckpt.get('format', 1)}, and this train_gpt2.py reads "
                          f"format {CHECKPOINT_FORMAT} only; use the train_gpt2.py that wrote it")
@@ -1234,9 +1365,23 @@ def load_checkpoint(path):
     return ckpt
 
 
-def model_from_checkpoint(ckpt):
+def load_weights(model, ckpt, path):
+    """The checkpoint's weights into the model, sharded by FSDP or not, whichever way the checkpoint was written."""
+    if ckpt["sharded"]:
+        contents = sharded_contents(model)
+        with warnings.catch_warnings():  # in one process it warns that it assumes one process, as it should
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(contents, checkpoint_id=path)  # each rank reads its slices of every tensor, or the whole ones
+        dcp_state.set_model_state_dict(model, contents["model"])
+    elif dist.is_available() and isinstance(model, FSDPModule):  # a DDP run's whole tensors, into FSDP's slices
+        dcp_state.set_model_state_dict(model, ckpt["model"], options=dcp_state.StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(ckpt["model"])
+
+
+def model_from_checkpoint(ckpt, path):
     model = GPT(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
+    load_weights(model, ckpt, path)
     return model
 
 
@@ -1287,12 +1432,36 @@ def check_same_batch(ckpt, total_batch_size, path):
                          f"log count steps; pass --total-batch-size {saved}, or --no-resume to start over")
 
 
+def load_optimizers(optimizers, model, ckpt, path, fsdp):
+    """The optimizers' state from the checkpoint, under the settings of this run's flags (--weight-decay, ...)."""
+    if ckpt["sharded"] != fsdp:  # the state of whole tensors, by position, or FSDP's slices, by name
+        written = "with" if ckpt["sharded"] else "without"
+        raise UsageError(f"{path} was written {written} --fsdp, and only a run {written} it can train on from it; "
+                         f"pass {'--fsdp' if ckpt['sharded'] else '--no-fsdp'}, or --no-resume to start over "
+                         f"(--eval-only, --sample and --export-hf read either)")
+    settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                for optimizer in optimizers]
+    if fsdp:
+        contents = sharded_contents(model, optimizers)
+        dcp.load(contents, checkpoint_id=path)
+        dcp_state.set_optimizer_state_dict(model, optimizers, contents["optimizers"])
+    else:
+        if len(ckpt["optimizers"]) != len(optimizers):
+            raise UsageError(f"{path} holds the state of {len(ckpt['optimizers'])} optimizer(s), and this run has "
+                             f"{len(optimizers)}; pass the settings it was trained with, or --no-resume to start over")
+        for optimizer, state in zip(optimizers, ckpt["optimizers"]):
+            optimizer.load_state_dict(state)
+    for optimizer, flags_of_groups in zip(optimizers, settings):  # the flags win
+        for group, flags in zip(optimizer.param_groups, flags_of_groups):
+            group.update(flags)
+
+
 def restore(run, ckpt, path):
     """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizers,
     the data position and the RNGs. Evaluating needs the weights alone, on any --data."""
     cfg = run.cfg
     check_same_model(ckpt, run.model, path)
-    run.model.load_state_dict(ckpt["model"])
+    load_weights(run.model, ckpt, path)
     run.step, run.resumed_from = ckpt["step"], path
     run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
     # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
@@ -1305,14 +1474,7 @@ def restore(run, ckpt, path):
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
     check_same_batch(ckpt, cfg.total_batch_size, path)
     run.stream.load_state_dict(ckpt["stream"])
-    if len(ckpt["optimizers"]) != len(run.optimizers):
-        raise UsageError(f"{path} holds the state of {len(ckpt['optimizers'])} optimizer(s), and this run has "
-                         f"{len(run.optimizers)}; pass the settings it was trained with, or --no-resume to start over")
-    for optimizer, state in zip(run.optimizers, ckpt["optimizers"]):
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        optimizer.load_state_dict(state)
-        for group, flags in zip(optimizer.param_groups, settings):  # the flags win: --weight-decay, fused, ...
-            group.update(flags)
+    load_optimizers(run.optimizers, run.model, ckpt, path, cfg.fsdp)
     if ckpt["scaler"]:  # empty unless the run used fp16
         run.scaler.load_state_dict(ckpt["scaler"])
     rank = run.env.rank
@@ -1477,7 +1639,7 @@ def start_run(cfg, env):
 
 def train(cfg, given):
     """A whole run: the settings resolved, the log directory held, the run set up, trained (or evaluated) and ended."""
-    env = set_up_distributed(cfg.device)
+    env = set_up_distributed(cfg.device, cfg.fsdp)
     cfg = resolve_config(cfg, given, env)
     with contextlib.ExitStack() as held:
         with failing_together():
@@ -1520,7 +1682,7 @@ def sample_from_checkpoint(cfg):
         ckpt = load_checkpoint(cfg.sample)
     except ValueError as e:
         raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({e})")
-    model = model_from_checkpoint(ckpt).to(env.device)
+    model = model_from_checkpoint(ckpt, cfg.sample).to(env.device)
     dtype = resolve_dtype(cfg.dtype, env.device_type)
     print(f"checkpoint of step {ckpt['step']} ({checkpoint_val_loss(ckpt)}), prompt {cfg.prompt!r}")
     print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_context(env.device_type, dtype),
@@ -1543,7 +1705,7 @@ def export_checkpoint(cfg, argv):
         if ckpt["model_config"]["recipe"] != "gpt2":  # transformers would load it as a GPT-2 that computes otherwise
             raise UsageError(f"--export-hf: {source} holds a model of --recipe {ckpt['model_config']['recipe']}, "
                              f"which GPT-2's Hugging Face format cannot hold; only GPT-2's recipe exports")
-        model = model_from_checkpoint(ckpt)
+        model = model_from_checkpoint(ckpt, source)
         about = hf_export.checkpoint_facts(source, ckpt["step"], ckpt["train_config"], checkpoint_val_loss(ckpt))
     command = shlex.join(["python", "train_gpt2.py", *argv])
     n_params = hf_export.export(cfg.export_hf, model.state_dict(), asdict(model.config), model.n_tokens,

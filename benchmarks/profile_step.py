@@ -56,7 +56,7 @@ def main(argv=None):
     train_gpt2.set_lr(optimizers, cfg.warmup_steps, cfg)  # the peak learning rate, where warmup ends
     scaler = torch.amp.GradScaler(device_type, enabled=cfg.dtype == "fp16")
     autocast_ctx = autocast_context(device_type, cfg.dtype)
-    tokens = torch.randint(0, GPT2_VOCAB, (cfg.batch_size, cfg.seq_len + 1), device=device)
+    tokens = torch.randint(0, GPT2_VOCAB, (cfg.batch_size, cfg.seq_len + 1))  # on the CPU, as the data loader's are
     x, y = tokens[:, :-1], tokens[:, 1:]
 
     def train_step():

@@ -63,7 +63,7 @@ def exports(tmp_path_factory):
 
 
 def ours(ckpt_path):
-    return train_gpt2.model_from_checkpoint(load_ckpt(ckpt_path)).eval()
+    return train_gpt2.model_from_checkpoint(load_ckpt(ckpt_path), ckpt_path).eval()
 
 
 def theirs(out):

@@ -237,7 +237,7 @@ def eval_only(checkpoint, shards, log_dir, *flags):
 
 def test_eval_only_on_a_checkpoint_one_rank_and_two(shards, static_server, tmp_path, capsys):
     """train_gpt2.py --eval-only --resume CKPT --hellaswag-every 1 (once hellaswag.py's command line) on a checkpoint;
-    under torchrun 2 ranks download once and count the same."""
+    under torchrun 2 ranks download once and count the same, with DDP and with --fsdp."""
     model, enc = tiny_model(), gpt2_tokenizer()
     examples, expected_acc_norm, expected_acc, _ = labelled_by_hand(model, enc, 64)
     log_dir = tmp_path / "log"
@@ -266,6 +266,13 @@ def test_eval_only_on_a_checkpoint_one_rank_and_two(shards, static_server, tmp_p
     assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
     logged = read_log(log_dir)[-1]  # rank 0 alone logs
     assert (logged["hellaswag_acc_norm"], logged["hellaswag_acc"]) == (expected_acc_norm, expected_acc)
+
+    # --fsdp: the checkpoint's whole weights split over the 2 ranks, each lending its slices to the other's forward
+    # passes, which both must run as often (4 examples and 3); the counts are the hand computation's all the same
+    sharded = run_script([*eval_only(checkpoint, shards, log_dir, "--hellaswag-file", tmp_path / "hellaswag_val.jsonl",
+                                     "--fsdp")], cwd=tmp_path, nproc=2, timeout=120)
+    assert sharded.returncode == 0, sharded.stderr
+    assert sharded.stdout.strip().splitlines()[-1] == expected
 
 
 def test_failed_download_stops_both_ranks_with_one_line(shards, tmp_path, capsys):
@@ -333,7 +340,8 @@ def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):
     logged = [r for r in records if "hellaswag_acc_norm" in r]
     assert [r["step"] for r in logged] == [0, 1]
 
-    model = train_gpt2.model_from_checkpoint(train_gpt2.load_checkpoint(str(log_dir / "ckpt_000001.pt")))
+    path = str(log_dir / "ckpt_000001.pt")
+    model = train_gpt2.model_from_checkpoint(train_gpt2.load_checkpoint(path), path)
     acc_norm, acc, n = hellaswag.evaluate(model, hellaswag.prepare(examples, gpt2_tokenizer(), 64), "cpu",
                                           contextlib.nullcontext())
     assert (logged[-1]["hellaswag_acc_norm"], logged[-1]["hellaswag_acc"], n) == (acc_norm, acc, 7)

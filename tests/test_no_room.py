@@ -88,3 +88,20 @@ def test_a_checkpoint_over_the_disk_quota_stops_the_run_in_one_line(shards, tmp_
     assert not [name for name in os.listdir(log_dir) if name.endswith(".tmp")]
     with open(log_dir / "log.jsonl") as f:
         assert all(json.loads(line) for line in f)
+
+
+def test_a_sharded_checkpoint_past_the_file_size_limit_stops_the_run_in_one_line(shards, tmp_path):
+    """--fsdp: torch.distributed.checkpoint gathers each rank's failure into its CheckpointException, which names the
+    reason only inside: the line still says what ran out, and the directory being written is gone."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "2", "--fsdp"]
+    first = run_script(args + ["--max-steps", "2"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    saved = log_dir / "ckpt_000002.dcp"
+    largest = max(os.path.getsize(saved / name) for name in os.listdir(saved))
+    result = run_with_file_size_limit(args + ["--max-steps", "4"], tmp_path, largest // 2)
+    check_usage_error(result.returncode, result.stdout, result.stderr,
+                      "file too large for this process's file-size limit (ulimit -f) writing "
+                      f"{log_dir / 'ckpt_000004.dcp'}",
+                      f"resumes from {saved}")
+    assert sorted(os.listdir(log_dir)) == [".lock", "ckpt_000002.dcp", "log.jsonl"]  # no partial directory

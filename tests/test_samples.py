@@ -103,9 +103,9 @@ def test_block_size_1_trains_and_samples_every_requested_token(shards, tmp_path,
     calls = []  # (enc, prompt tokens, samples) of each print_samples
     real_print_samples, real_generate = train_gpt2.print_samples, train_gpt2.generate
 
-    def spy_print_samples(model, cfg, enc, *args):
+    def spy_print_samples(model, cfg, enc, *args, **kwargs):
         calls.append([enc])
-        return real_print_samples(model, cfg, enc, *args)
+        return real_print_samples(model, cfg, enc, *args, **kwargs)
 
     def spy_generate(model, prompt_tokens, *args, **kwargs):
         samples = real_generate(model, prompt_tokens, *args, **kwargs)

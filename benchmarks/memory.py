@@ -1,0 +1,329 @@
+"""
+The memory each GPU needs to train a GPT-2 size with DDP (the default) and with FSDP (--fsdp), for a number of GPUs:
+the weights, gradients and optimizer state computed from how each of the two lays them out (exact, from the model's
+own parameters), an estimate of the activations, and with --measure, the peak memory and speed of real
+train_gpt2.py runs on this machine's GPUs beside them.
+
+    python benchmarks/memory.py                                    # GPT-2 XL on 8 GPUs of 40 GiB at micro-batch 2
+    python benchmarks/memory.py --model gpt2 --world-size 1 --batch-size 64 --accumulation-steps 8   # any machine
+    python benchmarks/memory.py --model gpt2 --world-size 1 --batch-size 64 --accumulation-steps 8 --gpu-gib 80 \\
+        --measure                                                  # one 80 GB GPU: computed, then measured
+    python benchmarks/memory.py --measure                          # 8 GPUs: the GPT-2 XL question, measured
+
+The rows are per GPU (per rank), in GiB, for bf16 autocast (FSDP then gathers the blocks' weights in bf16). Computed
+without a GPU or any memory: the model is built on the meta device. --measure trains 10 steps of random tokens twice,
+without and with --fsdp, under torchrun on --world-size GPUs of this machine, and reads from each run's log.jsonl rank
+0's peak of torch.cuda.max_memory_allocated, and the median tok/s and MFU of the steps after the first two (the first
+compiles). Each run ends with its final checkpoint, in a temporary directory removed right after (GPT-2 XL's is about
+19 GB: set TMPDIR to a disk with room).
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from typing import NamedTuple
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from speed_ladder import read_steps, write_random_shards  # noqa: E402
+
+from train_gpt2 import GPT, MODEL_SIZES, PADDED_VOCAB, GPTConfig  # noqa: E402
+
+TRAINER = os.path.join(REPO, "train_gpt2.py")
+BLOCK_SIZE = 1024  # the trainer's default position table, which the measured runs use too
+GIB = 2**30
+MEASURED_STEPS = 10
+UNTIMED_STEPS = 2  # the first compiles, the second may still settle
+FAILURE_LINES = 25  # of a failed run's output, printed
+RUN_TIMEOUT = 900  # seconds for one measured run: GPT-2 XL compiles for minutes, then writes its checkpoint
+LABELS = {
+    "weights": "weights (fp32)",
+    "gradients": "gradients (fp32)",
+    "optimizer": "optimizer state (fp32)",
+    "ddp_buckets": "DDP's gradient buckets (fp32)",
+    "fsdp_gathered": "FSDP's gathered weights in flight",
+    "fsdp_accumulation": "FSDP's unsharded gradients (accumulation)",
+    "model_state": "model state",
+    "activations": "activations (estimate)",
+    "logits": "fp32 logits and their gradient (estimate)",
+    "total": "total (estimate)",
+}
+
+
+class Parameters(NamedTuple):
+    """The shapes of the model's parameters: those of its transformer blocks, and the rest (the embedding, the
+    position table, the final norm and the head: the root of FSDP's sharding)."""
+    n_layer: int
+    blocks: list
+    rest: list
+
+
+def count_parameters(model, recipe):
+    with torch.device("meta"):  # shapes without storage: GPT-2 XL's 1.5B parameters take no memory and no time
+        gpt = GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=PADDED_VOCAB, recipe=recipe, **MODEL_SIZES[model]))
+    in_blocks = {id(p) for p in gpt.transformer.h.parameters()}
+    params = list(gpt.parameters())  # a tied weight (gpt2's embedding and head) once
+    return Parameters(len(gpt.transformer.h), [tuple(p.shape) for p in params if id(p) in in_blocks],
+                      [tuple(p.shape) for p in params if id(p) not in in_blocks])
+
+
+def numel(shapes):
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def shard_numel(shapes, world):
+    """Rank 0's share, the largest: FSDP2 splits each tensor's rows (dim 0) into world chunks of ceil(rows / world)."""
+    return sum(-(-shape[0] // world) * math.prod(shape[1:]) for shape in shapes)
+
+
+def optimizer_bytes(blocks, rest, recipe):
+    """The state of the optimizers for so many block parameters and others: AdamW's two fp32 moments for every
+    parameter (gpt2); the modern recipe's Muon keeps one fp32 momentum per block matrix, and its Adam two moments for
+    the embedding and the (untied) head."""
+    return 4 * blocks + 8 * rest if recipe == "modern" else 8 * (blocks + rest)
+
+
+def model_state(params, world, recipe, accumulation):
+    """Bytes per rank of everything but the activations: {row: (DDP, FSDP)}, None where the row is not the layout's."""
+    n, blocks, rest = numel(params.blocks + params.rest), numel(params.blocks), numel(params.rest)
+    shard = shard_numel(params.blocks + params.rest, world)
+    rows = {
+        "weights": (4 * n, 4 * shard),  # fp32 master weights: whole on every DDP rank, a 1/world slice under FSDP
+        "gradients": (4 * n, 4 * shard),
+        "optimizer": (optimizer_bytes(blocks, rest, recipe),
+                      optimizer_bytes(shard_numel(params.blocks, world), shard_numel(params.rest, world), recipe)),
+        # a copy of the gradients (train_gpt2 makes DDP without gradient_as_bucket_view); a single process gets no DDP
+        "ddp_buckets": (4 * n if world > 1 else 0, None),
+        # the root gathered in fp32 and kept from forward to backward (reshard_after_forward=False), and about two
+        # blocks in bf16: the one computing and the one prefetched
+        "fsdp_gathered": (None, 4 * rest + 2 * 2 * blocks // params.n_layer),
+        # the micro-steps before the last reduce nothing: each rank keeps every parameter's whole gradient, in fp32
+        # (the reduce dtype); DDP's no_sync adds them up in its gradients above
+        "fsdp_accumulation": (None, 4 * n if accumulation > 1 else 0),
+    }
+    rows["model_state"] = tuple(sum(row[i] or 0 for row in rows.values()) for i in (0, 1))
+    return rows
+
+
+def activation_bytes(n_layer, n_embd, batch_size, seq_len):
+    """An estimate, the same for DDP and FSDP: 34*C bytes of bf16 activations per token per layer (Korthikanti et al.
+    2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1, s*b*h*(34 + 5*a*s/h), without the
+    attention scores' term: flash attention never stores them)."""
+    return 34 * n_embd * n_layer * batch_size * seq_len
+
+
+def logits_bytes(batch_size, seq_len):
+    """The (B*T, V) logits in fp32, and their gradient: the largest tensors of a step (torch.compile's fused loss, or
+    --loss chunked, keeps less)."""
+    return 2 * batch_size * seq_len * PADDED_VOCAB * 4
+
+
+def memory_rows(args):
+    """(the parameters, {row: (DDP bytes, FSDP bytes)}) per rank for the settings."""
+    params = count_parameters(args.model, args.recipe)
+    rows = model_state(params, args.world_size, args.recipe, args.accumulation_steps)
+    size = MODEL_SIZES[args.model]
+    activations = activation_bytes(size["n_layer"], size["n_embd"], args.batch_size, args.seq_len)
+    rows["activations"] = (activations, activations)
+    rows["logits"] = (logits_bytes(args.batch_size, args.seq_len),) * 2
+    rows["total"] = tuple(sum(rows[key][i] for key in ("model_state", "activations", "logits")) for i in (0, 1))
+    return params, rows
+
+
+LINE = "{:<44} {:>15} {:>15}"
+
+
+def gib(value):
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def fits(total, gpu_gib):
+    spare = gpu_gib - total / GIB
+    return f"yes, {spare:.1f} left" if spare >= 0 else f"no, {-spare:.1f} over"
+
+
+def table(rows, gpu_gib):
+    """The rows in GiB, a rule above the sums, and whether each total fits."""
+    lines = [LINE.format("GiB per rank", "DDP", "FSDP")]
+    for key, (ddp, fsdp) in rows.items():
+        if key in ("model_state", "total"):
+            lines.append(LINE.format("", "-" * 15, "-" * 15))
+        lines.append(LINE.format(LABELS[key], gib(ddp), gib(fsdp)))
+    ddp, fsdp = rows["total"]
+    lines.append(LINE.format(f"fits in {gpu_gib:g} GiB?", fits(ddp, gpu_gib), fits(fsdp, gpu_gib)))
+    return lines
+
+
+def header(args, params):
+    blocks, rest = numel(params.blocks), numel(params.rest)
+    gpt2 = args.recipe == "gpt2"
+    optimizer = "AdamW, 2 fp32 moments per parameter" if gpt2 else \
+        "Muon, 1 fp32 momentum per block matrix parameter, and Adam, 2 per embedding and head parameter"
+    steps = f"{args.accumulation_steps} accumulation step{'s' if args.accumulation_steps > 1 else ''}"
+    about = (f"{args.model}, --recipe {args.recipe}: {blocks + rest:,} parameters, {blocks:,} in {params.n_layer} "
+             f"blocks and {rest:,} in the " + ("embedding, position table, final norm and head (tied)" if gpt2 else
+                                                "embedding and head") + f"; {optimizer}")
+    return textwrap.wrap(about, 118) + [f"world size {args.world_size}, micro-batch {args.batch_size} x "
+                                        f"{args.seq_len} tokens, {steps}, bf16 autocast"]
+
+
+NOTES = """\
+FSDP: the sharded rows are rank 0's slice (each tensor's rows split over the ranks); gathered in flight: the root
+(embedding, head, final norm) in fp32, kept from forward to backward, and about 2 blocks in bf16; its unsharded
+gradients: with accumulation > 1 only. DDP: its buckets copy the gradients, with more than one process only.
+Activations (an estimate, the same for both): 34*C bytes per token per layer (Korthikanti et al. 2022, with flash
+attention), and the B*T*V fp32 logits and their gradient. Not counted: the CUDA context, the caching allocator's free
+blocks, and transients: a block's gradients before their reduce-scatter, the one bf16 matrix ShardedMuon gathers."""
+
+
+# -----------------------------------------------------------------------------
+# --measure: train_gpt2.py itself, a few steps without and with --fsdp.
+
+
+def trainer_command(args, data_dir, log_dir, fsdp):
+    """Always under torchrun, also on one GPU: one command for every world size, and the launch the README gives; at
+    world size 1 the trainer runs under it as it would alone (no DDP wrapper; --fsdp makes its own 1-process group)."""
+    B, T, W = args.batch_size, args.seq_len, args.world_size
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={W}", TRAINER,
+        "--data", data_dir, "--log-dir", log_dir, "--no-resume", "--model", args.model, "--recipe", args.recipe,
+        "--batch-size", str(B), "--seq-len", str(T), "--total-batch-size", str(B * T * W * args.accumulation_steps),
+        "--dtype", "bf16", "--max-steps", str(MEASURED_STEPS), "--eval-every", "0", "--hellaswag-every", "0",
+        "--num-samples", "0", "--checkpoint-every", "0", "--val-tokens", str(T),
+    ] + (["--fsdp"] if fsdp else [])
+
+
+def peak_from_log(log_path):
+    """The highest peak_mem_gb (GiB, rank 0's torch.cuda.max_memory_allocated) of the steps logged, or None."""
+    return max((r["peak_mem_gb"] for r in read_steps(log_path) if "peak_mem_gb" in r), default=None)
+
+
+def speed_from_log(log_path):
+    """The median step after the first UNTIMED_STEPS (the lower one of an even count: a step that happened, so its
+    tok/s and MFU agree), as {"tok_per_sec", "mfu"}, or None if none was logged."""
+    timed = sorted((r for r in read_steps(log_path) if r["step"] >= UNTIMED_STEPS), key=lambda r: r["tok_per_sec"])
+    if not timed:
+        return None
+    median = timed[(len(timed) - 1) // 2]
+    return {"tok_per_sec": median["tok_per_sec"], "mfu": median.get("mfu")}
+
+
+def measure_run(args, data_dir, log_dir, fsdp):
+    """{"peak_gib", "tok_per_sec", "mfu"} of rank 0 over the run's steps, or the end of its output saying why there
+    are none."""
+    with open(log_dir + ".out", "w") as out:
+        process = subprocess.Popen(trainer_command(args, data_dir, log_dir, fsdp), cwd=REPO, stdout=out,
+                                   stderr=subprocess.STDOUT)
+        try:
+            process.wait(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:  # torchrun passes SIGTERM on to its workers, and kills those that linger
+            process.send_signal(signal.SIGTERM)
+            process.wait()
+    log_path = os.path.join(log_dir, "log.jsonl")
+    peak, speed = peak_from_log(log_path), speed_from_log(log_path)
+    shutil.rmtree(log_dir, ignore_errors=True)  # the final checkpoint: GPT-2 XL's is about 19 GB
+    if peak is not None and speed is not None:
+        return {"peak_gib": peak, **speed}
+    with open(log_dir + ".out") as f:  # out of memory, most likely; torchrun's summary takes the last lines
+        return "\n".join(line for line in f.read().splitlines()[-FAILURE_LINES:] if line.strip())
+
+
+def measure(args):
+    """{"ddp": GiB or why not, "fsdp": ...} of two short runs on random tokens."""
+    total = args.batch_size * args.seq_len * args.world_size * args.accumulation_steps
+    measured = {}
+    with tempfile.TemporaryDirectory(prefix="memory_") as tmp:
+        data_dir = os.path.join(tmp, "data")
+        os.makedirs(data_dir)
+        write_random_shards(data_dir, (MEASURED_STEPS + 1) * total + 1, args.seq_len + 1)
+        for name in ("ddp", "fsdp"):
+            print(f"measuring {name.upper()}: {MEASURED_STEPS} steps of train_gpt2.py on {args.world_size} GPU(s)...",
+                  flush=True)
+            measured[name] = measure_run(args, data_dir, os.path.join(tmp, name), fsdp=name == "fsdp")
+    return measured
+
+
+def measured_lines(rows, measured):
+    def cells(key, form):
+        return [form(run[key]) if isinstance(run, dict) and run[key] is not None else "-" for run in measured.values()]
+
+    ddp, fsdp = measured["ddp"], measured["fsdp"]
+    ratio = f"FSDP's tok/s over DDP's: {fsdp['tok_per_sec'] / ddp['tok_per_sec']:.3f}" \
+        if isinstance(ddp, dict) and isinstance(fsdp, dict) else ""
+    lines = [LINE.format("rank 0", "DDP", "FSDP"),
+             LINE.format(LABELS["total"] + ", GiB", gib(rows["total"][0]), gib(rows["total"][1])),
+             LINE.format("measured peak (max_memory_allocated), GiB", *cells("peak_gib", "{:.2f}".format)),
+             LINE.format(f"tok/s (median of steps {UNTIMED_STEPS}-{MEASURED_STEPS - 1})",
+                         *cells("tok_per_sec", "{:,.0f}".format)),
+             LINE.format("MFU", *cells("mfu", lambda mfu: f"{100 * mfu:.1f}%")), ratio]
+    return lines + [f"{name.upper()} failed:\n{why}" for name, why in measured.items() if isinstance(why, str)]
+
+
+# -----------------------------------------------------------------------------
+# The command line.
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, with no usage above it, like the rest of the errors
+        self.exit(2, f"error: {message}\n")
+
+
+def parse_args(argv=None):
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-xl", choices=list(MODEL_SIZES), help="GPT-2 size (default: gpt2-xl)")
+    parser.add_argument("--world-size", type=int, default=8, help="GPUs, one rank each (default: 8)")
+    parser.add_argument("--recipe", default="gpt2", choices=["gpt2", "modern"],
+                        help="gpt2: tied head, AdamW; modern: untied head, Muon and Adam (default: gpt2)")
+    parser.add_argument("--batch-size", type=int, default=2, help="micro-batch: sequences per rank (default: 2)")
+    parser.add_argument("--seq-len", type=int, default=1024, help=f"tokens per sequence, at most {BLOCK_SIZE} "
+                        f"(default: 1024)")
+    parser.add_argument("--accumulation-steps", type=int, default=1,
+                        help="micro-batches per optimizer step (default: 1)")
+    parser.add_argument("--gpu-gib", type=float, default=40.0, help="memory of one GPU, to say whether it fits "
+                        "(default: 40)")
+    parser.add_argument("--json", default="", help="also write the rows (bytes) and measurements to this JSON file")
+    parser.add_argument("--measure", action="store_true",
+                        help=f"also train {MEASURED_STEPS} steps without and with --fsdp on this machine's GPUs, and "
+                        f"print their peak memory and speed")
+    args = parser.parse_args(argv)
+    for name in ("world_size", "batch_size", "seq_len", "accumulation_steps", "gpu_gib"):
+        if not getattr(args, name) > 0:  # written so that NaN fails too
+            parser.error(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if args.seq_len > BLOCK_SIZE:
+        parser.error(f"--seq-len {args.seq_len} is longer than the model's {BLOCK_SIZE} positions; shorten it")
+    if args.measure and not torch.cuda.is_available():
+        parser.error("--measure needs CUDA GPUs, and PyTorch sees none here; run it on a GPU machine, or drop "
+                     "--measure for the computed table alone")
+    if args.measure and args.world_size > torch.cuda.device_count():
+        parser.error(f"--measure --world-size {args.world_size}, but this machine has {torch.cuda.device_count()} "
+                     f"GPU(s); lower --world-size, or drop --measure")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    params, rows = memory_rows(args)
+    print("\n".join(header(args, params) + [""] + table(rows, args.gpu_gib) + ["", NOTES]), flush=True)
+    measured = None
+    if args.measure:
+        measured = measure(args)
+        print("\n".join([f"measured on {torch.cuda.get_device_name()}:"] + measured_lines(rows, measured)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**vars(args), "parameters": {"blocks": numel(params.blocks), "rest": numel(params.rest)},
+                       "rows_bytes": {key: {"ddp": ddp, "fsdp": fsdp} for key, (ddp, fsdp) in rows.items()},
+                       "measured": measured, "torch": torch.__version__}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

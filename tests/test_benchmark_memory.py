@@ -1,0 +1,162 @@
+"""benchmarks/memory.py: the parameters counted on the meta device against a hand count, how DDP and FSDP lay out
+the model state, the table it prints, and its one-line errors; no GPU (--measure is refused without one)."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, check_usage_error
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import memory  # noqa: E402
+
+V, BLOCK = 50304, 1024
+SHARDED = ("weights", "gradients", "optimizer")
+
+
+def gpt2_by_hand(n_layer, C):
+    """(block parameters, the rest) of the GPT-2 recipe: per block, attention's qkv (3C^2 + 3C) and projection
+    (C^2 + C), the MLP's (4C^2 + 4C) and (4C^2 + C), two LayerNorms (4C); the rest, the token and position embeddings
+    and the final LayerNorm, the head tied to the token embedding."""
+    return n_layer * (12 * C * C + 13 * C), V * C + BLOCK * C + 2 * C
+
+
+def rows(model="gpt2", world=8, recipe="gpt2", accumulation=1):
+    return memory.model_state(memory.count_parameters(model, recipe), world, recipe, accumulation)
+
+
+def run_main(argv, capsys):
+    capsys.readouterr()
+    code = 0
+    try:
+        memory.main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    return (code, *capsys.readouterr())
+
+
+def test_gpt2_parameters_are_counted_as_by_hand():
+    params = memory.count_parameters("gpt2", "gpt2")
+    blocks, rest = gpt2_by_hand(12, 768)
+    assert (memory.numel(params.blocks), memory.numel(params.rest)) == (blocks, rest)
+    assert blocks + rest == 124_475_904 and params.n_layer == 12
+    xl_blocks, xl_rest = gpt2_by_hand(48, 1600)
+    xl = memory.count_parameters("gpt2-xl", "gpt2")
+    assert (memory.numel(xl.blocks), memory.numel(xl.rest)) == (xl_blocks, xl_rest)
+
+
+def test_one_rank_of_fsdp_holds_what_ddp_does():
+    one = rows(world=1)
+    for key in SHARDED:
+        assert one[key][0] == one[key][1] > 0, key
+    assert one["ddp_buckets"] == (0, None)  # a single process gets no DDP wrapper, so no buckets
+
+
+def test_eight_ranks_of_fsdp_hold_an_eighth_each():
+    n = sum(gpt2_by_hand(12, 768))
+    eight = rows(world=8)
+    assert eight["weights"] == eight["gradients"] == (4 * n, 4 * n // 8)
+    assert eight["optimizer"] == (8 * n, 8 * n // 8)  # AdamW's two moments
+    assert eight["ddp_buckets"] == (4 * n, None)
+    blocks, rest = gpt2_by_hand(12, 768)
+    assert eight["fsdp_gathered"] == (None, 4 * rest + 2 * 2 * blocks // 12)  # the root in fp32, two blocks in bf16
+    assert eight["model_state"] == (20 * n, 2 * n + 4 * rest + 4 * blocks // 12)
+
+
+def test_the_modern_recipe_keeps_one_state_per_block_parameter_and_two_per_embedding_and_head_parameter():
+    params = memory.count_parameters("gpt2", "modern")
+    blocks, rest = 12 * 12 * 768 * 768, 2 * V * 768  # no biases, norms without gains, no position table; untied head
+    assert (memory.numel(params.blocks), memory.numel(params.rest)) == (blocks, rest)
+    modern = rows(recipe="modern")
+    assert modern["optimizer"] == (4 * blocks + 8 * rest, (4 * blocks + 8 * rest) // 8)
+    assert modern["weights"][0] == 4 * (blocks + rest)
+
+
+def test_accumulation_adds_the_unsharded_gradients_to_fsdp_only():
+    n = sum(gpt2_by_hand(12, 768))
+    single, accumulating = rows(accumulation=1), rows(accumulation=8)
+    assert single["fsdp_accumulation"] == (None, 0) and accumulating["fsdp_accumulation"] == (None, 4 * n)
+    assert accumulating["model_state"] == (single["model_state"][0], single["model_state"][1] + 4 * n)
+    assert {k: v for k, v in single.items() if k not in ("fsdp_accumulation", "model_state")} == \
+        {k: v for k, v in accumulating.items() if k not in ("fsdp_accumulation", "model_state")}
+
+
+def test_prints_the_table_for_gpt2_xl_on_eight_gpus(capsys, tmp_path):
+    code, out, err = run_main(["--json", tmp_path / "memory.json"], capsys)  # the defaults: gpt2-xl, 8 ranks, B=2
+    assert code == 0 and err == "", err
+    lines = out.splitlines()
+    assert lines[0].startswith("gpt2-xl, --recipe gpt2: 1,557,686,400 parameters, 1,475,558,400 in 48 blocks")
+    table = {line[:44].strip(): line[44:].split() for line in lines[lines.index("") + 1:] if line[:44].strip()}
+    n = sum(gpt2_by_hand(48, 1600))
+    assert table["GiB per rank"] == ["DDP", "FSDP"]
+    assert table["weights (fp32)"] == [f"{4 * n / 2**30:.2f}", f"{4 * n / 8 / 2**30:.2f}"] == ["5.80", "0.73"]
+    assert table["DDP's gradient buckets (fp32)"] == ["5.80", "-"]
+    # 34*C bytes per token per layer, the same for both
+    assert table["activations (estimate)"] == [f"{34 * 1600 * 48 * 2 * 1024 / 2**30:.2f}"] * 2
+    assert table["fp32 logits and their gradient (estimate)"] == [f"{2 * 2 * 1024 * V * 4 / 2**30:.2f}"] * 2
+    ddp, fsdp = (float(x) for x in table["total (estimate)"])
+    assert 30 < ddp < 40 and fsdp < ddp / 3
+    assert " ".join(table["fits in 40 GiB?"]) == f"yes, {40 - ddp:.1f} left yes, {40 - fsdp:.1f} left"
+    saved = json.loads((tmp_path / "memory.json").read_text())
+    assert saved["rows_bytes"]["weights"] == {"ddp": 4 * n, "fsdp": 4 * n // 8}
+    assert saved["parameters"] == dict(zip(("blocks", "rest"), gpt2_by_hand(48, 1600)))
+    assert saved["measured"] is None
+
+
+def test_the_trainer_runs_are_torchrun_commands_with_the_same_batch():
+    args = memory.parse_args(["--model", "gpt2", "--world-size", "2", "--batch-size", "4", "--accumulation-steps", "3",
+                              "--recipe", "modern"])
+    ddp, fsdp = (memory.trainer_command(args, "data", "log", fsdp) for fsdp in (False, True))
+    assert ddp[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       os.path.join(REPO, "train_gpt2.py")]
+    assert fsdp == ddp + ["--fsdp"]
+    flags = {flag: value for flag, value in zip(ddp, ddp[1:]) if flag.startswith("--")}  # each flag's next word
+    assert flags["--total-batch-size"] == str(4 * 1024 * 2 * 3) and flags["--recipe"] == "modern"
+    assert flags["--max-steps"] == str(memory.MEASURED_STEPS) and flags["--checkpoint-every"] == "0"
+
+
+def test_the_peak_is_the_highest_of_the_logged_steps(tmp_path):
+    log = tmp_path / "log.jsonl"
+    records = [{"step": 0, "dt_ms": 1.0, "peak_mem_gb": 3.5}, {"step": 1, "dt_ms": 1.0, "peak_mem_gb": 4.25},
+               {"step": 2, "dt_ms": 1.0, "peak_mem_gb": 4.0}, {"step": 3, "val_loss": 9.0}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert memory.peak_from_log(str(log)) == 4.25
+    assert memory.peak_from_log(str(tmp_path / "none.jsonl")) is None
+
+
+def test_the_speed_is_the_median_step_after_the_untimed_ones(tmp_path):
+    log = tmp_path / "log.jsonl"
+    tok_per_sec = [10.0, 500.0, 90.0, 70.0, 80.0, 60.0]  # steps 0 and 1 (compiling, settling) are not timed
+    records = [{"step": step, "dt_ms": 1.0, "tok_per_sec": t, "mfu": t / 1000} for step, t in enumerate(tok_per_sec)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records + [{"step": 6, "val_loss": 9.0}]))
+    assert memory.speed_from_log(str(log)) == {"tok_per_sec": 70.0, "mfu": 0.07}  # the lower median of 60-90
+    assert memory.speed_from_log(str(tmp_path / "none.jsonl")) is None
+
+
+def test_measured_lines_give_fsdps_speed_over_ddps_and_a_failed_runs_output():
+    _, rows = memory.memory_rows(memory.parse_args(["--model", "gpt2", "--world-size", "1"]))
+    ddp = {"peak_gib": 20.5, "tok_per_sec": 500_000.0, "mfu": 0.4}
+    lines = memory.measured_lines(rows, {"ddp": ddp, "fsdp": {**ddp, "tok_per_sec": 480_000.0, "peak_gib": 21.25}})
+    assert lines[2].split()[-2:] == ["20.50", "21.25"] and lines[3].split()[-2:] == ["500,000", "480,000"]
+    assert lines[4].split()[-2:] == ["40.0%", "40.0%"] and lines[5] == "FSDP's tok/s over DDP's: 0.960"
+    failed = memory.measured_lines(rows, {"ddp": ddp, "fsdp": "Traceback\ntorch.OutOfMemoryError: CUDA out of memory"})
+    assert failed[2].split()[-2:] == ["20.50", "-"] and failed[5] == ""
+    assert failed[-1] == "FSDP failed:\nTraceback\ntorch.OutOfMemoryError: CUDA out of memory"
+
+
+def test_measure_without_cuda_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = check_usage_error(*run_main(["--measure"], capsys), "--measure needs CUDA")
+    assert "drop --measure" in line
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--world-size", "0"], "error: --world-size must be positive, not 0"),
+    (["--model", "gpt3"], "argument --model: invalid choice: 'gpt3'"),
+    (["--batch-size", "two"], "argument --batch-size: invalid int value: 'two'"),
+    (["--seq-len", "2048"], "error: --seq-len 2048 is longer than the model's 1024 positions"),
+])
+def test_bad_flags_get_one_line_errors(argv, fragment, capsys):
+    check_usage_error(*run_main(argv, capsys), fragment)
