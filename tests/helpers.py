@@ -55,12 +55,12 @@ def save_tokens(path, tokens):
         np.save(path, tokens)
 
 
-def run_main(argv, capsys):
-    """train_gpt2.main(argv) in this process: (exit code, stdout, stderr)."""
+def run_main(argv, capsys, main=None):
+    """main(argv), train_gpt2.main unless given, in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()
     code = 0
     try:
-        train_gpt2.main([str(a) for a in argv])
+        (main or train_gpt2.main)([str(a) for a in argv])
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()

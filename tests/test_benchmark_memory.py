@@ -1,5 +1,6 @@
 """benchmarks/memory.py: the parameters counted on the meta device against a hand count, how DDP and FSDP lay out
-the model state, the table it prints, and its one-line errors; no GPU (--measure is refused without one)."""
+the model state, the table it prints, and its one-line errors; no GPU (--measure is refused without one). And
+benchmarks/muon_overhead.py, which times what sharding costs Muon, end to end."""
 import json
 import os
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, check_usage_error
+from helpers import REPO, check_usage_error, needs_muon, run_main, run_script
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
@@ -27,14 +28,8 @@ def rows(model="gpt2", world=8, recipe="gpt2", accumulation=1):
     return memory.model_state(memory.count_parameters(model, recipe), world, recipe, accumulation)
 
 
-def run_main(argv, capsys):
-    capsys.readouterr()
-    code = 0
-    try:
-        memory.main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    return (code, *capsys.readouterr())
+def run_memory(argv, capsys):
+    return run_main(argv, capsys, memory.main)
 
 
 def test_gpt2_parameters_are_counted_as_by_hand():
@@ -84,7 +79,7 @@ def test_accumulation_adds_the_unsharded_gradients_to_fsdp_only():
 
 
 def test_prints_the_table_for_gpt2_xl_on_eight_gpus(capsys, tmp_path):
-    code, out, err = run_main(["--json", tmp_path / "memory.json"], capsys)  # the defaults: gpt2-xl, 8 ranks, B=2
+    code, out, err = run_memory(["--json", tmp_path / "memory.json"], capsys)  # the defaults: gpt2-xl, 8 ranks, B=2
     assert code == 0 and err == "", err
     lines = out.splitlines()
     assert lines[0].startswith("gpt2-xl, --recipe gpt2: 1,557,686,400 parameters, 1,475,558,400 in 48 blocks")
@@ -148,7 +143,7 @@ def test_measured_lines_give_fsdps_speed_over_ddps_and_a_failed_runs_output():
 
 def test_measure_without_cuda_is_refused_in_one_line(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    line = check_usage_error(*run_main(["--measure"], capsys), "--measure needs CUDA")
+    line = check_usage_error(*run_memory(["--measure"], capsys), "--measure needs CUDA")
     assert "drop --measure" in line
 
 
@@ -159,4 +154,18 @@ def test_measure_without_cuda_is_refused_in_one_line(capsys, monkeypatch):
     (["--seq-len", "2048"], "error: --seq-len 2048 is longer than the model's 1024 positions"),
 ])
 def test_bad_flags_get_one_line_errors(argv, fragment, capsys):
-    check_usage_error(*run_main(argv, capsys), fragment)
+    check_usage_error(*run_memory(argv, capsys), fragment)
+
+
+@needs_muon
+def test_muon_overhead_times_both_optimizers_under_torchrun(tmp_path):
+    """benchmarks/muon_overhead.py on 2 CPU processes: a row for each optimizer and their difference, from rank 0."""
+    result = run_script(["--device", "cpu", "--matrices", "3", "--shape", "8", "16", "--warmup-steps", "1",
+                         "--timed-steps", "2"], cwd=tmp_path, nproc=2, timeout=120,
+                        script=os.path.join(REPO, "benchmarks", "muon_overhead.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("3 matrices of 8 x 16 on 2 cpu process(es)") and len(lines) == 4
+    whole, sharded, cost = (float(line.split()[-4]) for line in lines[1:])  # "... 1.23 ms per step"
+    assert lines[1].startswith("torch.optim.Muon") and lines[2].startswith("ShardedMuon")
+    assert whole > 0 and sharded > 0 and cost == pytest.approx(sharded - whole, abs=0.01)

@@ -1,7 +1,7 @@
 """Run by tests/test_fsdp.py under torchrun with 2 processes (gloo, on the CPU): ShardedMuon on matrices that FSDP2
-splits over the ranks (some with a row count that 2 does not divide, so the slices are uneven, one of them empty) against torch.optim.Muon
-on the whole matrices in each process, for 3 steps of the same gradients. Rank 0 prints the largest difference of the
-weights, and how far they moved, as JSON on its last line."""
+splits over the ranks (some with a row count that 2 does not divide, so the slices are uneven, one of them empty)
+against torch.optim.Muon on the whole matrices in each process, for 3 steps of the same gradients. Rank 0 prints the
+largest difference of the weights, and how far they moved, as JSON on its last line."""
 import json
 import os
 import sys
