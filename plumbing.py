@@ -167,8 +167,9 @@ def no_room(error):
             return NO_ROOM[error.errno]
         # torch.distributed.checkpoint's CheckpointException: each failed rank's (exception, traceback)
         for failure, _ in getattr(error, "failures", {}).values():
-            if no_room(failure):
-                return no_room(failure)
+            reason = no_room(failure)
+            if reason:
+                return reason
         error = error.__cause__ or error.__context__
     return None
 

@@ -1326,7 +1326,7 @@ def save_checkpoint(run):
         rng_per_rank = [None] * env.world_size
         dist.all_gather_object(rng_per_rank, rng)
     with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
-        ckpt = checkpoint_contents(run, rng_per_rank)
+        ckpt = checkpoint_contents(run, rng_per_rank) if run.master else None  # rank 0 alone writes it
         if cfg.fsdp:
             sharded = sharded_contents(run.model, run.optimizers)
 
@@ -1441,8 +1441,8 @@ def load_optimizers(optimizers, model, ckpt, path, fsdp):
                          f"(--eval-only, --sample and --export-hf read either)")
     settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                 for optimizer in optimizers]
-    if fsdp:
-        contents = sharded_contents(model, optimizers)
+    if fsdp:  # the optimizers' entries alone: load_weights has read the weights already
+        contents = {"optimizers": sharded_contents(model, optimizers)["optimizers"]}
         dcp.load(contents, checkpoint_id=path)
         dcp_state.set_optimizer_state_dict(model, optimizers, contents["optimizers"])
     else:
