@@ -168,4 +168,5 @@ def test_muon_overhead_times_both_optimizers_under_torchrun(tmp_path):
     assert lines[0].startswith("3 matrices of 8 x 16 on 2 cpu process(es)") and len(lines) == 4
     whole, sharded, cost = (float(line.split()[-4]) for line in lines[1:])  # "... 1.23 ms per step"
     assert lines[1].startswith("torch.optim.Muon") and lines[2].startswith("ShardedMuon")
-    assert whole > 0 and sharded > 0 and cost == pytest.approx(sharded - whole, abs=0.01)
+    # each of the three printed to 0.01 ms, so rounded by up to 0.005
+    assert whole > 0 and sharded > 0 and cost == pytest.approx(sharded - whole, abs=0.0151)
