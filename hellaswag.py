@@ -8,8 +8,9 @@ Each example is a context and 4 possible endings, one of them right. The model
   GPT-2 124M gets 0.2945, GPT-3 124M 0.337)
 - acc: the ending with the lowest summed loss (favors short endings)
 
-The evaluation takes any model that maps token ids (B, T) to logits (B, T, V). train_gpt2.py runs it during
-training (--hellaswag-every), and on a checkpoint or OpenAI's GPT-2 with --eval-only:
+The evaluation takes any model that answers as train_gpt2.py's does, logits, loss = model(idx), with logits
+(B, T, V). train_gpt2.py runs it during training (--hellaswag-every), and on a checkpoint or OpenAI's GPT-2 with
+--eval-only:
     python train_gpt2.py --eval-only --init-from gpt2 --hellaswag-every 1
     python train_gpt2.py --eval-only --resume log/ckpt_019073.pt --hellaswag-every 1
 """
@@ -130,7 +131,7 @@ def ending_losses(model, tokens, mask):
     """
     B, _, L = tokens.shape
     tokens = tokens.view(B * 4, L)
-    logits = model(tokens)  # (B*4, L, V): a padded vocabulary's extra ids at -inf, out of the softmax
+    logits, _ = model(tokens)  # (B*4, L, V): a padded vocabulary's extra ids at -inf, out of the softmax
     V = logits.size(-1)
     # the logits at position t predict the token at t+1
     losses = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), tokens[:, 1:].reshape(-1), reduction="none")

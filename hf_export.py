@@ -1,7 +1,8 @@
 """
 A GPT-2 as a Hugging Face model directory, which `transformers` loads offline with from_pretrained: the machinery of
-`train_gpt2.py --export-hf`, which teaches nothing about GPT-2. train_gpt2.py hands over the model's state dict, its
-config and the facts of its model card; this module writes
+`train_gpt2.py --export-hf`, which teaches nothing about GPT-2 (and load_gpt2_layout, its inverse, which reads OpenAI's
+weights and exports back for GPT.from_pretrained). train_gpt2.py hands over the model's state dict, its config and
+the facts of its model card; this module writes
 
 - model.safetensors (the weights in GPT-2's Hugging Face layout), config.json and generation_config.json, for
   GPT2LMHeadModel;
@@ -18,7 +19,7 @@ import os
 import shutil
 import uuid
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tiktoken.load import load_tiktoken_bpe
 
 import plumbing
@@ -46,6 +47,36 @@ def gpt2_layout(state_dict, n_tokens):
             tensor = tensor[:n_tokens]
         weights[key] = tensor.contiguous()  # safetensors stores whole, dense tensors
     return weights
+
+
+def load_gpt2_layout(path, state_dict, n_tokens, name, fix):
+    """The weights of the safetensors file at path, in GPT-2's Hugging Face layout (OpenAI's own, or an export's),
+    copied into train_gpt2.py's GPT-2 state_dict: the inverse of gpt2_layout. The token rows past n_tokens (padding)
+    are zeroed. Refuses, in one line that names path and ends with fix, a file that is not GPT-2 `name`'s whole."""
+    try:
+        weights = load_file(path)
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable safetensors file ({e}); {fix}")
+    loaded = set()
+    state_dict["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never used or scored
+    for key, tensor in weights.items():
+        key = "transformer." + key.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+            continue
+        if key not in state_dict:
+            raise UsageError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
+        if key.endswith(CONV1D):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
+            tensor = tensor.t()
+        # all of GPT-2's token rows, n_tokens of them: a file with fewer would leave tokens at zero
+        target = state_dict[key][:n_tokens] if key == "transformer.wte.weight" else state_dict[key]
+        if target.shape != tensor.shape:
+            raise UsageError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for "
+                             f"{name}")
+        target.copy_(tensor)
+        loaded.add(key)
+    missing = set(state_dict) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
+    if missing:
+        raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; {fix}")
 
 
 def model_config(n_layer, n_head, n_embd, block_size, vocab_size, dtype):

@@ -555,6 +555,18 @@ def download(url, path, check, what, hint, headers=None):
             os.remove(tmp_path)
 
 
+def download_openai_weights(name, cache_dir=None):
+    """The path of OpenAI's GPT-2 `name` (gpt2, gpt2-medium, ...) in the cache, downloaded once from the Hugging Face
+    hub, or from $HF_ENDPOINT's mirror (with $HF_TOKEN, if set, sent to that host only)."""
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    path = os.path.join(cache_dir or default_cache_dir(), name, "model.safetensors")
+    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else None
+    download_once_per_node(f"{endpoint}/openai-community/{name}/resolve/main/model.safetensors", path,
+                           check_safetensors, "safetensors file",
+                           "set HF_ENDPOINT to a mirror (or HF_TOKEN if it needs a login)", headers)
+    return path
+
+
 def download_once_per_node(url, path, check, what, hint, headers=None):
     """One process per node downloads (the cache may be node-local); the others wait for it, then all read the file.
     A failed download fails every rank with its one-line error. The group may span nodes, so all ranks learn whether

@@ -37,7 +37,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from speed_ladder import read_steps, write_random_shards  # noqa: E402
 
-from train_gpt2 import GPT, MODEL_SIZES, PADDED_VOCAB, GPTConfig  # noqa: E402
+from train_gpt2 import MODEL_SIZES, PADDED_VOCAB, GPTConfig, model_of  # noqa: E402
 
 TRAINER = os.path.join(REPO, "train_gpt2.py")
 BLOCK_SIZE = 1024  # the trainer's default position table, which the measured runs use too
@@ -70,7 +70,7 @@ class Parameters(NamedTuple):
 
 def count_parameters(model, recipe):
     with torch.device("meta"):  # shapes without storage: GPT-2 XL's 1.5B parameters take no memory and no time
-        gpt = GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=PADDED_VOCAB, recipe=recipe, **MODEL_SIZES[model]))
+        gpt = model_of(GPTConfig(block_size=BLOCK_SIZE, vocab_size=PADDED_VOCAB, recipe=recipe, **MODEL_SIZES[model]))
     in_blocks = {id(p) for p in gpt.transformer.h.parameters()}
     params = list(gpt.parameters())  # a tied weight (gpt2's embedding and head) once
     return Parameters(len(gpt.transformer.h), [tuple(p.shape) for p in params if id(p) in in_blocks],

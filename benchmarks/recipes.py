@@ -31,9 +31,10 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+import modern  # noqa: E402
 import plumbing  # noqa: E402
 import train_gpt2  # noqa: E402
-from train_gpt2 import GPT, TrainConfig, evaluate_val, gpt_config, make_optimizers  # noqa: E402
+from train_gpt2 import TrainConfig, evaluate_val, make_model, make_optimizers  # noqa: E402
 
 
 def standard_library_tokens():
@@ -66,8 +67,7 @@ def random_batch(tokens, B, T, rng):
 def train_recipe(cfg, train, val, device, eval_every, threads):
     """Trains one recipe; returns [(step, val loss)] and the median seconds per step."""
     torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
-    model = GPT(gpt_config(cfg)).to(device)
+    model = make_model(cfg, device)  # seeded by cfg.seed
     optimizers = make_optimizers(model, cfg, device.split(":")[0])
     scaler = torch.amp.GradScaler(enabled=False)
     autocast_ctx = train_gpt2.autocast_context(device.split(":")[0], cfg.dtype)
@@ -142,8 +142,8 @@ def recipe_config(args, recipe, seed, vocab_size):
                       warmup_steps=args.steps // 10, dtype=args.dtype, compile=False, device=args.device,
                       loss=args.loss)
     if recipe == "modern":
-        cfg.__dict__.update(train_gpt2.SHAKESPEARE_MODERN)
-        cfg.__dict__.update({k: getattr(args, k) for k in train_gpt2.RECIPE_SETTINGS["modern"]
+        cfg.__dict__.update(modern.PRESETS["shakespeare"])
+        cfg.__dict__.update({k: getattr(args, k) for k in modern.SETTINGS
                              if getattr(args, k) is not None})
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
@@ -167,7 +167,7 @@ def main():
             cfg = recipe_config(args, recipe, seed, vocab_size)
             losses, step_time = train_recipe(cfg, train, val, args.device, args.eval_every, args.threads)
             settings = {k: getattr(cfg, k) for k in ("max_lr", "warmup_steps")} if recipe == "gpt2" else {
-                k: getattr(cfg, k) for k in (*train_gpt2.RECIPE_SETTINGS["modern"], "warmup_steps")}
+                k: getattr(cfg, k) for k in (*modern.SETTINGS, "warmup_steps")}
             results.append(dict(recipe=recipe, seed=seed, losses=losses, step_ms=1000 * step_time, settings=settings))
             print(f"{recipe:6s} seed {seed}: final val loss {losses[-1][1]:.4f}, {1000 * step_time:.0f} ms/step, "
                   f"{settings}", flush=True)

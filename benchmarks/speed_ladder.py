@@ -30,7 +30,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from plumbing import GPT2_VOCAB  # noqa: E402
-from train_gpt2 import MODEL_SIZES, GPTConfig, flops_per_token, peak_flops  # noqa: E402
+from reporting import flops_per_token, peak_flops  # noqa: E402
+from train_gpt2 import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 
 TRAINER = os.path.join(REPO, "train_gpt2.py")
 
@@ -232,13 +233,14 @@ def main(argv=None):
             rows.append({**row, "status": "ok", "flags": as_flags(settings), **result, "speedup": speedup})
             previous = result["tok_per_sec"]
 
-    config = GPTConfig(T, GPT2_VOCAB, args.n_layer, args.n_head, args.n_embd)
+    with torch.device("meta"):  # the shapes alone
+        model = GPT(GPTConfig(T, GPT2_VOCAB, args.n_layer, args.n_head, args.n_embd))
     peak = peak_flops("cuda") if args.device == "cuda" else None
     print("speed-up: tokens/s over the previous rung that ran; 1st step: its time, mostly compilation where compile "
           "is on")
     print(f"MFU = (6N + 12*L*H*Q*T) flops per token x tokens per step / step time / the GPU's dense bf16 peak"
           f"{f' ({peak / 1e12:.0f} TFLOPS)' if peak else ' (no GPU with a known peak here: no MFU)'}; "
-          f"N = parameters but the position embedding: {flops_per_token(config, T) / 1e9:.3g} GFLOP per token here")
+          f"N = parameters but the position embedding: {flops_per_token(model, T) / 1e9:.3g} GFLOP per token here")
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     wall = time.perf_counter() - start
     if args.json:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import hellaswag
 import train_gpt2
 from plumbing import GPT2_VOCAB
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --recipe modern's Muon is torch.optim.Muon, new in PyTorch 2.9; requirements.txt allows older ones
@@ -238,8 +238,8 @@ def tiny_gpt(vocab_size=50304, block_size=32, n_layer=2, n_head=4, n_embd=64, at
     """A small GPT of train_gpt2.py, the same weights for the same arguments; by default GPT-2's vocabulary padded
     to 50304 rows, as the trainer has it."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                         attn=attn, loss=loss, recipe=recipe))
+    return train_gpt2.model_of(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                                         n_embd=n_embd, attn=attn, loss=loss, recipe=recipe))
 
 
 def random_ids(B, T, high=GPT2_VOCAB, seed=1):
@@ -253,13 +253,18 @@ def with_loud_padding(model):
     return model
 
 
-def reference(model, idx, targets):
-    """The float64 mean cross-entropy over the first 50257 columns of the final hidden states times lm_head."""
+def final_hidden(model, idx):
+    """The final hidden states (B, T, C) of the model on idx: the output of its last norm, ln_f."""
     hidden = []
     handle = model.transformer.ln_f.register_forward_hook(lambda module, args, out: hidden.append(out))
     model(idx)
     handle.remove()
-    logits = hidden[0].double() @ model.lm_head.weight.double().T  # (B, T, V)
+    return hidden[0]
+
+
+def reference(model, idx, targets):
+    """The float64 mean cross-entropy over the first 50257 columns of the final hidden states times lm_head."""
+    logits = final_hidden(model, idx).double() @ model.lm_head.weight.double().T  # (B, T, V)
     return F.cross_entropy(logits[..., :GPT2_VOCAB].flatten(0, 1), targets.flatten(), ignore_index=-1)
 
 

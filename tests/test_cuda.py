@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import train_gpt2
+from chunked_loss import chunked_cross_entropy
 from helpers import chunked_case, float64_loss_and_grads, reference, tiny_gpt, with_loud_padding
-from train_gpt2 import GPT2_VOCAB, TrainConfig, chunked_cross_entropy
+from plumbing import GPT2_VOCAB
+from train_gpt2 import TrainConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoints
 import hf_export
 import test_pretrained
 import train_gpt2
@@ -63,7 +64,7 @@ def exports(tmp_path_factory):
 
 
 def ours(ckpt_path):
-    return train_gpt2.model_from_checkpoint(load_ckpt(ckpt_path), ckpt_path).eval()
+    return checkpoints.model_from_checkpoint(load_ckpt(ckpt_path), ckpt_path, train_gpt2.model_of).eval()
 
 
 def theirs(out):
@@ -78,7 +79,7 @@ def test_transformers_computes_our_logits(exports, vocab):
     assert hf.config.vocab_size == n_tokens and hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
     idx = torch.randint(0, n_tokens, (3, 32), generator=torch.Generator().manual_seed(0))  # the whole block
     with torch.no_grad():
-        expected, got = model(idx)[..., :n_tokens], hf(idx).logits
+        expected, got = model(idx)[0][..., :n_tokens], hf(idx).logits
     assert got.shape == (3, 32, n_tokens)
     assert (got - expected).abs().max().item() < 1e-5
 
@@ -106,7 +107,7 @@ def test_the_exported_files(exports, vocab):
     n_params = sum(t.numel() for t in weights.values())
     assert f"{n_params:,} parameters" in card and "2 layers, 4 heads, width 64" in card
     assert "768 tokens (3 steps of 256)" in card  # step x total_batch_size
-    assert f"validation: {train_gpt2.checkpoint_val_loss(ckpt)}" in card and "val loss" in card
+    assert f"validation: {checkpoints.val_loss_in_words(ckpt)}" in card and "val loss" in card
     assert "HellaSwag: not recorded with these weights" in card
     assert f"`python train_gpt2.py --export-hf {out} --log-dir {os.path.dirname(ckpt_path)}`" in card
     assert (f"GPT-2's first {n_tokens} token ids" in card) == (vocab == 128)
@@ -156,7 +157,7 @@ def test_transformers_generates_from_the_export(exports):
     tokens = prompt
     with torch.no_grad():
         for _ in range(12):  # the prompt and 12 tokens: 16 of the block's 32
-            tokens = torch.cat([tokens, model(tokens)[:, -1:].argmax(-1)], dim=1)
+            tokens = torch.cat([tokens, model(tokens)[0][:, -1:].argmax(-1)], dim=1)
         assert hf.generate(prompt, max_new_tokens=12, do_sample=False).tolist() == tokens.tolist()
         sampled = hf.generate(prompt, max_new_tokens=12, do_sample=True)
     assert sampled.shape == (1, 16) and sampled.max() < 128

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+import fsdp
 import plumbing
 import train_gpt2
 from helpers import (
@@ -159,7 +160,7 @@ def test_settings_fsdp_cannot_honour_are_refused(shards, tmp_path, capsys, flags
 def test_a_torch_without_muons_own_steps_refuses_sharding_it(shards, tmp_path, capsys, monkeypatch):
     """ShardedMuon takes the steps of Muon's update from torch's private module: a torch that moved them refuses
     --fsdp --recipe modern in one line, and everything else still runs."""
-    monkeypatch.setattr(train_gpt2, "orthogonalize", None)
+    monkeypatch.setattr(fsdp, "orthogonalize", None)
     expect_usage_error(TINY + ["--data", shards, "--fsdp", "--recipe", "modern", "--log-dir", tmp_path], capsys,
                        "--fsdp --recipe modern shards Muon", "drop --fsdp")
 

@@ -10,6 +10,7 @@ import socket
 import pytest
 import torch
 
+import checkpoints
 import hellaswag
 import train_gpt2
 from helpers import (
@@ -47,7 +48,7 @@ def hand_scores(model, enc, ctx, endings, block_size):
         ending_tokens = enc.encode_ordinary(" " + ending)
         sequence = (context + ending_tokens)[-block_size:]
         with torch.no_grad():
-            logits = model(torch.tensor([sequence]))
+            logits, _ = model(torch.tensor([sequence]))
         log_probs = torch.log_softmax(logits[0].double(), dim=-1)  # (T, V)
         total, count = 0.0, 0
         # position 0 has nothing before it to predict it from
@@ -341,7 +342,7 @@ def test_trainer_logs_hellaswag_with_compile_on(tmp_path, monkeypatch):
     assert [r["step"] for r in logged] == [0, 1]
 
     path = str(log_dir / "ckpt_000001.pt")
-    model = train_gpt2.model_from_checkpoint(train_gpt2.load_checkpoint(path), path)
+    model = checkpoints.model_from_checkpoint(checkpoints.load(path), path, train_gpt2.model_of)
     acc_norm, acc, n = hellaswag.evaluate(model, hellaswag.prepare(examples, gpt2_tokenizer(), 64), "cpu",
                                           contextlib.nullcontext())
     assert (logged[-1]["hellaswag_acc_norm"], logged[-1]["hellaswag_acc"], n) == (acc_norm, acc, 7)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import hellaswag
 import train_gpt2
+from chunked_loss import ChunkedCrossEntropy, chunked_cross_entropy
 from helpers import (
     REPO,
     chunked_case,
@@ -21,7 +22,7 @@ from helpers import (
     tiny_gpt,
     with_loud_padding,
 )
-from train_gpt2 import GPT2_VOCAB, ChunkedCrossEntropy, chunked_cross_entropy
+from plumbing import GPT2_VOCAB
 
 LOSSES = ["full", "chunked"]
 
@@ -31,7 +32,7 @@ def test_padding_ids_are_out_of_the_loss(loss_impl):
     model = with_loud_padding(tiny_gpt(loss=loss_impl))
     idx, targets = random_ids(2, 32), random_ids(2, 32, seed=2)
     targets[1, 20:] = -1  # left out of the mean
-    logits, loss = model(idx), model(idx, targets)
+    (logits, _), (_, loss) = model(idx), model(idx, targets)
     assert loss.item() == pytest.approx(reference(model, idx, targets).item(), rel=1e-6)
     assert logits.shape == (2, 32, 50304)
     probs = logits.softmax(-1)
@@ -49,7 +50,7 @@ def test_the_mask_keeps_bf16_logits_in_bf16():
     model = with_loud_padding(tiny_gpt())
     idx, targets = random_ids(2, 32), random_ids(2, 32, seed=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, loss = model(idx), model(idx, targets)
+        (logits, _), (_, loss) = model(idx), model(idx, targets)
     assert logits.dtype == torch.bfloat16
     assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf")) and torch.isfinite(logits[..., :GPT2_VOCAB]).all()
     assert loss.item() == pytest.approx(reference(model, idx, targets).item(), rel=1e-2)
@@ -60,12 +61,12 @@ def test_uniform_logits_give_the_log_of_the_real_vocab():
     ln(50304) = 10.8260 as with the padding in the softmax. At init the loss is near both (within ~0.05)."""
     model = tiny_gpt()
     idx, targets = random_ids(4, 32), random_ids(4, 32, seed=3)
-    assert abs(model(idx, targets).item() - math.log(GPT2_VOCAB)) < 0.05
+    assert abs(model(idx, targets)[1].item() - math.log(GPT2_VOCAB)) < 0.05
     with torch.no_grad():
         model.lm_head.weight.zero_()
     for loss_impl in LOSSES:
         model.config.loss = loss_impl
-        assert model(idx, targets).item() == pytest.approx(math.log(GPT2_VOCAB), rel=1e-6, abs=0)
+        assert model(idx, targets)[1].item() == pytest.approx(math.log(GPT2_VOCAB), rel=1e-6, abs=0)
 
 
 def test_weight_decay_still_shrinks_the_padding_rows():
@@ -86,7 +87,7 @@ def test_generate_gives_padding_ids_no_probability():
     out = train_gpt2.generate(model, [1, 2, 3], 4, 20, torch.Generator().manual_seed(0))
     assert max(max(row) for row in out) < GPT2_VOCAB
     with torch.no_grad():
-        logits = model(torch.tensor(out))
+        logits, _ = model(torch.tensor(out))
     assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf"))
 
 
@@ -189,8 +190,8 @@ def test_chunked_model_matches_full_model_over_accumulated_micro_batches():
     assert chunked == pytest.approx(full, rel=1e-6)
     for name, grad in full_grads.items():  # wte's gradient is the embedding's plus lm_head's: they are one tensor
         torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    logits = chunked_model(batches[0][0])  # logits asked for (no targets): the chunked model computes them too
-    loss = chunked_model(*batches[0])
+    logits, _ = chunked_model(batches[0][0])  # logits asked for (no targets): the chunked model computes them too
+    _, loss = chunked_model(*batches[0])
     assert logits.shape == (2, 32, 50304)
     assert loss.item() == pytest.approx(reference(chunked_model, *batches[0]).item(), rel=1e-6)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2
-from helpers import VOCAB, random_ids, tiny_gpt
+from helpers import VOCAB, final_hidden, random_ids, tiny_gpt
 from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, generate
 
 tiny = functools.partial(tiny_gpt, vocab_size=VOCAB)  # 128 ids, unless a test is about GPT-2's padded vocabulary
@@ -17,17 +17,18 @@ tiny = functools.partial(tiny_gpt, vocab_size=VOCAB)  # 128 ids, unless a test i
 def test_shapes():
     model = tiny()
     idx = random_ids(3, 32, 128)
-    logits = model(idx)  # without targets: the logits alone, no loss
-    assert isinstance(logits, torch.Tensor) and logits.shape == (3, 32, 128)
-    loss = model(idx, idx)  # training's call, with targets: the loss alone, no logits
-    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype == torch.float32
+    logits, no_loss = model(idx)  # without targets: the logits, no loss (the lecture's interface)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (3, 32, 128) and no_loss is None
+    no_logits, loss = model(idx, idx)  # training's call, with targets: the loss, and no logits to write out
+    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype == torch.float32 and no_logits is None
     with torch.no_grad():  # forward is its pieces: the trunk's hidden states, then the logits or the loss
-        hidden = model.trunk(idx)
+        hidden = final_hidden(model, idx)
         assert hidden.shape == (3, 32, 64)
-        assert torch.equal(model.logits(hidden), model(idx)) and torch.equal(model.loss(hidden, idx), model(idx, idx))
+        assert torch.equal(model.logits(hidden), model(idx)[0])
+        assert torch.equal(F.cross_entropy(model.logits(hidden).flatten(0, 1), idx.flatten()), model(idx, idx)[1])
     padded = tiny(vocab_size=50304)  # the padding ids have logits, at -inf (tests/test_loss.py)
     assert padded.transformer.wte.weight.shape == (50304, 64)
-    logits = padded(random_ids(2, 5, GPT2_VOCAB))
+    logits, _ = padded(random_ids(2, 5, GPT2_VOCAB))
     assert logits.shape == (2, 5, 50304) and logits.dtype == torch.float32
     assert torch.all(logits[..., GPT2_VOCAB:] == float("-inf")) and torch.all(logits[..., :GPT2_VOCAB].isfinite())
     assert set(padded.state_dict()) == set(model.state_dict())  # the mask is a constant, not saved in checkpoints
@@ -40,7 +41,7 @@ def test_weight_tying():
     V, P, C, L = 128, 32, 64, 2
     per_block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C + C)
     assert sum(p.numel() for p in model.parameters()) == V * C + P * C + L * per_block + 2 * C
-    loss = model(random_ids(2, 8, 128), random_ids(2, 8, 128, seed=2))
+    _, loss = model(random_ids(2, 8, 128), random_ids(2, 8, 128, seed=2))
     loss.backward()
     assert model.transformer.wte.weight.grad is model.lm_head.weight.grad
 
@@ -64,7 +65,7 @@ def test_init_statistics():
 def test_loss_at_init_is_log_vocab(vocab_size, n_tokens):
     model = tiny(vocab_size=vocab_size)
     idx, targets = random_ids(4, 32, n_tokens), random_ids(4, 32, n_tokens, seed=3)
-    logits, loss = model(idx), model(idx, targets)
+    (logits, _), (_, loss) = model(idx), model(idx, targets)
     assert abs(loss.item() - math.log(n_tokens)) < 0.05, (loss.item(), math.log(n_tokens))
     # the loss is the mean cross-entropy, computed here by hand; -1 targets are left out
     logp = logits.double().log_softmax(-1)
@@ -72,7 +73,7 @@ def test_loss_at_init_is_log_vocab(vocab_size, n_tokens):
     assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
     masked = targets.clone()
     masked[:, 16:] = -1
-    loss_masked = model(idx, masked)
+    _, loss_masked = model(idx, masked)
     by_hand_masked = -logp[:, :16].gather(-1, targets[:, :16].unsqueeze(-1)).mean()
     assert loss_masked.item() == pytest.approx(by_hand_masked.item(), rel=1e-5)
 
@@ -82,11 +83,11 @@ def test_causality(attn):
     model = tiny(attn=attn)
     idx = random_ids(2, 32, 128)
     with torch.no_grad():
-        before = model(idx)
+        before, _ = model(idx)
         for t in (0, 13, 31):
             changed = idx.clone()
             changed[:, t] = (changed[:, t] + 1) % 128
-            after = model(changed)
+            after, _ = model(changed)
             assert torch.allclose(before[:, :t], after[:, :t], rtol=0, atol=1e-6), t
             assert not torch.allclose(before[:, t], after[:, t], atol=1e-4), t  # the change does reach position t
 
@@ -125,7 +126,7 @@ def test_attention_matches_naive_reference():
     naive.load_state_dict(sdpa.state_dict())
     idx = random_ids(2, 32, 128)
     with torch.no_grad():
-        assert torch.allclose(sdpa(idx), naive(idx), atol=1e-5)
+        assert torch.allclose(sdpa(idx)[0], naive(idx)[0], atol=1e-5)
 
 
 def test_overfits_one_batch():
@@ -135,7 +136,7 @@ def test_overfits_one_batch():
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None
     for _ in range(150):
-        loss = model(x, y)
+        _, loss = model(x, y)
         first = first or loss.item()
         optimizer.zero_grad()
         loss.backward()
@@ -194,7 +195,7 @@ def no_cache_sample(model, prompt, num_samples, max_new_tokens, generator, top_k
     idx = torch.tensor(prompt).repeat(num_samples, 1)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            probs = model(idx)[:, -1].float().softmax(-1)
+            probs = model(idx)[0][:, -1].float().softmax(-1)
             if top_k == 1:
                 nxt = probs.argmax(-1, keepdim=True)
             else:
@@ -209,11 +210,11 @@ def test_kv_cache_matches_full_recompute(attn):
     model = tiny(attn=attn)
     seq = random_ids(2, 20, 128)
     with torch.no_grad():
-        full = model(seq)
+        full, _ = model(seq)
         cache = [[] for _ in model.transformer.h]
-        step_logits = [model(seq[:, :6], kv_cache=cache)]
+        step_logits = [model(seq[:, :6], kv_cache=cache)[0]]
         for t in range(6, 20):
-            step_logits.append(model(seq[:, t: t + 1], kv_cache=cache))
+            step_logits.append(model(seq[:, t: t + 1], kv_cache=cache)[0])
     assert torch.allclose(torch.cat(step_logits, dim=1), full, atol=1e-5)
     prompt = [5, 17, 99]
     greedy = generate(model, prompt, 2, 12, torch.Generator().manual_seed(0), top_k=1)

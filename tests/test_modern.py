@@ -14,12 +14,17 @@ from test_hellaswag import TINY_MODEL, checkpoint_holding, eval_only, labelled_b
 from test_model import no_cache_sample
 from test_samples import sample_without_a_cache
 
+import modern
+import plumbing
+import reporting
 import train_gpt2
+from chunked_loss import chunked_cross_entropy
 from helpers import (
     TINY,
     assert_tensors_equal,
     chunked_case,
     expect_usage_error,
+    final_hidden,
     load_ckpt,
     needs_muon,
     random_ids,
@@ -30,8 +35,9 @@ from helpers import (
     val_records,
     write_jsonl,
 )
+from modern import get_lr, rotary_tables, rotate
 from plumbing import GPT2_VOCAB
-from train_gpt2 import TrainConfig, chunked_cross_entropy, generate, get_lr, rotary_tables, rotate
+from train_gpt2 import TrainConfig, generate
 
 MODERN = ["--recipe", "modern"]
 pytestmark = needs_muon
@@ -45,7 +51,7 @@ def modern_gpt(**kwargs):
 def test_the_loss_at_init_is_exactly_log_vocab(vocab_size, n_tokens):
     """The output layer starts at zero: every real token gets the same logit, the padding none."""
     model = modern_gpt(vocab_size=vocab_size)
-    loss = model(random_ids(2, 32, n_tokens), random_ids(2, 32, n_tokens, seed=2))
+    _, loss = model(random_ids(2, 32, n_tokens), random_ids(2, 32, n_tokens, seed=2))
     assert loss.item() == pytest.approx(math.log(n_tokens), abs=1e-6)  # ln(50257) = 10.8249...
     params = dict(model.named_parameters())
     assert "transformer.wpe.weight" not in params  # positions are rotary
@@ -100,10 +106,11 @@ def test_causality_and_the_kv_cache_with_rotary_positions():
     changed = seq.clone()
     changed[:, 12] = (changed[:, 12] + 1) % 128
     with torch.no_grad():
-        full, after_change = model(seq), model(changed)
+        (full, _), (after_change, _) = model(seq), model(changed)
         assert torch.equal(full[:, :12], after_change[:, :12]) and not torch.allclose(full[:, 12], after_change[:, 12])
         cache = [[] for _ in model.transformer.h]
-        steps = [model(seq[:, :6], kv_cache=cache)] + [model(seq[:, t: t + 1], kv_cache=cache) for t in range(6, 20)]
+        steps = [model(seq[:, :6], kv_cache=cache)[0]] + [model(seq[:, t: t + 1], kv_cache=cache)[0]
+                                                          for t in range(6, 20)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
     prompt = [5, 17, 99]
     assert generate(model, prompt, 2, 12, torch.Generator().manual_seed(0), top_k=1) == no_cache_sample(
@@ -118,7 +125,7 @@ def test_logits_are_soft_capped():
     idx, cap = random_ids(2, 16, 128), model.config.logit_softcap
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
-        raw, logits = model.lm_head(model.trunk(idx)), model(idx)
+        raw, (logits, _) = model.lm_head(final_hidden(model, idx)), model(idx)
     assert raw.abs().max() > 2 * cap and logits.abs().max() <= cap
     torch.testing.assert_close(logits, cap * torch.tanh(raw / cap))
 
@@ -142,7 +149,7 @@ def test_the_soft_capped_chunked_loss_matches_float64(chunk_rows):
 
 def loss_and_grads(model, x, y):
     model.zero_grad()
-    loss = model(x, y)
+    _, loss = model(x, y)
     loss.backward()
     return loss.item(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in model.named_parameters()}
 
@@ -216,7 +223,7 @@ def test_flops_per_token_counts_the_matmul_parameters(recipe):
     model = tiny_gpt(recipe=recipe, n_layer=3)
     lookups = {"gpt2": "transformer.wpe.weight", "modern": "transformer.wte.weight"}[recipe]
     n = sum(p.numel() for name, p in model.named_parameters() if name != lookups)
-    assert train_gpt2.flops_per_token(model.config, 32) == 6 * n + 12 * 3 * 64 * 32
+    assert reporting.flops_per_token(model, 32) == 6 * n + 12 * 3 * 64 * 32
 
 
 # -----------------------------------------------------------------------------
@@ -272,7 +279,7 @@ def test_hellaswag_through_eval_only_scores_as_by_hand(shards, tmp_path, capsys)
     """--eval-only on a modern checkpoint, HellaSwag scored with its (soft-capped) logits: the accuracies of a
     forward pass per ending, computed by hand."""
     model = tiny_model(recipe="modern")
-    examples, acc_norm, acc, _ = labelled_by_hand(model, train_gpt2.plumbing.gpt2_tokenizer(), 64)
+    examples, acc_norm, acc, _ = labelled_by_hand(model, plumbing.gpt2_tokenizer(), 64)
     checkpoint = checkpoint_holding(model, shards, tmp_path / "log", capsys, *MODERN)
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     code, out, err = run_main(eval_only(checkpoint, shards, tmp_path / "log", *MODERN,
@@ -286,7 +293,7 @@ def test_the_shakespeare_preset_takes_the_modern_recipes_rates(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)  # no shards here
     env = train_gpt2.Env(0, 0, 1, "cpu", "cpu")
     cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(MODERN), env)
-    preset = train_gpt2.SHAKESPEARE_MODERN
+    preset = modern.PRESETS["shakespeare"]
     assert (cfg.muon_lr, cfg.embed_lr, cfg.head_lr, cfg.warmup_steps) == (
         preset["muon_lr"], preset["embed_lr"], preset["head_lr"], preset["warmup_steps"])
     assert (cfg.n_layer, cfg.max_steps) == (8, 900)  # the rest of the Shakespeare preset

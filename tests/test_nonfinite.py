@@ -1,6 +1,6 @@
 """Steps with a non-finite loss: the update is skipped and logged (as null: log.jsonl stays strict JSON), no checkpoint
 is written or pruned while they last, and too many in a row stop the run, naming the checkpoint to go back to. Most
-NaNs are made here: GPT.loss is multiplied by NaN in the steps chosen, so train_step itself must find the step
+NaNs are made here: GPT.forward's loss is multiplied by NaN in the steps chosen, so train_step itself must find the step
 non-finite; the last test's weights really diverge."""
 import json
 import math
@@ -30,7 +30,7 @@ CONSTANT_LR = ["--warmup-steps", "0", "--min-lr-ratio", "1", "--max-lr", "1e-2"]
 def poison_steps(monkeypatch, steps, after_step=None):
     """Makes the loss NaN in the given steps of a run started fresh (its n-th train_step call is step n), as a bad
     batch or a diverging model would. after_step(step, model, optimizers) is called after each step."""
-    real_train_step, real_loss = train_gpt2.train_step, train_gpt2.GPT.loss
+    real_train_step, real_forward = train_gpt2.train_step, train_gpt2.GPT.forward
     state = {"step": -1, "poisoned": False}
 
     def train_step(model, optimizers, *args, **kwargs):
@@ -44,12 +44,12 @@ def poison_steps(monkeypatch, steps, after_step=None):
             after_step(state["step"], model, optimizers)
         return result
 
-    def loss(self, x, targets):
-        value = real_loss(self, x, targets)
-        return value * float("nan") if state["poisoned"] else value
+    def forward(self, idx, targets=None, kv_cache=None):
+        logits, loss = real_forward(self, idx, targets, kv_cache)
+        return logits, loss * float("nan") if state["poisoned"] and loss is not None else loss
 
     monkeypatch.setattr(train_gpt2, "train_step", train_step)
-    monkeypatch.setattr(train_gpt2.GPT, "loss", loss)
+    monkeypatch.setattr(train_gpt2.GPT, "forward", forward)
 
 
 def copy_of(state_dict):

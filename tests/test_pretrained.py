@@ -94,7 +94,7 @@ def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
     model = openai_gpt2(cache_dir=str(tmp_path / "cache")).eval()
     idx = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logits = model(idx)
+        logits, _ = model(idx)
     expected = reference_logits(weights, idx)
     assert logits.shape == (2, 24, 50304) and expected.shape == (2, 24, 50257)
     torch.testing.assert_close(logits[..., :50257].double(), expected, rtol=1e-4, atol=1e-4)
@@ -103,7 +103,7 @@ def test_loaded_model_matches_direct_computation(gpt2_server, tmp_path):
     served.unlink()  # the second load reads the cached copy
     cached = openai_gpt2(cache_dir=str(tmp_path / "cache")).eval()
     with torch.no_grad():
-        assert torch.equal(cached(idx), logits)
+        assert torch.equal(cached(idx)[0], logits)
 
 
 def test_missing_weights_are_a_one_line_error(gpt2_server, tmp_path):

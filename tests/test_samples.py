@@ -139,7 +139,7 @@ def sample_without_a_cache(model, prompt, num_samples, max_new_tokens, generator
     tokens = torch.tensor(prompt).repeat(num_samples, 1)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            probs = model(tokens[:, -model.config.block_size:])[:, -1].float().softmax(-1)
+            probs = model(tokens[:, -model.config.block_size:])[0][:, -1].float().softmax(-1)
             top_probs, top_ids = probs.topk(min(top_k, probs.size(-1)), dim=-1)
             next_ids = top_ids.gather(-1, torch.multinomial(top_probs, 1, generator=generator))
             tokens = torch.cat([tokens, next_ids], dim=1)

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+import chunked_loss
+import modern
 import train_gpt2
 from helpers import (
     REPO,
@@ -164,11 +166,11 @@ def test_end_to_end_run_writes_log(shards, tmp_path, capsys):
     stream, val_tokens = train_gpt2.load_data(TrainConfig(data=shards, vocab_size=VOCAB, seq_len=32,
                                                           total_batch_size=256, val_tokens=256))
     with torch.no_grad():
-        losses = [model(x, y).item() for x, y in stream.next_step(4, 32, 2, 0, 1, VOCAB)]
+        losses = [model(x, y)[1].item() for x, y in stream.next_step(4, 32, 2, 0, 1, VOCAB)]
         assert train[0]["train_loss"] == pytest.approx(np.mean(losses), abs=1e-6)
         # and the validation loss at step 0 is the mean over the fixed 256 tokens (8 sequences of 32)
         v = torch.from_numpy(val_tokens.astype(np.int64))
-        assert val[0]["val_loss"] == pytest.approx(model(v[:-1].view(8, 32), v[1:].view(8, 32)).item(), abs=1e-6)
+        assert val[0]["val_loss"] == pytest.approx(model(v[:-1].view(8, 32), v[1:].view(8, 32))[1].item(), abs=1e-6)
     # trained with a real learning rate, the loss went down over the run
     assert val[4]["val_loss"] < val[0]["val_loss"]
 
@@ -197,13 +199,14 @@ def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypa
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     chunked_in_grad_mode = []
-    real_chunked_cross_entropy = train_gpt2.chunked_cross_entropy
+    real_chunked_cross_entropy = chunked_loss.chunked_cross_entropy
 
     def counted_chunked_cross_entropy(*args, **kwargs):
         chunked_in_grad_mode.append(torch.is_grad_enabled())
         return real_chunked_cross_entropy(*args, **kwargs)
 
-    monkeypatch.setattr(train_gpt2, "chunked_cross_entropy", counted_chunked_cross_entropy)
+    for model_module in (train_gpt2, modern):  # each recipe's model calls its own import of it
+        monkeypatch.setattr(model_module, "chunked_cross_entropy", counted_chunked_cross_entropy)
     logs, chunked_training_losses = {}, {}
     runs = [("full", []), ("chunked", ["--loss", "chunked"]), ("compiled", ["--loss", "chunked", "--compile"])]
     for name, flags in runs:

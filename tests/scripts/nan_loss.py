@@ -19,7 +19,7 @@ def nan_loss_at(steps, setattr=setattr):
     """Patches train_gpt2 (with setattr: pytest's monkeypatch.setattr undoes it after the test) so that the loss is NaN
     in the training steps numbered steps."""
     steps, calls, poisoned = set(steps), itertools.count(), [False]
-    train_step, loss = train_gpt2.train_step, train_gpt2.GPT.loss
+    train_step, forward = train_gpt2.train_step, train_gpt2.GPT.forward
 
     def train_step_counted(*args, **kwargs):
         poisoned[0] = next(calls) in steps
@@ -28,12 +28,12 @@ def nan_loss_at(steps, setattr=setattr):
         finally:
             poisoned[0] = False  # the evaluations between steps see the real loss
 
-    def nan_loss(self, x, targets):
-        value = loss(self, x, targets)
-        return value * float("nan") if poisoned[0] else value
+    def nan_loss(self, idx, targets=None, kv_cache=None):
+        logits, loss = forward(self, idx, targets, kv_cache)
+        return logits, loss * float("nan") if poisoned[0] and loss is not None else loss
 
     setattr(train_gpt2, "train_step", train_step_counted)
-    setattr(train_gpt2.GPT, "loss", nan_loss)
+    setattr(train_gpt2.GPT, "forward", nan_loss)
 
 
 def steps_argument(text):

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import fsdp  # noqa: E402
 import train_gpt2  # noqa: E402
 
 SHAPES = [(7, 5), (6, 10), (16, 8), (3, 12), (1, 9)]  # (out, in): 7, 3 and 1 rows split 4 + 3, 2 + 1 and 1 + 0
@@ -25,10 +26,10 @@ env = train_gpt2.set_up_distributed("cpu")  # gloo
 whole, sharded = matrices(), matrices()
 start = [p.detach().clone() for p in whole.parameters()]
 for layer in sharded:
-    train_gpt2.fully_shard(layer)
+    fsdp.fully_shard(layer)
 settings = dict(lr=0.05, momentum=0.95, weight_decay=0.1)
 reference = torch.optim.Muon(whole.parameters(), **settings)
-mine = train_gpt2.ShardedMuon(sharded.parameters(), **settings)
+mine = fsdp.ShardedMuon(sharded.parameters(), **settings)
 generator = torch.Generator().manual_seed(1)
 for _ in range(3):
     for p, q in zip(whole.parameters(), sharded.parameters()):

@@ -1,0 +1,294 @@
+"""
+Checkpoints and resuming, for train_gpt2.py: what a checkpoint holds, saving and pruning it, finding the one to
+resume from (the resume policy), restoring a run from it, and the signals that end a run with one. Also the log
+directory's lock, which keeps a second run from moving the first one's checkpoints.
+
+A checkpoint is a file ckpt_<step>.pt, or with --fsdp a directory ckpt_<step>.dcp/ of each rank's slices (fsdp.py)
+and run.pt beside them; plumbing.py writes either whole or not at all. It never imports train_gpt2: the run is
+handed over, and the model is built by the model_of it passes (a checkpoint's model_config -> a new model).
+"""
+
+import contextlib
+import os
+import signal
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import fsdp
+import plumbing
+from plumbing import UsageError, failing_together
+
+FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
+# the model settings of a checkpoint from before the modern recipe, which lacks them: it is a GPT-2 model
+BEFORE_MODERN = {"recipe": "gpt2", "logit_softcap": 15.0}
+
+
+@contextlib.contextmanager
+def holding_log_dir(cfg, env):
+    """Rank 0 holds the log directory's lock (plumbing.lock_log_dir) while inside; every rank stops if it cannot."""
+    with contextlib.ExitStack() as held:
+        with failing_together():
+            if env.rank == 0:
+                held.enter_context(plumbing.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
+        yield
+
+
+def catch_stop_signals():
+    """SIGTERM and SIGINT (preemption, Ctrl-C) end the run after the step in progress, with a checkpoint; a second one
+    kills it. Returns the list the signals are recorded in."""
+    caught = []
+
+    def on_signal(signum, frame):
+        caught.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return caught
+
+
+# -----------------------------------------------------------------------------
+# Saving
+
+
+def contents(run, rng_per_rank):
+    """All a checkpoint holds, but for FSDP's weights and optimizer state (fsdp.sharded_contents), kept apart."""
+    whole = {} if run.cfg.fsdp else {
+        "model": run.model.state_dict(), "optimizers": [optimizer.state_dict() for optimizer in run.optimizers]}
+    return {
+        "format": FORMAT, "sharded": run.cfg.fsdp, **whole, "model_config": asdict(run.model.config),
+        "scaler": run.scaler.state_dict(),
+        "step": run.step, "evaluated": run.evaluated, "val_loss": run.val_loss, "val_step": run.val_step,
+        "stream": run.stream.state_dict(), "rng": rng_per_rank,
+        "train_config": asdict(run.cfg), "wandb_id": run.log.wandb_id,
+    }
+
+
+def save(run):
+    """Rank 0 writes the checkpoint of run.step, with every rank's RNG states; under FSDP, every rank writes its
+    slices of the weights and optimizer state beside it, in a directory."""
+    cfg, env = run.cfg, run.env
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
+    rng_per_rank = [rng]
+    if env.world_size > 1:  # every rank reaches here before rank 0 writes
+        rng_per_rank = [None] * env.world_size
+        dist.all_gather_object(rng_per_rank, rng)
+    with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
+        ckpt = contents(run, rng_per_rank) if run.master else None  # rank 0 alone writes it
+        if cfg.fsdp:
+            sharded = fsdp.sharded_contents(run.model, run.optimizers)
+
+            def save_into(directory):  # every rank writes its slices there, and rank 0 all the rest beside them
+                fsdp.save(sharded, directory)
+                if run.master:
+                    torch.save(ckpt, os.path.join(directory, "run.pt"))
+
+            plumbing.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
+                                              env.world_size, cfg.keep_checkpoints, run.master)
+        elif run.master:
+            plumbing.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
+                                      plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
+
+
+def prune(run):
+    """Rank 0 deletes the checkpoints past --keep-checkpoints: only once the newest one's weights trained to a finite
+    loss, so that the last checkpoint that trains is never deleted."""
+    if run.master:
+        plumbing.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
+
+
+def stop_if_diverging(run):
+    """After --max-bad-steps non-finite steps in a row, stops the run, naming the checkpoint to go back to: the latest
+    from before them, as the weights that made them non-finite came later."""
+    cfg = run.cfg
+    in_a_row = 0 if run.nonfinite_since is None else run.step - run.nonfinite_since + 1
+    if in_a_row >= cfg.max_bad_steps:
+        good = plumbing.latest_checkpoint(cfg.log_dir, before_step=run.nonfinite_since)
+        later = good != plumbing.latest_checkpoint(cfg.log_dir)
+        resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
+                                           f"non-finite)" if later else "")) if good else "start again"
+        raise UsageError(f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
+                         f"stopping. Lower --max-lr and {resume}")
+
+
+# -----------------------------------------------------------------------------
+# Reading, and the resume policy
+
+
+def load(path):
+    """A checkpoint of this train_gpt2.py. Raises ValueError if it cannot be read, UsageError if it is of another
+    format."""
+    # weights_only: a checkpoint is data, and loading one can never run code
+    try:  # --fsdp's is a directory: all but the sharded tensors are in its run.pt (save)
+        ckpt = torch.load(os.path.join(path, "run.pt") if os.path.isdir(path) else path, map_location="cpu",
+                          weights_only=True, mmap=True)  # mmap: no private copy per rank
+    except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
+        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+    if not isinstance(ckpt, dict) or not ("model" in ckpt or ckpt.get("sharded")) or "model_config" not in ckpt:
+        raise ValueError("not a train_gpt2.py checkpoint")
+    ckpt.setdefault("sharded", False)  # written before --fsdp was
+    if ckpt.get("format") != FORMAT:
+        raise UsageError(f"{path} is a checkpoint of format {ckpt.get('format', 1)}, and this train_gpt2.py reads "
+                         f"format {FORMAT} only; use the train_gpt2.py that wrote it")
+    ckpt["model_config"] = {**BEFORE_MODERN, **ckpt["model_config"]}
+    return ckpt
+
+
+def load_weights(model, ckpt, path):
+    """The checkpoint's weights into the model, sharded by FSDP or not, whichever way the checkpoint was written."""
+    if ckpt["sharded"]:
+        fsdp.load_weights(model, path)
+    elif fsdp.is_sharded(model):  # a DDP run's whole tensors, into FSDP's slices
+        fsdp.load_whole_weights(model, ckpt["model"])
+    else:
+        model.load_state_dict(ckpt["model"])
+
+
+def model_from_checkpoint(ckpt, path, model_of):
+    """The checkpoint's model, of the recipe and shapes it records: model_of(model_config) makes it."""
+    try:
+        model = model_of(ckpt["model_config"])
+    except TypeError as e:  # a setting GPTConfig does not have
+        raise UsageError(f"{path} has model settings this train_gpt2.py does not know ({e}); use the train_gpt2.py "
+                         f"that wrote it") from None
+    load_weights(model, ckpt, path)
+    return model
+
+
+def val_loss_in_words(ckpt):
+    """The validation loss of the checkpoint's weights, in words: a signal may have saved them before their
+    evaluation."""
+    step, val_step, val_loss = ckpt["step"], ckpt["val_step"], ckpt["val_loss"]
+    if val_loss is None:
+        return "not evaluated"
+    if val_step == step:
+        return f"val loss {val_loss:.4f}"
+    return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"
+
+
+def find_resume_checkpoint(cfg, rank, world_size):
+    """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
+    unreadable ones, and every rank loads that same one."""
+    if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
+        return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
+    ckpt, chosen = None, [None]
+    with failing_together():
+        if rank == 0:
+            for path in [cfg.resume] if cfg.resume != "auto" else reversed(plumbing.checkpoint_paths(cfg.log_dir)):
+                try:
+                    ckpt, chosen = load(path), [path]
+                    break
+                except ValueError as e:
+                    if cfg.resume != "auto":
+                        raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
+                    print(f"warning: skipping unreadable checkpoint {path} ({e})")
+    if world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    with failing_together():
+        if rank != 0 and chosen[0] is not None:
+            try:
+                ckpt = load(chosen[0])
+            except ValueError as e:
+                raise UsageError(f"rank {rank} cannot read {chosen[0]}, which rank 0 resumes from ({e}); "
+                                 f"--log-dir must be on a file system every node shares")
+    return ckpt, chosen[0]
+
+
+def check_same_model(ckpt, model, path):
+    """Refuses a checkpoint of another model than the flags describe, naming the settings that differ. Only how the
+    model computes (attention kernel, loss) may change."""
+    saved, flags = ckpt["model_config"], asdict(model.config)
+    differ = [f"{k}: checkpoint {saved.get(k)}, flags {flags.get(k)}" for k in dict.fromkeys([*flags, *saved])
+              if k not in ("attn", "loss") and saved.get(k) != flags.get(k)]
+    if differ:
+        raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe "
+                         f"({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
+
+
+def check_same_training(ckpt, cfg, stream, path):
+    """Refuses to train on from a checkpoint whose steps or data position mean something else with these settings."""
+    saved = ckpt["train_config"]["total_batch_size"]
+    if saved != cfg.total_batch_size:
+        raise UsageError(f"{path} was trained with --total-batch-size {saved}, not {cfg.total_batch_size}: its "
+                         f"{ckpt['step']} steps stand for {ckpt['step'] * saved:,} tokens, and the schedule and the "
+                         f"log count steps; pass --total-batch-size {saved}, or --no-resume to start over")
+    position, now = ckpt["stream"], stream.state_dict()
+    if position["seed"] != now["seed"]:
+        raise UsageError(f"the checkpoint's data position is for --seed {position['seed']}, not --seed {now['seed']}: "
+                         f"the shard order depends on it; pass --seed {position['seed']}, or --no-resume to start "
+                         f"over")
+    change = shards_changed(position["shards"], now["shards"])
+    if change:
+        raise UsageError(f"the checkpoint's data position is in other training shards than those of --data: "
+                         f"{change}; pass the --data it was trained on, or --no-resume to start over")
+
+
+def shards_changed(saved, now):
+    """What differs between the shards a checkpoint was trained on and these, in words ("" if nothing)."""
+    before, after = dict(saved), dict(now)
+    changes = [f"{name} is gone" if name not in after else f"{name} had {tokens:,} tokens, now {after[name]:,}"
+               for name, tokens in before.items() if after.get(name) != tokens]
+    changes += [f"{name} is new" for name in after if name not in before]
+    return "; ".join(changes) or ("the shards are in another order" if saved != now else "")
+
+
+def load_optimizers(optimizers, model, ckpt, path, sharded):
+    """The optimizers' state from the checkpoint, under the settings of this run's flags (--weight-decay, ...)."""
+    if ckpt["sharded"] != sharded:  # the state of whole tensors, by position, or FSDP's slices, by name
+        written = "with" if ckpt["sharded"] else "without"
+        raise UsageError(f"{path} was written {written} --fsdp, and only a run {written} it can train on from it; "
+                         f"pass {'--fsdp' if ckpt['sharded'] else '--no-fsdp'}, or --no-resume to start over "
+                         f"(--eval-only, --sample and --export-hf read either)")
+    settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                for optimizer in optimizers]
+    if sharded:
+        fsdp.load_optimizers(model, optimizers, path)
+    else:
+        if len(ckpt["optimizers"]) != len(optimizers):
+            raise UsageError(f"{path} holds the state of {len(ckpt['optimizers'])} optimizer(s), and this run has "
+                             f"{len(optimizers)}; pass the settings it was trained with, or --no-resume to start over")
+        for optimizer, state in zip(optimizers, ckpt["optimizers"]):
+            optimizer.load_state_dict(state)
+    for optimizer, flags_of_groups in zip(optimizers, settings):  # the flags win
+        for group, flags in zip(optimizer.param_groups, flags_of_groups):
+            group.update(flags)
+
+
+def restore(run, ckpt, path):
+    """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizers,
+    the data position and the RNGs. Evaluating needs the weights alone, on any --data."""
+    cfg = run.cfg
+    check_same_model(ckpt, run.model, path)
+    load_weights(run.model, ckpt, path)
+    run.step, run.resumed_from = ckpt["step"], path
+    run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
+    # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
+    run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
+    if cfg.eval_only:  # its steps stand for the tokens of the batch it was trained with, whatever the flags say
+        cfg.total_batch_size = ckpt["train_config"]["total_batch_size"]
+        return
+    if run.step > cfg.max_steps:
+        raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
+                         f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
+    check_same_training(ckpt, cfg, run.stream, path)
+    run.stream.load_state_dict(ckpt["stream"])
+    load_optimizers(run.optimizers, run.model, ckpt, path, cfg.fsdp)
+    if ckpt["scaler"]:  # empty unless the run used fp16
+        run.scaler.load_state_dict(ckpt["scaler"])
+    rank = run.env.rank
+    if rank < len(ckpt["rng"]):
+        torch.set_rng_state(ckpt["rng"][rank]["cpu"])
+        if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
+    run.log.wandb_id = ckpt["wandb_id"]
+
+
+def finished(run):
+    """Whether the resumed checkpoint is the end of this run, evaluated: then there is nothing left to do."""
+    done = run.step == run.cfg.max_steps and run.evaluated and not run.cfg.eval_only
+    if done and run.master:
+        print(f"{run.resumed_from} is the end of this run (step {run.step}, val loss {run.val_loss:.4f}): nothing left "
+              f"to do; pass a larger --max-steps to train on, or --no-resume to start over")
+    return done

@@ -1,0 +1,163 @@
+"""
+What a run of train_gpt2.py says and records: its first lines (what it runs, the model, the data), the log
+directory readied, each record's line in log.jsonl and W&B (plumbing.RunLog), MFU, and how the run ended. Only
+rank 0 prints and writes. It never imports train_gpt2: the run is handed over.
+"""
+
+import contextlib
+import functools
+import math
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import plumbing
+from plumbing import UsageError, failing_together
+
+
+def report(run, record, line=None):
+    """Appends record to log.jsonl and the W&B run, and prints line, on rank 0."""
+    if run.master:
+        run.log.write(record)
+        if line:
+            print(line, flush=True)
+
+
+def log_step(run, result, lr, dt):
+    """One line and one log.jsonl record for the step just taken."""
+    cfg, env, step = run.cfg, run.env, run.step
+    tok_per_sec = cfg.total_batch_size / dt
+    record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size,
+              "train_loss": result.loss if result.finite else None, "lr": lr, "grad_norm": result.grad_norm,
+              "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
+    line = (f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.4e} | norm {result.grad_norm:.4f} | "
+            f"{dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s")
+    mfu = model_flops_utilization(run.model, cfg.seq_len, tok_per_sec, env)
+    if mfu is not None:
+        record["mfu"] = mfu
+        line += f" | mfu {100 * mfu:.1f}%"
+    if env.device_type == "cuda":
+        record["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if not result.finite:
+        record["skipped"] = True
+        line += f" | non-finite: update skipped ({step - run.nonfinite_since + 1} in a row)"
+    elif not math.isfinite(result.grad_norm):  # fp16 gradients overflowed: the scaler skipped the update
+        record["skipped"] = True
+    report(run, record, line)
+
+
+def what_runs(run):
+    """What this run does, in words: the first line it prints."""
+    cfg = run.cfg
+    if cfg.eval_only:
+        if run.resumed_from:
+            return f"evaluating {run.resumed_from} (step {run.step})"
+        if cfg.init_from != "scratch":
+            return f"evaluating OpenAI's {cfg.init_from}"
+        return "evaluating the initial model: random weights (no checkpoint in --log-dir)"
+    if run.resumed_from:
+        return f"resuming from the checkpoint of step {run.step} ({run.resumed_from}), training to step {cfg.max_steps}"
+    start = "training from scratch" if cfg.init_from == "scratch" else f"fine-tuning OpenAI's {cfg.init_from}"
+    return f"{start} for {cfg.max_steps} steps"
+
+
+def start(run, accumulation_steps):
+    """Readies the log directory (a fresh start moves an old run aside) and says what is being run."""
+    cfg, env = run.cfg, run.env
+    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
+        dist.barrier()
+    with failing_together():
+        if run.master and not cfg.eval_only:
+            try:
+                plumbing.prepare_log_dir(cfg.log_dir, run.step if run.resumed_from else None)
+            except OSError as e:
+                raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
+                                 f"write to")
+    if not run.master:
+        return
+    print(what_runs(run))
+    n_params = sum(p.numel() for p in run.model.parameters())
+    recipe = ", the modern recipe" if cfg.recipe == "modern" else ""
+    compiled = "on" if cfg.compile else "off"
+    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters"
+          f"{recipe} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {compiled}")
+    train_tokens = sum(len(shard) for shard in run.stream.shards)
+    print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
+          f"{cfg.batch_size} x {cfg.seq_len} x {accumulation_steps} accumulation steps x {env.world_size} process(es)")
+    if run.resumed_from and not cfg.eval_only:  # plot.py drops the points logged after it: they are trained again
+        report(run, {"step": run.step, "event": "resume"})
+
+
+@contextlib.contextmanager
+def wandb(run):
+    """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well, while inside; then ends it,
+    failed if an error is on its way out. A resumed run continues the W&B run of its checkpoint; --eval-only gets one
+    of its own (restore leaves it no id), as the training's may still be going on."""
+    cfg = run.cfg
+    try:
+        if cfg.wandb_project:
+            with failing_together():
+                if run.master:
+                    run.log.start_wandb(cfg.wandb_project, cfg.wandb_run_name, asdict(cfg))
+        yield
+    finally:
+        run.log.finish(failed=sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
+
+
+def finish(run, stopped_by_signal, seconds):
+    """Says how the run ended and what to do next."""
+    cfg = run.cfg
+    if not run.master:
+        return
+    last = plumbing.latest_checkpoint(cfg.log_dir)
+    if run.nonfinite_since is not None:
+        print(f"{'stopped by signal' if stopped_by_signal else 'done'} at step {run.step}, not saved: the steps since "
+              f"{run.nonfinite_since} were non-finite; the latest checkpoint is {last or 'none'}")
+    elif stopped_by_signal and last is None:
+        print("stopped by signal before the first step: nothing to save")
+    elif stopped_by_signal:
+        left = " (the last: only its final evaluation is left)" if run.step == cfg.max_steps else ""
+        same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
+        print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up "
+              f"{cfg.log_dir})")
+    else:
+        hint = f"; for more samples: python train_gpt2.py --sample {last}" if last else ""
+        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {seconds / 60:.1f} min{hint}")
+
+
+# -----------------------------------------------------------------------------
+# MFU: the model's FLOPs per second against the GPUs' peak
+
+
+PEAK_FLOPS = {  # dense bf16/fp16 tensor-core peak, by a part of the GPU's name, for MFU
+    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 70e12, "L40S": 362e12,
+    "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+}
+
+
+@functools.cache
+def peak_flops(device_type):
+    if device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for part, flops in PEAK_FLOPS.items() if part in name), None)
+
+
+def flops_per_token(model, seq_len):
+    """6N for the matmuls' forward and backward, plus attention's 12*L*C*T (PaLM's appendix B). N counts every
+    parameter but the embeddings that are only looked up: GPT-2's position table, or an untied token embedding
+    (a tied one is the output layer's matmul)."""
+    config = model.config
+    lookups = sum(module.weight.numel() for module in model.modules()
+                  if isinstance(module, nn.Embedding) and module.weight is not model.lm_head.weight)
+    n_params = sum(p.numel() for p in model.parameters()) - lookups
+    return 6 * n_params + 12 * config.n_layer * config.n_embd * seq_len
+
+
+def model_flops_utilization(model, seq_len, tok_per_sec, env):
+    """The model FLOPs utilization of all the processes' GPUs; None where their peak is unknown."""
+    peak = peak_flops(env.device_type)
+    return None if peak is None else flops_per_token(model, seq_len) * tok_per_sec / (peak * env.world_size)

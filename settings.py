@@ -1,0 +1,219 @@
+"""
+How the settings at the top of train_gpt2.py become a run's: the presets applied and named, the defaults that
+depend on the data and the device filled in, then every check, each a one-line refusal that names the flag and what
+to do. train_gpt2.py hands over its tables (the recipes, the model sizes, the presets): this module never imports it.
+
+A preset changes the file's values for a kind of run (no FineWeb shards: tiny Shakespeare; --init-from: OpenAI's
+shapes and a gentler rate; a recipe's own), but never a setting given as a flag, and never silently: the run's first
+lines name every setting a preset changed, with the file's value it replaced.
+"""
+
+import os
+
+import torch
+
+import plumbing
+from plumbing import GPT2_VOCAB, UsageError
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def shown(value):
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_device(device, local_rank, world_size, fsdp):
+    """Refuses a device that PyTorch does not see here, or that cannot hold this process or its process group."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but PyTorch sees no CUDA GPU; install a CUDA build of torch or use "
+                         "--device cpu")
+    if device == "cuda" and local_rank >= torch.cuda.device_count():
+        raise UsageError(f"process LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower "
+                         f"torchrun's --nproc_per_node")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps, but this machine has no Apple GPU available to PyTorch; use --device cpu")
+    if device == "mps" and (world_size > 1 or fsdp):
+        raise UsageError("several processes need CUDA or the CPU; run one process on mps" if world_size > 1 else
+                         "--fsdp needs CUDA or the CPU (its collectives have no mps backend); drop --fsdp")
+
+
+def resolve_dtype(dtype, device_type):
+    if dtype == "auto":
+        if device_type != "cuda":
+            return "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"  # V100 and T4 lack bf16
+    if dtype == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UsageError("--dtype bf16: this GPU has no bf16; use --dtype fp16")
+    return dtype
+
+
+# -----------------------------------------------------------------------------
+# Presets
+
+
+def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
+    """The presets of this run, in the order they apply: [(name, {setting: value})]. presets: train_gpt2.py's named
+    tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES."""
+    recipe = recipes[cfg.recipe].presets
+    chosen = []
+    if not shards_found:
+        chosen.append(("SHAKESPEARE", presets["SHAKESPEARE"]))
+        if cfg.init_from != "scratch":
+            chosen.append(("SHAKESPEARE_FINETUNE", presets["SHAKESPEARE_FINETUNE"]))
+        if "shakespeare" in recipe:
+            chosen.append((f"--recipe {cfg.recipe}'s PRESETS['shakespeare']", recipe["shakespeare"]))
+    elif "fineweb" in recipe:
+        chosen.append((f"--recipe {cfg.recipe}'s PRESETS['fineweb']", recipe["fineweb"]))
+    if cfg.init_from != "scratch" and cfg.init_from in model_sizes:  # OpenAI's shapes, whatever a preset said
+        shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
+        clash = [flag(k) for k, v in shapes.items() if k in given and k != "model" and getattr(cfg, k) != v]
+        if clash:
+            raise UsageError(f"--init-from {cfg.init_from} fixes {', '.join(clash)}; drop those flags")
+        chosen.append((f"--init-from {cfg.init_from} (OpenAI's shapes)", shapes))
+    return chosen
+
+
+def apply_presets(cfg, given, chosen, model_sizes):
+    """Sets each preset's settings but those given as flags (with --model, its sizes too), the later presets over
+    the earlier. Returns the changes: [(preset, setting, the file's value, the preset's)]."""
+    keep = set(given) | (set(model_sizes[cfg.model]) if "model" in given else set())
+    final = {}
+    for name, preset in chosen:
+        for key, value in preset.items():
+            if key not in keep or name.startswith("--init-from"):
+                final[key] = (name, value)
+    changes = []
+    for key, (name, value) in final.items():
+        if getattr(cfg, key) != value:
+            changes.append((name, key, getattr(cfg, key), value))
+            setattr(cfg, key, value)
+    return changes
+
+
+def say_changes(changes):
+    """The lines that name each setting a preset changed from the file's value."""
+    lines = []
+    for name in dict.fromkeys(change[0] for change in changes):
+        settings = ", ".join(f"{flag(key)} {shown(value)} (the file: {shown(before)})"
+                             for preset, key, before, value in changes if preset == name)
+        lines.append(f"preset {name} sets {settings}")
+    if changes:
+        _, key, before, _ = changes[0]
+        lines.append(f"(a flag keeps any setting from a preset: {flag(key)} {shown(before)} keeps the file's)")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# Checks
+
+
+def require(cfg, names, ok, what):
+    for name in names:
+        if not ok(getattr(cfg, name)):  # written so that NaN fails too
+            raise UsageError(f"{flag(name)} must be {what}, not {getattr(cfg, name)}")
+
+
+def check_config(cfg, world_size):
+    require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len",
+                  "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip",
+                  "muon_lr", "embed_lr", "head_lr", "logit_softcap"),
+            lambda v: v > 0, "positive")
+    require(cfg, ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples",
+                  "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
+    require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
+    require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
+    require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    if cfg.wandb_run_name and not cfg.wandb_project:
+        raise UsageError(f"--wandb-run-name {cfg.wandb_run_name} names a W&B run, but W&B is off; pass "
+                         f"--wandb-project too")
+    if cfg.wandb_project:
+        plumbing.import_wandb(cfg.wandb_project)  # now rather than after the set-up: a missing package costs no time
+    if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
+        raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size "
+                         f"is {cfg.vocab_size}; pass --hellaswag-every 0")
+    if cfg.loss == "chunked" and cfg.dtype == "fp16":  # its gradients exist before the loss is scaled
+        raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the "
+                         "gradient scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, "
+                         "or --loss full")
+    if cfg.seq_len > cfg.block_size:
+        raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; "
+                         f"shorten it")
+    tokens_per_pass = cfg.batch_size * cfg.seq_len * world_size
+    if cfg.total_batch_size % tokens_per_pass:
+        raise UsageError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len x "
+                         f"processes = {cfg.batch_size} x {cfg.seq_len} x {world_size} = {tokens_per_pass}; change "
+                         f"one of them")
+
+
+def check_recipe(cfg, given, recipes):
+    """The recipe's own refusals, and the settings of another recipe, which this one would ignore."""
+    recipes[cfg.recipe].check_settings(cfg, given)
+    for other_recipe, recipe in recipes.items():
+        other = [flag(name) for name in recipe.settings if name in given and other_recipe != cfg.recipe]
+        if other:
+            what = f"{other[0]} is a setting" if len(other) == 1 else f"{', '.join(other)} are settings"
+            raise UsageError(f"{what} of --recipe {other_recipe} only, and this run is --recipe {cfg.recipe}; drop "
+                             f"{'it' if len(other) == 1 else 'them'}, or pass --recipe {other_recipe}")
+
+
+def fit_warmup(cfg, given, master):
+    """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps
+    for FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about."""
+    if cfg.eval_only or cfg.max_steps == 0 or cfg.warmup_steps < cfg.max_steps:
+        return
+    if "warmup_steps" in given:
+        if master:
+            print(f"warning: --warmup-steps {cfg.warmup_steps} is not shorter than --max-steps {cfg.max_steps}: the "
+                  f"learning rate rises for the whole run and never decays")
+        return
+    warmup = cfg.max_steps // 10
+    if master:
+        print(f"--max-steps {cfg.max_steps} is shorter than the {cfg.warmup_steps} warmup steps: warming up for "
+              f"{warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
+    cfg.warmup_steps = warmup
+
+
+# -----------------------------------------------------------------------------
+# The settings resolved
+
+
+def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
+    """The run's settings: the presets applied (and named on rank 0), the defaults that depend on the model preset
+    and the device filled in, then everything checked. fsdp_check: fsdp.py's refusals, for --fsdp."""
+    master = env.rank == 0
+    shards_found = "data" in given or os.path.exists(cfg.data)
+    if not shards_found and master:
+        doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
+                 else f"fine-tuning OpenAI's {cfg.init_from}")
+        print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): {doing} on tiny Shakespeare "
+              f"instead")
+    check_recipe(cfg, given, recipes)
+    changes = apply_presets(cfg, given, presets_for(cfg, given, shards_found, recipes, model_sizes, presets),
+                            model_sizes)
+    if not shards_found and "batch_size" not in given and cfg.seq_len > 0:  # one micro-batch a step, over processes
+        cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
+        changes = [(*change[:3], cfg.batch_size) if change[1] == "batch_size" else change for change in changes]
+    for key, value in model_sizes[cfg.model].items():
+        if getattr(cfg, key) == 0:
+            setattr(cfg, key, value)
+    if master:
+        for line in say_changes(changes):
+            print(line)
+    if cfg.compile is None:
+        cfg.compile = env.device_type == "cuda"
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass "
+                         f"--compile or drop it")
+    if "hellaswag_every" not in given and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
+        cfg.hellaswag_every = 0  # too slow on a CPU; and HellaSwag's text needs every GPT-2 token
+    cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
+    check_config(cfg, env.world_size)
+    if cfg.fsdp:
+        fsdp_check(cfg)
+    fit_warmup(cfg, given, master)
+    return cfg
