@@ -79,6 +79,18 @@ def first_error_of_any_rank(error):
     return error
 
 
+def any_rank(flag, device):
+    """True on every rank if flag is True on any of them."""
+    import torch  # here, not at the top: see the module's docstring
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    votes = torch.tensor(float(flag), device=device)
+    dist.all_reduce(votes)
+    return votes.item() > 0
+
+
 @contextlib.contextmanager
 def failing_together():
     """A UsageError raised inside on any rank stops every rank with it: raised on one rank alone, as by work only rank 0

@@ -9,6 +9,7 @@ lines name every setting a preset changed, with the file's value it replaced.
 """
 
 import os
+import re
 
 import torch
 
@@ -21,7 +22,8 @@ def flag(name):
 
 
 def shown(value):
-    return repr(value) if isinstance(value, str) else str(value)
+    """A setting's value as it would be typed after its flag: quoted if it has to be."""
+    return value if isinstance(value, str) and re.fullmatch(r"[\w./:+-]+", value) else repr(value)
 
 
 def check_device(device, local_rank, world_size, fsdp):
@@ -76,6 +78,31 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
     return chosen
 
 
+def presets_help(presets, recipes):
+    """What each preset changes, for --help: the tables themselves, as flags."""
+    def as_flags(preset, indent="    "):
+        lines = [indent]
+        for key, value in preset.items():
+            if len(lines[-1]) + len(flag(key)) + len(shown(value)) + 2 > 118:
+                lines.append(indent)
+            lines[-1] += f" {flag(key)} {shown(value)}"
+        return lines
+
+    lines = ["presets: what a kind of run changes in the defaults above. A flag given keeps its own value, and a "
+             "run's", "first lines name every setting a preset changed from the file's value.",
+             "  SHAKESPEARE, when --data (not given) does not exist: python train_gpt2.py with no FineWeb shards",
+             *as_flags(presets["SHAKESPEARE"]),
+             "  SHAKESPEARE_FINETUNE, over it with --init-from (fine-tuning OpenAI's GPT-2 on tiny Shakespeare)",
+             *as_flags(presets["SHAKESPEARE_FINETUNE"]),
+             "  OPENAI_SHAPES, with --init-from NAME on any data: NAME's --n-layer, --n-head and --n-embd, and",
+             *as_flags(presets["OPENAI_SHAPES"])]
+    for name, recipe in recipes.items():
+        for key, where in (("fineweb", "with FineWeb shards"), ("shakespeare", "over SHAKESPEARE")):
+            if key in recipe.presets:
+                lines += [f"  --recipe {name}'s PRESETS['{key}'], {where}", *as_flags(recipe.presets[key])]
+    return "\n".join(lines)
+
+
 def apply_presets(cfg, given, chosen, model_sizes):
     """Sets each preset's settings but those given as flags (with --model, its sizes too), the later presets over
     the earlier. Returns the changes: [(preset, setting, the file's value, the preset's)]."""
@@ -93,16 +120,22 @@ def apply_presets(cfg, given, chosen, model_sizes):
     return changes
 
 
-def say_changes(changes):
-    """The lines that name each setting a preset changed from the file's value."""
+def say_changes(changes, width=120):
+    """The lines that name each setting a preset changed from the file's value, a setting never split over two."""
     lines = []
     for name in dict.fromkeys(change[0] for change in changes):
-        settings = ", ".join(f"{flag(key)} {shown(value)} (the file: {shown(before)})"
-                             for preset, key, before, value in changes if preset == name)
-        lines.append(f"preset {name} sets {settings}")
+        lines.append(f"preset {name} sets, over the file's values:")
+        for preset, key, before, value in changes:
+            item = f"{flag(key)} {shown(value)} (file: {shown(before)})"
+            if preset != name:
+                continue
+            if len(lines[-1]) + len(item) + 2 > width:
+                lines.append("   ")
+            lines[-1] += f" {item},"
+        lines[-1] = lines[-1].removesuffix(",")
     if changes:
-        _, key, before, _ = changes[0]
-        lines.append(f"(a flag keeps any setting from a preset: {flag(key)} {shown(before)} keeps the file's)")
+        _, key, before, _ = changes[-1]
+        lines.append(f"    (a flag keeps the file's value instead: {flag(key)} {shown(before)})")
     return lines
 
 

@@ -43,9 +43,8 @@ import settings
 from chunked_loss import chunked_cross_entropy
 from plumbing import EOT, GPT2_VOCAB, UsageError
 
-# torch.distributed.nn is imported before any process group exists: imported after one (as DDP does), its group.WORLD
-# default arguments keep the group and its threads alive past destroy_process_group, and a gloo thread alive at exit
-# can abort the process
+# imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
+# the group and its threads alive past destroy_process_group, and a gloo thread alive at exit can abort the process
 if dist.is_available():  # builds without torch.distributed have none
     import torch.distributed.nn  # noqa: F401
 
@@ -166,7 +165,7 @@ PRESETS = dict(SHAKESPEARE=SHAKESPEARE, SHAKESPEARE_FINETUNE=SHAKESPEARE_FINETUN
 def parse_args(argv=None):
     """Returns the config and the names of the settings given on the command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     argument_default=argparse.SUPPRESS)
+                                     epilog=settings.presets_help(PRESETS, RECIPES), argument_default=argparse.SUPPRESS)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
@@ -556,15 +555,6 @@ def set_up_distributed(device="auto", fsdp=False):
     return Env(rank, local_rank, world_size, device, device_type)
 
 
-def any_rank(flag, device):
-    """True on every rank if flag is True on any of them."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    votes = torch.tensor(float(flag), device=device)
-    dist.all_reduce(votes)
-    return votes.item() > 0
-
-
 def tear_down_distributed():
     if dist.is_available() and dist.is_initialized():
         # the last references to the group go first: FSDP's state and the model refer to each other, and such cycles
@@ -596,15 +586,10 @@ def autocast_context(device_type, dtype):
     return contextlib.nullcontext()
 
 
-def model_config(cfg):
-    """The model's part of the settings: each field of GPTConfig is a setting of the same name."""
-    return GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
-
-
 def make_model(cfg, device, pretrained=False):
     """The recipe's model, on device: random weights, the same on every rank, or OpenAI's if pretrained."""
     torch.manual_seed(cfg.seed)
-    config = model_config(cfg)
+    config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})  # settings of the same names
     model = GPT.from_pretrained(cfg.init_from, config, cfg.cache_dir or None) if pretrained else model_of(config)
     return model.to(device)
 
@@ -780,7 +765,7 @@ def evaluate_unless_stopped(run, stop_signal):
     """Runs the evaluations due at run.step, unless a stop signal is voted for first: a preempted run saves before a
     long evaluation, as the grace period before SIGKILL is short. Returns whether to stop."""
     if not run.evaluated and any(evaluations_due(run)):
-        if any_rank(bool(stop_signal), run.env.device):
+        if plumbing.any_rank(bool(stop_signal), run.env.device):
             return True
         evaluate(run)
     run.evaluated = True  # also when none was due: nothing is left to evaluate at this step
@@ -888,7 +873,7 @@ def train(run):
         reporting.log_step(run, result, run.optimizers[0].param_groups[0]["lr"], time.perf_counter() - t1)
         checkpoints.stop_if_diverging(run)
         run.step, run.evaluated = run.step + 1, False
-        stopped = any_rank(bool(stop_signal), env.device)  # a signal that came during the step
+        stopped = plumbing.any_rank(bool(stop_signal), env.device)  # a signal that came during the step
     stopped = stopped or evaluate_unless_stopped(run, stop_signal)  # the final evaluation
     # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it
     if (run.step > start or (run.resumed_from and run.evaluated)) and run.nonfinite_since is None:

@@ -1,0 +1,96 @@
+"""The settings at the top of train_gpt2.py against the presets: a constant edited in the file takes effect, and a
+preset that changes it for a kind of run (no shards, --recipe modern, --init-from) says so in the run's first lines,
+with how to keep the file's value. And --help lists what each preset changes."""
+import importlib.util
+
+import pytest
+
+import train_gpt2
+from helpers import SCRIPT
+
+# a user's edits to the defaults at the top of the file (each must match the file, or the test stops)
+EDITS = {
+    'n_layer: int = setting(0, "transformer': 'n_layer: int = setting(2, "transformer',
+    'n_head: int = setting(0, "attention': 'n_head: int = setting(4, "attention',
+    'n_embd: int = setting(0, "embedding': 'n_embd: int = setting(64, "embedding',
+    'max_steps: int = setting(19073,': 'max_steps: int = setting(3,',
+    'max_lr: float = setting(6e-4,': 'max_lr: float = setting(1e-5,',
+    'muon_lr: float = setting(0.02,': 'muon_lr: float = setting(0.05,',
+}
+
+
+@pytest.fixture(scope="module")
+def edited(tmp_path_factory):
+    """A copy of train_gpt2.py with EDITS made to its defaults, imported as a module of its own."""
+    text = open(SCRIPT).read()
+    for old, new in EDITS.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = tmp_path_factory.mktemp("edited") / "train_gpt2.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("edited_train_gpt2", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def resolve(edited, flags, capsys):
+    """The settings a run of the edited file resolves with flags, and the lines it prints first."""
+    capsys.readouterr()
+    cfg = edited.resolve_config(*edited.parse_args(flags), edited.Env(0, 0, 1, "cpu", "cpu"))
+    return cfg, capsys.readouterr().out
+
+
+def test_with_shards_the_edited_file_is_what_runs(edited, tmp_path, capsys):
+    cfg, out = resolve(edited, ["--data", str(tmp_path)], capsys)  # a directory that exists: no Shakespeare preset
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (2, 4, 64, 3, 1e-5)
+    assert "preset" not in out
+
+
+def test_the_shakespeare_preset_names_each_edit_it_replaces(edited, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here
+    cfg, out = resolve(edited, [], capsys)
+    assert (cfg.n_layer, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (8, 128, 900, 2e-3)
+    assert "preset SHAKESPEARE sets, over the file's values:" in out
+    for named in ("--n-layer 8 (file: 2)", "--n-embd 128 (file: 64)", "--max-steps 900 (file: 3)",
+                  "--max-lr 0.002 (file: 1e-05)", "input.txt (file: edu_fineweb10B)"):
+        assert named in out, named
+    assert "(a flag keeps the file's value instead: --" in out
+    cfg, out = resolve(edited, ["--n-layer", "2", "--max-steps", "3"], capsys)  # the way the line gives
+    assert (cfg.n_layer, cfg.max_steps) == (2, 3)
+    assert "--n-layer 8" not in out and "--max-steps 900" not in out and "--n-embd 128 (file: 64)" in out
+
+
+def test_the_modern_recipes_presets_name_each_edit_they_replace(edited, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg, out = resolve(edited, ["--recipe", "modern", "--data", str(tmp_path)], capsys)  # FineWeb: fewer steps
+    assert (cfg.max_steps, cfg.muon_lr, cfg.n_layer) == (3815, 0.05, 2)
+    assert "preset --recipe modern's PRESETS['fineweb'] sets" in out and "--max-steps 3815 (file: 3)" in out
+    cfg, out = resolve(edited, ["--recipe", "modern"], capsys)  # tiny Shakespeare: its searched rates
+    assert cfg.muon_lr == 0.02 and "--muon-lr 0.02 (file: 0.05)" in out
+
+
+def test_init_from_names_the_shapes_and_the_fine_tuning_it_sets(edited, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg, out = resolve(edited, ["--init-from", "gpt2", "--data", str(tmp_path)], capsys)
+    assert (cfg.n_layer, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (12, 768, 3, 1e-5)  # the rest: the file's
+    assert "preset --init-from gpt2 (OpenAI's shapes) sets" in out
+    assert "--n-layer 12 (file: 2)" in out and "--n-embd 768 (file: 64)" in out
+    cfg, out = resolve(edited, ["--init-from", "gpt2"], capsys)  # fine-tuning on tiny Shakespeare
+    assert (cfg.n_layer, cfg.max_steps, cfg.max_lr) == (12, 100, 3e-5)
+    assert "preset SHAKESPEARE_FINETUNE sets" in out and "--max-lr 3e-05 (file: 1e-05)" in out
+    assert "--max-steps 100 (file: 3)" in out
+
+
+def test_help_lists_what_each_preset_changes(capsys):
+    with pytest.raises(SystemExit) as exit:
+        train_gpt2.parse_args(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    presets = out[out.index("presets:"):]
+    for name, flags in [("SHAKESPEARE,", "--n-layer 8 --n-head 4 --n-embd 128"),
+                        ("SHAKESPEARE_FINETUNE,", "--max-steps 100 --warmup-steps 10 --max-lr 3e-05"),
+                        ("OPENAI_SHAPES,", "--block-size 1024 --vocab-size 50304"),
+                        ("--recipe modern's PRESETS['fineweb']", "--max-steps 3815 --warmup-steps 0"),
+                        ("--recipe modern's PRESETS['shakespeare']", "--muon-lr 0.02 --embed-lr 0.3 --head-lr 0.004")]:
+        assert name in presets and flags in presets, (name, flags)
