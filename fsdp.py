@@ -47,7 +47,7 @@ def check_settings(cfg):
                          f"torch that requirements.txt names, or drop --fsdp")
 
 
-def shard_model(model, dtype):
+def shard_model(model, dtype, device_type):
     """FSDP2, in place: each block, then the rest (embedding, final norm, head), becomes a group whose tensors are
     split over the ranks, each rank holding 1/world of every one. A group's weights are gathered whole just before
     its forward and backward and freed after them, and its gradients are reduce-scattered: each rank receives the
@@ -58,6 +58,11 @@ def shard_model(model, dtype):
         # autocast computes what it does under DDP (but for LayerNorm's gains and biases, rounded to bf16)
         block_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                             cast_forward_inputs=False)
+        if device_type == "cpu":  # the CPU's layer_norm takes no bf16 gain with a float32 input (autocast on CUDA
+            # runs it in float32): there the norms are groups of their own, gathered in float32, as under DDP
+            for norm in model.modules():
+                if isinstance(norm, torch.nn.LayerNorm) and norm.weight is not None:
+                    fully_shard(norm)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=block_policy)
     fully_shard(model, reshard_after_forward=False)  # the head's backward comes first: no gather of it again

@@ -612,7 +612,7 @@ def wrap_model(model, cfg, env):
     (its constructor gives every rank rank 0's weights); or with --fsdp, sharded in place first (fsdp.py), so the
     optimizers must be made after this."""
     if cfg.fsdp:
-        return compile_model(fsdp.shard_model(model, cfg.dtype), cfg)
+        return compile_model(fsdp.shard_model(model, cfg.dtype, env.device_type), cfg)
     compiled = compile_model(model, cfg)
     if env.world_size == 1:
         return compiled
