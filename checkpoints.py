@@ -11,6 +11,7 @@ handed over, and the model is built by the model_of it passes (a checkpoint's mo
 import contextlib
 import os
 import signal
+import time
 from dataclasses import asdict
 
 import torch
@@ -63,6 +64,7 @@ def contents(run, rng_per_rank):
         "step": run.step, "evaluated": run.evaluated, "val_loss": run.val_loss, "val_step": run.val_step,
         "stream": run.stream.state_dict(), "rng": rng_per_rank,
         "train_config": asdict(run.cfg), "wandb_id": run.log.wandb_id,
+        "trained_seconds": run.trained_seconds + time.perf_counter() - run.launch_start,  # of all its launches
     }
 
 
@@ -283,6 +285,7 @@ def restore(run, ckpt, path):
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     run.log.wandb_id = ckpt["wandb_id"]
+    run.trained_seconds = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was
 
 
 def finished(run):

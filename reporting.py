@@ -8,6 +8,7 @@ import contextlib
 import functools
 import math
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -27,13 +28,15 @@ def report(run, record, line=None):
 
 
 def log_step(run, result, lr, dt):
-    """One line and one log.jsonl record for the step just taken."""
+    """One line and one log.jsonl record for the step just taken: the step out of the total, and the time left at
+    this launch's pace; the record keeps the run's training time so far (elapsed_s), across its launches."""
     cfg, env, step = run.cfg, run.env, run.step
     tok_per_sec = cfg.total_batch_size / dt
+    now = time.perf_counter()
     record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size,
               "train_loss": result.loss if result.finite else None, "lr": lr, "grad_norm": result.grad_norm,
-              "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec}
-    line = (f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.4e} | norm {result.grad_norm:.4f} | "
+              "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec, "elapsed_s": run.trained_seconds + now - run.launch_start}
+    line = (f"step {step:5d}/{cfg.max_steps} | loss {result.loss:.6f} | lr {lr:.4e} | norm {result.grad_norm:.4f} | "
             f"{dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s")
     mfu = model_flops_utilization(run.model, cfg.seq_len, tok_per_sec, env)
     if mfu is not None:
@@ -46,7 +49,21 @@ def log_step(run, result, lr, dt):
         line += f" | non-finite: update skipped ({step - run.nonfinite_since + 1} in a row)"
     elif not math.isfinite(result.grad_norm):  # fp16 gradients overflowed: the scaler skipped the update
         record["skipped"] = True
+    if run.pace_from is None:  # the pace is measured from the end of this launch's first step, which compiles
+        run.pace_from = now, step
+    elif step + 1 < cfg.max_steps:  # evaluations and checkpoints included, as they will come again
+        pace = (now - run.pace_from[0]) / (step - run.pace_from[1])
+        line += f" | {duration(pace * (cfg.max_steps - step - 1))} left"
     report(run, record, line)
+
+
+def duration(seconds):
+    """seconds in words a glance reads: 45s, 12m 05s, 3h 20m, 2d 04h."""
+    seconds = round(seconds)
+    for unit, size, smaller, smaller_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} {seconds % size // smaller_size:02d}{smaller}"
+    return f"{seconds}s"
 
 
 def what_runs(run):
@@ -107,11 +124,12 @@ def wandb(run):
         run.log.finish(failed=sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
 
 
-def finish(run, stopped_by_signal, seconds):
+def finish(run, stopped_by_signal):
     """Says how the run ended and what to do next."""
     cfg = run.cfg
     if not run.master:
         return
+    launch = time.perf_counter() - run.launch_start
     last = plumbing.latest_checkpoint(cfg.log_dir)
     if run.nonfinite_since is not None:
         print(f"{'stopped by signal' if stopped_by_signal else 'done'} at step {run.step}, not saved: the steps since "
@@ -125,7 +143,9 @@ def finish(run, stopped_by_signal, seconds):
               f"{cfg.log_dir})")
     else:
         hint = f"; for more samples: python train_gpt2.py --sample {last}" if last else ""
-        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {seconds / 60:.1f} min{hint}")
+        this_launch = f" ({duration(launch)} in this launch)" if run.resumed_from else ""
+        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for "
+              f"{duration(run.trained_seconds + launch)}{this_launch}{hint}")
 
 
 # -----------------------------------------------------------------------------

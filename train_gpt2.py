@@ -796,6 +796,9 @@ class Run:
     val_step: Optional[int] = None  # the step val_loss was measured at
     nonfinite_since: Optional[int] = None  # the first of the latest steps in a row with a non-finite loss
     resumed_from: Optional[str] = None  # the checkpoint's path
+    trained_seconds: float = 0.0  # the training time of the launches before this one, as its checkpoint kept it
+    launch_start: Optional[float] = None  # when this launch began to train (time.perf_counter())
+    pace_from: Optional[tuple] = None  # (time, step) at the end of this launch's first step: the pace is since then
 
     @property
     def master(self):
@@ -847,7 +850,7 @@ def train(run):
     step (they vote on it), with a checkpoint."""
     cfg, env = run.cfg, run.env
     stop_signal = checkpoints.catch_stop_signals()
-    start, t0, save_due, stopped = run.step, time.perf_counter(), False, False
+    start, run.launch_start, save_due, stopped = run.step, time.perf_counter(), False, False
     while run.step < cfg.max_steps and not stopped:
         if evaluate_unless_stopped(run, stop_signal):
             stopped = True
@@ -879,7 +882,7 @@ def train(run):
     if (run.step > start or (run.resumed_from and run.evaluated)) and run.nonfinite_since is None:
         checkpoints.save(run)
         checkpoints.prune(run)  # the run ended on a finite step
-    reporting.finish(run, stopped, time.perf_counter() - t0)
+    reporting.finish(run, stopped)
 
 
 def start(cfg, given):

@@ -43,7 +43,7 @@ def test_samples_print_as_text_with_real_line_breaks(shards, tmp_path, capsys):
     # each evaluation's samples follow its validation line, and end before training goes on
     val_line = out.index("step     0 | val loss")
     first_sample, end = out.index("--- sample 1/3 (step 0) ---"), out.index("--- end of samples ---")
-    assert val_line < first_sample < end < out.index("step     0 | loss")
+    assert val_line < first_sample < end < out.index("step     0/2 | loss")
 
 
 # -----------------------------------------------------------------------------

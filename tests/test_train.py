@@ -159,7 +159,7 @@ def test_end_to_end_run_writes_log(shards, tmp_path, capsys):
     for r in val.values():
         assert set(r) >= {"step", "val_loss"} and math.isfinite(r["val_loss"])
     assert abs(val[0]["val_loss"] - math.log(VOCAB)) < 0.05
-    assert f"step     3 | loss {train[3]['train_loss']:.6f}" in out
+    assert f"step     3/4 | loss {train[3]['train_loss']:.6f}" in out
     # the logged first loss is the mean over the whole global batch (2 micro-batches) of the initial model
     torch.manual_seed(1337)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(32, VOCAB, 2, 4, 64))
