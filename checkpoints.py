@@ -206,7 +206,8 @@ def check_same_model(ckpt, model, path):
               if k not in ("attn", "loss") and saved.get(k) != flags.get(k)]
     if differ:
         raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe "
-                         f"({'; '.join(differ)}); pass matching flags, or --no-resume to start fresh")
+                         f"({'; '.join(differ)}); pass matching flags, or another --log-dir to keep that run where it "
+                         f"is, or --no-resume to start fresh there (its files are moved aside)")
 
 
 def check_same_training(ckpt, cfg, stream, path):

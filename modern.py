@@ -31,13 +31,14 @@ from plumbing import GPT2_VOCAB, UsageError
 
 # the settings only this recipe reads (train_gpt2.py's TrainConfig has them), refused with GPT-2's recipe
 SETTINGS = ("muon_lr", "embed_lr", "head_lr", "cooldown_frac", "logit_softcap")
+# Each in a log directory of its own, so that a modern run never meets GPT-2's run in log/ (it would refuse it).
 PRESETS = {
     # on FineWeb: a fifth of GPT-2's steps (the speedrun's plain-attention trainer reached GPT-2's loss in 3,250; not
     # yet measured with this one), at full rate from the first
-    "fineweb": dict(max_steps=3815, warmup_steps=0),
+    "fineweb": dict(max_steps=3815, warmup_steps=0, log_dir="log_modern"),
     # on tiny Shakespeare (over train_gpt2.py's SHAKESPEARE): the rates of benchmarks/recipes.py's search, on a model
     # of about that size (the README has it)
-    "shakespeare": dict(warmup_steps=0, muon_lr=0.02, embed_lr=0.3, head_lr=0.004),
+    "shakespeare": dict(warmup_steps=0, muon_lr=0.02, embed_lr=0.3, head_lr=0.004, log_dir="log_modern"),
 }
 
 

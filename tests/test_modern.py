@@ -328,7 +328,7 @@ def test_a_checkpoint_of_the_other_recipe_is_refused_and_an_older_one_is_gpt2(sh
     code, _, err = run_main(args, capsys)
     assert code == 0, err
     expect_usage_error(args + MODERN, capsys, "ckpt_000002.pt (step 2) does not fit",
-                       "recipe: checkpoint gpt2, flags modern")
+                       "recipe: checkpoint gpt2, flags modern", "or another --log-dir to keep that run where it is")
     path = tmp_path / "log" / "ckpt_000002.pt"
     ckpt = load_ckpt(path)
     del ckpt["model_config"]["recipe"], ckpt["model_config"]["logit_softcap"]

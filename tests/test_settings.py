@@ -70,6 +70,17 @@ def test_the_modern_recipes_presets_name_each_edit_they_replace(edited, tmp_path
     assert cfg.muon_lr == 0.02 and "--muon-lr 0.02 (file: 0.05)" in out
 
 
+def test_the_modern_recipe_runs_in_a_log_dir_of_its_own(tmp_path, capsys, monkeypatch):
+    """`python train_gpt2.py --recipe modern` right after the quick start: log/ holds GPT-2's run, which the modern
+    recipe's model would not fit; by default it goes to log_modern/ instead, with or without shards."""
+    monkeypatch.chdir(tmp_path)
+    for flags in (["--recipe", "modern"], ["--recipe", "modern", "--data", str(tmp_path)]):
+        cfg, out = resolve(train_gpt2, flags, capsys)
+        assert cfg.log_dir == "log_modern" and "--log-dir log_modern (file: log)" in out
+    cfg, out = resolve(train_gpt2, ["--recipe", "modern", "--log-dir", "log"], capsys)  # a flag still says where
+    assert cfg.log_dir == "log"
+
+
 def test_init_from_names_the_shapes_and_the_fine_tuning_it_sets(edited, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg, out = resolve(edited, ["--init-from", "gpt2", "--data", str(tmp_path)], capsys)
