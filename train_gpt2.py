@@ -719,6 +719,10 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, show=True):
         if len(prompt) > model.config.block_size:
             lines.append(f"the prompt's {len(prompt)} tokens outgrow the block of {model.config.block_size}: each "
                          f"token is sampled from the last {model.config.block_size} before it")
+        head = model.lm_head.weight  # under FSDP, this rank's rows of it
+        if not (head.to_local() if hasattr(head, "to_local") else head).any():
+            lines.append("(the output layer is all zeros, as the modern recipe starts it: every token is as likely, "
+                         "and top-k sampling keeps the first ids: punctuation, digits, capitals)")
         generator = torch.Generator(device=device).manual_seed(seed)
         with autocast_ctx:
             samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)

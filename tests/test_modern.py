@@ -27,6 +27,7 @@ from helpers import (
     final_hidden,
     load_ckpt,
     needs_muon,
+    printed_samples,
     random_ids,
     read_log,
     run_main,
@@ -347,3 +348,18 @@ def test_samples_from_a_modern_checkpoint(shards, tmp_path, capsys):
     assert code == 0, err
     assert out.count("--- sample ") == 2 and "--- end of samples ---" in out
 
+
+
+def test_the_zero_heads_samples_at_step_0_are_said_to_be_punctuation(shards, tmp_path, capsys):
+    """At step 0 the modern recipe's output layer is all zeros: every token is as likely, and top-k keeps the first
+    ids, punctuation. The samples say so then, and only then; GPT-2's random head never does."""
+    flags = ["--data", shards, "--max-steps", "2", "--eval-every", "2", "--num-samples", "1", "--prompt", "Hi"]
+    code, out, err = run_main(TINY_MODEL + MODERN + flags + ["--log-dir", tmp_path / "modern"], capsys)
+    assert code == 0, err
+    note = "(the output layer is all zeros, as the modern recipe starts it"
+    assert out.count(note) == 1 and out.index(note) < out.index("--- sample 1/1 (step 0) ---")
+    (*_, text), _ = printed_samples(out)
+    first_ids = {plumbing.gpt2_tokenizer().decode([i]) for i in range(50)}
+    assert text.startswith("Hi") and set(text[2:]) <= set("".join(first_ids))  # each sampled token one of them
+    code, out, err = run_main(TINY_MODEL + flags + ["--log-dir", tmp_path / "gpt2"], capsys)
+    assert code == 0 and note not in out
