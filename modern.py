@@ -14,8 +14,8 @@ work unchanged), and each change says what it replaces there and where it comes 
   own (modded-nanogpt, nanochat), instead of AdamW for all
 - a constant learning rate, then a linear cool-down, instead of warmup and a cosine (Hägele et al. 2024)
 
-train_gpt2.py chooses the recipe in one place (RECIPES), from this file's GPT, make_optimizers, get_lr, PRESETS,
-SETTINGS and check_settings. It never imports train_gpt2, which runs as __main__.
+train_gpt2.py chooses the recipe in one place (RECIPES), which takes this file's RECIPE, at its end. It never imports
+train_gpt2, which runs as __main__.
 """
 
 import contextlib
@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fsdp
+import settings
 from chunked_loss import chunked_cross_entropy, soft_cap
 from plumbing import GPT2_VOCAB, UsageError
 
@@ -205,3 +206,7 @@ def get_lr(step, max_lr, cfg):
         return max_lr * (step + 1) / cfg.warmup_steps
     left = (cfg.max_steps - 1 - step) / max(1, cfg.cooldown_frac * (cfg.max_steps - 1))  # 1 where it starts
     return min_lr + min(1.0, max(0.0, left)) * (max_lr - min_lr)
+
+
+RECIPE = settings.Recipe(model=GPT, optimizers=make_optimizers, get_lr=get_lr, presets=PRESETS, settings=SETTINGS,
+                         check_settings=check_settings)

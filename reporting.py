@@ -27,6 +27,14 @@ def report(run, record, line=None):
             print(line, flush=True)
 
 
+def log_evaluation(run, results, line):
+    """One line and one log.jsonl record for an evaluation at run.step: with --eval-only, marked as such and with
+    what was evaluated, as such lines may sit in the log of the run they evaluate."""
+    cfg, step = run.cfg, run.step
+    extra = {"eval_only": True, "init_from": run.resumed_from or cfg.init_from} if cfg.eval_only else {}
+    report(run, {"step": step, "tokens": step * cfg.total_batch_size, **results, **extra}, f"step {step:5d} | {line}")
+
+
 def log_step(run, result, lr, dt):
     """One line and one log.jsonl record for the step just taken: the step out of the total, and the time left at
     this launch's pace; the record keeps the run's training time so far (elapsed_s), across its launches."""

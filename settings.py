@@ -10,11 +10,22 @@ lines name every setting a preset changed, with the file's value it replaced.
 
 import os
 import re
+from typing import Callable, NamedTuple
 
 import torch
 
 import plumbing
 from plumbing import GPT2_VOCAB, UsageError
+
+
+class Recipe(NamedTuple):
+    """What a recipe is made of (train_gpt2.py's RECIPES: GPT-2's, and modern.py's RECIPE)."""
+    model: type  # GPTConfig -> model; logits, loss = model(idx, targets)
+    optimizers: Callable  # (model, cfg, fused) -> a list: a recipe may give each kind of parameter an optimizer
+    get_lr: Callable  # (step, max_lr, cfg) -> the learning rate of a parameter group whose peak is max_lr
+    presets: dict  # what it changes over train_gpt2.py's presets: {"fineweb": {...}, "shakespeare": {...}}
+    settings: tuple  # the settings only it reads: refused with the other recipe
+    check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
 
 
 def flag(name):

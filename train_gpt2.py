@@ -6,11 +6,9 @@ data, the optimizer, processes and precision, the training step, evaluation, the
     torchrun --standalone --nproc_per_node=8 train_gpt2.py  # every GPU of one node
     python train_gpt2.py --help                             # every setting, with its default and the presets
 
-Without FineWeb shards (make them with `python fineweb.py`) it trains a small model on tiny Shakespeare.
-
-Beside it, none of them importing it: modern.py (--recipe modern), fsdp.py (--fsdp) and chunked_loss.py (--loss
-chunked), the variations; settings.py, checkpoints.py, reporting.py, commands.py (--sample, --export-hf) and
-plumbing.py, the run's machinery.
+Without FineWeb shards (make them with `python fineweb.py`) it trains a small model on tiny Shakespeare. Beside it,
+none importing it: the variations modern.py (--recipe modern), fsdp.py (--fsdp) and chunked_loss.py (--loss chunked);
+the run's machinery in settings.py, checkpoints.py, reporting.py, commands.py (--sample, --export-hf), plumbing.py.
 """
 
 import argparse
@@ -23,7 +21,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field, fields
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -79,13 +77,11 @@ class TrainConfig:
     n_head: int = setting(0, "attention heads (0: from --model)")
     n_embd: int = setting(0, "embedding width (0: from --model)")
     block_size: int = setting(1024, "longest context the model can take (the rows of its position table)")
-    vocab_size: int = setting(PADDED_VOCAB, "embedding rows: the 50257 GPT-2 tokens padded to a multiple of 128, "
-                                            "for faster matmuls")
+    vocab_size: int = setting(PADDED_VOCAB, "embedding rows: GPT-2's 50257 tokens padded to a multiple of 128")
     attn: str = setting("sdpa", "sdpa (flash attention) or naive (explicit masked softmax, for tests)",
                         ["sdpa", "naive"])
     recipe: str = setting("gpt2", "gpt2: GPT-2 exactly; modern: rotary, QK-norm, ReLU², an untied zero-init head, "
-                          "logit soft-cap, Muon, and a constant learning rate then a cool-down (modern.py, and the "
-                          "README's Modern recipe)", ["gpt2", "modern"])
+                          "logit soft-cap, Muon, a constant rate then a cool-down (modern.py)", ["gpt2", "modern"])
     init_from: str = setting("scratch", "start from random weights or from OpenAI's", ["scratch", *MODEL_SIZES])
     # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
     batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process")
@@ -100,8 +96,7 @@ class TrainConfig:
     muon_lr: float = setting(0.02, "--recipe modern: Muon's learning rate, for the blocks' matrices")
     embed_lr: float = setting(0.2, "--recipe modern: Adam's learning rate for the token embedding")
     head_lr: float = setting(0.004, "--recipe modern: Adam's learning rate for the output layer")
-    cooldown_frac: float = setting(0.4, "--recipe modern: the last fraction of the run, over which the learning rate "
-                                        "falls linearly to --min-lr-ratio of its peak")
+    cooldown_frac: float = setting(0.4, "--recipe modern: the last part of the run, where the rate falls linearly")
     logit_softcap: float = setting(15.0, "--recipe modern: logits are squashed smoothly into (-cap, cap)")
     grad_clip: float = setting(1.0, "clip the global gradient norm to this")
     seed: int = setting(1337, "seeds the weights, the shard order and the samples")
@@ -110,39 +105,32 @@ class TrainConfig:
     val_tokens: int = setting(10485760, "validation tokens: a fixed set, the same for any number of processes")
     hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)")
     hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
-    cache_dir: str = setting("", "where HellaSwag and OpenAI's weights are downloaded to (empty: $GPT2_CACHE_DIR, "
-                                 "else ~/.cache/train_gpt2)")
-    eval_only: bool = setting(False, "evaluate the latest checkpoint in --log-dir (or --resume's, or --init-from's "
-                                     "weights), log it, and stop")
+    cache_dir: str = setting("", "for downloads (empty: $GPT2_CACHE_DIR, else ~/.cache/train_gpt2)")
+    eval_only: bool = setting(False, "evaluate the latest checkpoint in --log-dir (or --resume's), log it, and stop")
     prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
     num_samples: int = setting(4, "samples printed at each evaluation")
     max_new_tokens: int = setting(32, "length of each sample")
     sample: str = setting("", "print samples from this checkpoint and exit, with no training")
-    export_hf: str = setting("", "write the latest checkpoint in --log-dir (or --resume's, or --init-from's weights) "
-                                 "to this new directory as a Hugging Face model, and exit")
+    export_hf: str = setting("", "write the latest checkpoint in --log-dir (or --resume's) here, for transformers")
     checkpoint_every: int = setting(2500, "steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)")
     keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep")
-    resume: str = setting("auto", "auto: from the latest checkpoint in --log-dir; or a checkpoint path; "
-                                  "--no-resume: start fresh")
+    resume: str = setting("auto", "auto: the latest checkpoint in --log-dir; or a checkpoint's path")
     max_bad_steps: int = setting(5, "stop after this many steps in a row with a non-finite loss or gradient norm")
     # experiment tracking
-    wandb_project: str = setting("", "also log to this Weights & Biases project, from rank 0 (empty: off; needs "
-                                     "pip install wandb)")
+    wandb_project: str = setting("", "also log to this Weights & Biases project (empty: off; pip install wandb)")
     wandb_run_name: str = setting("", "the W&B run's name (empty: W&B makes one up)")
     # hardware and speed
     device: str = setting("auto", "auto picks cuda, then mps, then cpu", ["auto", "cpu", "cuda", "mps"])
     dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere",
                          ["auto", "fp32", "tf32", "bf16", "fp16"])
     compile: Optional[bool] = setting(None, "torch.compile the model (default: on for CUDA)")
-    compile_mode: str = setting("default", "torch.compile's mode: max-autotune searches for faster matmul kernels "
-                                "(compiles for minutes), reduce-overhead adds CUDA graphs",
+    compile_mode: str = setting("default", "max-autotune: faster kernels (compiles for minutes); reduce-overhead: "
+                                "CUDA graphs",
                                 ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
-    fsdp: bool = setting(False, "shard the weights, gradients and optimizer state over the processes (FSDP2, fsdp.py) "
-                                "instead of copying them to each (DDP): for models too large for one GPU")
-    loss: str = setting("full", "full: one cross-entropy over all the (B*T, vocab) logits, which compile fuses; "
-                        "chunked: the lm_head matmul and the cross-entropy a chunk of rows at a time, never holding "
-                        "all the logits (less memory; chunked_loss.py)", ["full", "chunked"])
+    fsdp: bool = setting(False, "shard weights, gradients, optimizer state over the processes (FSDP2), not copy them")
+    loss: str = setting("full", "full: one cross-entropy over all (B*T, vocab) logits; chunked: a chunk of rows at a "
+                        "time, never all the logits (less memory)", ["full", "chunked"])
 
 
 # Presets: what a kind of run changes in the settings above, unless a flag gives the setting. The run's first lines
@@ -491,21 +479,11 @@ def get_lr(step, max_lr, cfg):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
 
-class Recipe(NamedTuple):
-    model: type  # GPTConfig -> model; logits, loss = model(idx, targets)
-    optimizers: Callable  # (model, cfg, fused) -> a list: a recipe may give each kind of parameter an optimizer
-    get_lr: Callable  # (step, max_lr, cfg) -> the learning rate of a parameter group whose peak is max_lr
-    presets: dict  # what it changes over the presets above: {"fineweb": {...}, "shakespeare": {...}}
-    settings: tuple  # the settings only it reads: refused with the other recipe
-    check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
-
-
 # The one place a recipe is chosen (--recipe): its model, optimizers, schedule, presets and refusals.
 RECIPES = {
-    "gpt2": Recipe(GPT, gpt2_optimizers, get_lr, presets={}, settings=("max_lr", "weight_decay"),
-                   check_settings=lambda cfg, given: None),
-    "modern": Recipe(modern.GPT, modern.make_optimizers, modern.get_lr, modern.PRESETS, modern.SETTINGS,
-                     modern.check_settings),
+    "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
+                            settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: None),
+    "modern": modern.RECIPE,
 }
 
 
@@ -576,13 +554,10 @@ def set_up_device(cfg, env):
         plumbing.keep_freed_memory()  # the README's Speed section has what it buys
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def autocast_context(device_type, dtype):
     """Matmuls in bf16/fp16 with float32 master weights; a no-op for fp32 and tf32."""
-    if dtype in DTYPES:
-        return torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
+    if dtype in ("bf16", "fp16"):
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
     return contextlib.nullcontext()
 
 
@@ -602,8 +577,7 @@ def model_of(config):
 
 
 def compile_model(model, cfg):
-    """torch.compile fuses kernels; static shapes give evaluation's batch shapes their own graphs instead of one
-    dynamic graph for all."""
+    """torch.compile fuses kernels; static shapes: evaluation's batch shapes get graphs of their own."""
     return torch.compile(model, dynamic=False, mode=cfg.compile_mode) if cfg.compile else model
 
 
@@ -746,23 +720,19 @@ def evaluate(run):
     """The evaluations due at run.step, logged: the validation loss with samples, and HellaSwag."""
     cfg, env, step = run.cfg, run.env, run.step
     val_due, hellaswag_due = evaluations_due(run)
-    tokens = step * cfg.total_batch_size
-    extra = {"eval_only": True, "init_from": run.resumed_from or cfg.init_from} if cfg.eval_only else {}
     if val_due:
         run.val_loss = evaluate_val(run.compiled, run.val, cfg.batch_size, cfg.seq_len, env.device, run.autocast_ctx,
                                     env.rank, env.world_size)
         run.val_step = step
-        reporting.report(run, {"step": step, "tokens": tokens, "val_loss": run.val_loss, **extra},
-                         f"step {step:5d} | val loss {run.val_loss:.4f}")
+        reporting.log_evaluation(run, {"val_loss": run.val_loss}, f"val loss {run.val_loss:.4f}")
         if cfg.num_samples > 0:  # eager, so that growing lengths never recompile
             print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
                           show=run.master)
     if hellaswag_due:
         acc_norm, acc, n = hellaswag.evaluate(run.compiled, run.hellaswag_data, env.device, run.autocast_ctx,
                                               env.rank, env.world_size)
-        reporting.report(run, {"step": step, "tokens": tokens, "hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc,
-                               **extra}, f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} "
-                                         f"examples)")
+        reporting.log_evaluation(run, {"hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc},
+                                 f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
 
 
 def evaluate_unless_stopped(run, stop_signal):
@@ -856,8 +826,8 @@ def train(run):
     stop_signal = checkpoints.catch_stop_signals()
     start, run.launch_start, save_due, stopped = run.step, time.perf_counter(), False, False
     while run.step < cfg.max_steps and not stopped:
-        if evaluate_unless_stopped(run, stop_signal):
-            stopped = True
+        stopped = evaluate_unless_stopped(run, stop_signal)
+        if stopped:
             break
         save_due |= run.step > start and cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0
         saved = save_due and run.nonfinite_since is None  # not while steps are non-finite: their weights may be why
@@ -903,9 +873,8 @@ def start(cfg, given):
 
 
 def main(argv=None):
-    """Trains (or with --eval-only, evaluates) as the settings say, or runs a command of commands.py. A UsageError
-    ends the process with its one line on stderr and exit code 2, never a traceback, once the process group is torn
-    down."""
+    """Trains (or evaluates) as the settings say, or runs a command of commands.py. A UsageError ends the process
+    with its one line on stderr and exit code 2, never a traceback, once the process group is torn down."""
     cfg, given = parse_args(argv)
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     error = None
