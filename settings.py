@@ -222,6 +222,26 @@ def fit_warmup(cfg, given, master):
     cfg.warmup_steps = warmup
 
 
+def take_model_settings(cfg, given, model_config, path):
+    """--eval-only evaluates a checkpoint's model as it was trained: its recipe and shapes (model_config), not those
+    the flags and presets say, as --sample does. A flag given that says otherwise is refused."""
+    taken = {k: v for k, v in model_config.items() if k not in ("attn", "loss")}  # how it computes may change
+    clash = [f"{flag(k)} {getattr(cfg, k)} (it has {v})" for k, v in taken.items()
+             if k in given and getattr(cfg, k) != v]
+    if clash:
+        raise UsageError(f"--eval-only evaluates {path} as it was trained, and {', '.join(clash)} says otherwise; "
+                         f"drop {'it' if len(clash) == 1 else 'them'}")
+    cfg.__dict__.update(taken)
+    if cfg.seq_len > cfg.block_size:
+        raise UsageError(f"--seq-len {cfg.seq_len} is longer than {path}'s block of {cfg.block_size} tokens; pass "
+                         f"--seq-len {cfg.block_size}")
+    if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
+        if "hellaswag_every" in given:
+            raise UsageError(f"--hellaswag-every needs GPT-2's whole vocabulary, and {path} has {cfg.vocab_size} "
+                             f"tokens; drop it")
+        cfg.hellaswag_every = 0
+
+
 # -----------------------------------------------------------------------------
 # The settings resolved
 
@@ -230,6 +250,9 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
     """The run's settings: the presets applied (and named on rank 0), the defaults that depend on the model preset
     and the device filled in, then everything checked. fsdp_check: fsdp.py's refusals, for --fsdp."""
     master = env.rank == 0
+    if cfg.eval_only and cfg.resume == "none":
+        raise UsageError("--eval-only evaluates a checkpoint (the latest in --log-dir, or --resume PATH's) or OpenAI's "
+                         "weights (--init-from), and --no-resume asks for none; drop --no-resume")
     shards_found = "data" in given or os.path.exists(cfg.data)
     if not shards_found and master:
         doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"

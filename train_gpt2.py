@@ -789,11 +789,14 @@ def resolve_config(cfg, given, env):
     return settings.resolve(cfg, given, env, RECIPES, MODEL_SIZES, PRESETS, fsdp.check_settings)
 
 
-def set_up(cfg, env):
+def set_up(cfg, given, env):
     """The run: the data, the model (random, OpenAI's, or its checkpoint's) on its device, compiled and wrapped, and
     the optimizers, all restored from the run's checkpoint if it has one. None if that checkpoint is the end of the
     run, evaluated: then there is nothing left to do."""
     ckpt, ckpt_path = checkpoints.find_resume_checkpoint(cfg, env.rank, env.world_size)
+    if cfg.eval_only and ckpt is not None:  # the model as it was trained, whatever the flags' recipe
+        settings.take_model_settings(cfg, given, ckpt["model_config"], ckpt_path)
+        settings.check_recipe(cfg, given, RECIPES)
     set_up_device(cfg, env)
     stream, val = load_data(cfg)
     hellaswag_data = None
@@ -866,7 +869,7 @@ def start(cfg, given):
     env = set_up_distributed(cfg.device, cfg.fsdp)
     cfg = resolve_config(cfg, given, env)
     with checkpoints.holding_log_dir(cfg, env):
-        run = set_up(cfg, env)
+        run = set_up(cfg, given, env)
         if run is not None:
             with reporting.wandb(run):
                 evaluate(run) if cfg.eval_only else train(run)

@@ -363,3 +363,27 @@ def test_the_zero_heads_samples_at_step_0_are_said_to_be_punctuation(shards, tmp
     assert text.startswith("Hi") and set(text[2:]) <= set("".join(first_ids))  # each sampled token one of them
     code, out, err = run_main(TINY_MODEL + flags + ["--log-dir", tmp_path / "gpt2"], capsys)
     assert code == 0 and note not in out
+
+
+def test_eval_only_evaluates_a_modern_checkpoint_as_it_was_trained(shards, tmp_path, capsys):
+    """`--eval-only` in a modern run's log dir, without --recipe modern: it reads the recipe and shapes from the
+    checkpoint, as --sample does, and gets the run's own validation loss; flags that say otherwise, and --no-resume
+    (which would evaluate random weights into the run's log), are refused in a line that suggests nothing else."""
+    args = TINY + ["--data", shards, "--log-dir", tmp_path]
+    code, _, err = run_main(args + MODERN + ["--max-steps", "2"], capsys)
+    assert code == 0, err
+    trained = val_records(read_log(tmp_path))[2]["val_loss"]
+    code, out, err = run_main(args + ["--eval-only"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[0] == f"evaluating {tmp_path / 'ckpt_000002.pt'} (step 2)"
+    assert "the modern recipe" in out.splitlines()[1]
+    evaluated = read_log(tmp_path)[-1]
+    assert evaluated["eval_only"] and evaluated["init_from"] == str(tmp_path / "ckpt_000002.pt")
+    assert evaluated["val_loss"] == pytest.approx(trained, abs=1e-6)
+    logged = len(read_log(tmp_path))
+    line = expect_usage_error(args + ["--eval-only", "--no-resume"], capsys, "--eval-only evaluates a checkpoint",
+                              "drop --no-resume")
+    assert "--no-resume to" not in line
+    expect_usage_error(args + ["--eval-only", "--n-layer", "4"], capsys, "--n-layer 4 (it has 2) says otherwise",
+                       "drop it")
+    assert len(read_log(tmp_path)) == logged  # the refusals evaluated nothing into the run's log
