@@ -1,20 +1,27 @@
 """
-Plots a train_gpt2.py run next to OpenAI's GPT-2 124M:
+Plots train_gpt2.py runs next to OpenAI's GPT-2 124M:
 
-    python plot.py LOG_DIR      # reads LOG_DIR/log.jsonl, writes LOG_DIR/curves.png
+    python plot.py                  # reads log/log.jsonl (the trainer's default --log-dir), writes log/curves.png
+    python plot.py LOG_DIR          # reads LOG_DIR/log.jsonl, writes LOG_DIR/curves.png
+    python plot.py LOG_A LOG_B      # both runs on the same axes, with one legend; writes compare.png here
+    options: --out PATH, --x step,tokens,time (the columns), --recipe NAME (once per LOG_DIR, for logs that lack it)
 
-Top row: train and val loss. Bottom row: HellaSwag acc_norm. Left against steps, right against the tokens the
-evaluated weights had trained on. The loss axis starts below the first steps' losses (~11 at init), so that the
-rest of the run is not squeezed into the bottom of the panel.
+Top row: train loss (faint: each step's; solid: its running mean) and val loss. Bottom row: HellaSwag acc_norm.
+Columns: against steps, against the tokens the evaluated weights had trained on, and, when the log records it
+("elapsed_s"), against the training time they had taken. The loss axis tops out below the first steps' losses (~11 at
+init), so that the rest of the run is not squeezed into the bottom of the panel: ▲ marks the val points above it,
+and a note lists what it leaves out.
 Reference lines: GPT-2 124M's val loss and HellaSwag acc_norm as measured by an `--eval-only --init-from gpt2` run
 logged into the same log.jsonl, else the published HellaSwag acc_norm of GPT-2 124M (0.2945); and GPT-3 124M's (0.337).
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
 import sys
+from collections import namedtuple
 
 from plumbing import UsageError, write_atomically
 
@@ -28,7 +35,15 @@ except ImportError:  # matplotlib is optional for the project: only this script 
 GPT2_124M_HELLASWAG = 0.2945
 GPT3_124M_HELLASWAG = 0.337  # GPT-3 paper, table F: the 125M model, trained on 300B tokens
 CURVES = ("train_loss", "val_loss", "hellaswag_acc_norm")
+SERIES = CURVES + ("elapsed_s",)  # elapsed_s: the training seconds a step line logs, read for the time axis
+X_AXES = ("step", "tokens", "time")
 SKIP_FRACTION = 0.05  # the loss axis shows the losses after this fraction of the run's steps
+SMOOTHING_FRACTION = 0.02  # the train loss' running mean spans this fraction of its points
+LABELS = {"train_loss": "train loss", "val_loss": "val loss", "hellaswag_acc_norm": "HellaSwag acc_norm"}
+RUN_COLORS = ("C0", "C1", "C2", "C5", "C6", "C8", "C9", "C7")  # runs compared: not the reference lines' red, purple
+
+# curves: {series: {step: (tokens, value)}}; gpt2: {curve: GPT-2 124M's value}; name: for titles and legends
+Run = namedtuple("Run", "curves gpt2 bad_lines recipe name", defaults=(0, None, "run"))
 
 
 def finite(value):
@@ -40,15 +55,16 @@ def finite(value):
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def read_log(path):
+def read_log(path, name="run"):
     """
-    The run's curves from log.jsonl: ({name: {step: (tokens, value)}}, {name: GPT-2 124M's value}, bad line count).
+    A run's log.jsonl as a Run: its curves, GPT-2 124M's values, the count of lines that are not records, and the
+    recipe that a line names (the trainer's first line, when it writes one).
     A resumed run logs steps again: the last line of a step wins, and a resume drops the steps after it.
     tokens are those the evaluated weights had trained on, step * batch for every curve: a train line logs the
     tokens through its own step, (step + 1) * batch, but its loss is that of the weights before the step's update.
     """
-    curves = {name: {} for name in CURVES}
-    gpt2, bad_lines = {}, 0
+    curves = {series: {} for series in SERIES}
+    gpt2, bad_lines, recipe = {}, 0, None
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
@@ -56,50 +72,90 @@ def read_log(path):
             except json.JSONDecodeError:  # e.g. the last line of a run killed mid-write
                 bad_lines += 1
                 continue
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            if not isinstance(record, dict):
                 bad_lines += 1
+                continue
+            if isinstance(record.get("recipe"), str) and not record.get("eval_only"):
+                recipe = record["recipe"]
+            if not isinstance(record.get("step"), int):
+                bad_lines += "event" not in record  # an event (the run's start) need not have a step
                 continue
             step = record["step"]
             if record.get("eval_only"):  # evaluations of other models: references, not points of this run
                 if record.get("init_from") == "gpt2":
-                    references = {name: finite(record.get(name)) for name in ("val_loss", "hellaswag_acc_norm")}
-                    gpt2.update((name, value) for name, value in references.items() if value is not None)
+                    references = {curve: finite(record.get(curve)) for curve in ("val_loss", "hellaswag_acc_norm")}
+                    gpt2.update((curve, value) for curve, value in references.items() if value is not None)
                 continue
             if record.get("event") == "resume":  # the steps after the checkpoint are being trained again
-                for curve in curves.values():
-                    for later_step in [s for s in curve if s > step]:
-                        del curve[later_step]
-            for name, curve in curves.items():
-                value = finite(record.get(name))  # per curve: a NaN val_loss leaves the line's other curves drawn
+                for points_of in curves.values():
+                    for later_step in [s for s in points_of if s > step]:
+                        del points_of[later_step]
+            for series, points_of in curves.items():
+                value = finite(record.get(series))  # per curve: a NaN val_loss leaves the line's other curves drawn
                 if value is not None:  # None: another curve's line, or a skipped step with a non-finite loss
                     tokens = finite(record.get("tokens"))
-                    if name == "train_loss" and tokens is not None:
+                    if series == "train_loss" and tokens is not None:
                         tokens = tokens // (step + 1) * step
-                    curve[step] = (tokens, value)
-    return curves, gpt2, bad_lines
+                    points_of[step] = (tokens, value)
+    return Run(curves, gpt2, bad_lines, recipe, name)
 
 
-def points(curve, x_axis):
-    """A curve's (x, y) lists, x being the step or the tokens seen (lines without tokens are left out there)."""
-    steps = sorted(curve)
-    if x_axis == "tokens":
-        steps = [step for step in steps if curve[step][0] is not None]
-    return [step if x_axis == "step" else curve[step][0] for step in steps], [curve[step][1] for step in steps]
+def seconds_before(run, step):
+    """The training seconds before step's update, when the evaluated weights of step were those of the step line
+    before it; None where the log does not say (one without elapsed_s)."""
+    elapsed = run.curves.get("elapsed_s", {})
+    if step == 0:
+        return 0.0 if elapsed else None
+    return elapsed[step - 1][1] if step - 1 in elapsed else None
 
 
-def loss_axis_limits(curves, reference):
+def points(run, curve, x_axis, values=None, seconds_per_unit=1):
     """
-    The loss axis' (bottom, top), or None for no loss points. The losses of the first steps (~11 at init, falling
-    fast) would squeeze the rest of the run into the bottom of the panel, so the range is that of the losses after
-    the first 5% of the steps: the 900-step CPU default, falling to ~5.1, shows ~6.7 and below, a 19073-step GPU run
-    falling to ~3.1 shows ~4 and below. The top is their 99th percentile, not their maximum, so that a late loss spike
-    does not undo the cut. The reference line is always in view.
+    The (x, y) lists of a run's curve, x being the step, the tokens, or the training time in seconds_per_unit; y its
+    values, or values (one per point, in step order, e.g. a running mean). Points without that x are left out.
     """
-    losses = [(step, value) for name in ("train_loss", "val_loss") for step, (_, value) in curves[name].items()]
-    if not losses:
+    steps = sorted(run.curves[curve])
+    ys = [run.curves[curve][step][1] for step in steps] if values is None else values
+    if x_axis == "step":
+        xs = steps
+    elif x_axis == "tokens":
+        xs = [run.curves[curve][step][0] for step in steps]
+    else:
+        xs = [seconds_before(run, step) for step in steps]
+        xs = [None if x is None else x / seconds_per_unit for x in xs]
+    kept = [(x, y) for x, y in zip(xs, ys) if x is not None]
+    return [x for x, _ in kept], [y for _, y in kept]
+
+
+def running_mean(values, window):
+    """Each value's mean with its neighbours: window values centred on it, fewer at the ends (those there are)."""
+    sums, half = list(itertools.accumulate(values, initial=0)), window // 2
+    spans = [(max(i - half, 0), min(i + half + 1, len(values))) for i in range(len(values))]
+    return [(sums[end] - sums[start]) / (end - start) for start, end in spans]
+
+
+def smoothing_window(count):
+    """The running mean's width for count train losses: 2% of them, odd so that it is centred (1: no smoothing)."""
+    return max(1, int(SMOOTHING_FRACTION * count)) | 1
+
+
+def loss_axis_limits(runs_curves, reference):
+    """
+    The loss axis' (bottom, top) for the curves of the runs drawn, or None for no loss points. The losses of the
+    first steps (~11 at init, falling fast) would squeeze the rest of the run into the bottom of the panel, so the
+    range is that of each run's losses after its first 5% of steps: the 900-step CPU default, falling to ~5.1, shows
+    ~6.7 and below, a 19073-step GPU run falling to ~3.1 shows ~4 and below. The top is their 99th percentile, not
+    their maximum, so that a late loss spike does not undo the cut. The reference line is always in view.
+    """
+    kept = []
+    for curves in runs_curves:
+        losses = [(step, value) for name in ("train_loss", "val_loss") for step, (_, value) in curves[name].items()]
+        if losses:
+            first_kept = SKIP_FRACTION * max(step for step, _ in losses)
+            kept += [value for step, value in losses if step >= first_kept]
+    if not kept:
         return None
-    first_kept = SKIP_FRACTION * max(step for step, _ in losses)
-    kept = sorted(value for step, value in losses if step >= first_kept)
+    kept.sort()
     bottom, top = kept[0], kept[int(0.99 * (len(kept) - 1))]
     if reference is not None:
         bottom, top = min(bottom, reference), max(top, reference)
@@ -107,76 +163,231 @@ def loss_axis_limits(curves, reference):
     return bottom - margin, top + margin
 
 
-def plot_curves(curves, gpt2, title):
-    rows = 2 if curves["hellaswag_acc_norm"] else 1  # a run without HellaSwag (the CPU default) gets the loss row only
-    fig, axes = plt.subplots(rows, 2, figsize=(14, 4.5 * rows), sharex="col", sharey="row", squeeze=False)
-    for column, x_axis in enumerate(["step", "tokens"]):
-        loss_ax = axes[0][column]
-        loss_ax.plot(*points(curves["train_loss"], x_axis), lw=0.8, alpha=0.7, label="train loss")
-        loss_ax.plot(*points(curves["val_loss"], x_axis), lw=2, marker=".", label="val loss")
-        if "val_loss" in gpt2:
-            loss_ax.axhline(gpt2["val_loss"], color="red", ls="--",
-                            label=f"OpenAI GPT-2 124M val loss ({gpt2['val_loss']:.4f})")
-        panels = [(loss_ax, "loss")]
+def above_axis_note(runs, top):
+    """The loss points above the axis' top, in words, a line per run: e.g. 'val loss 10.84 at step 0, train loss at
+    50 steps (up to 10.95)'; None when there are none."""
+    lines = []
+    for run in runs:
+        parts = []
+        for curve in ("val_loss", "train_loss"):
+            above = sorted((step, value) for step, (_, value) in run.curves[curve].items() if value > top)
+            if len(above) == 1:
+                parts.append(f"{LABELS[curve]} {above[0][1]:.2f} at step {above[0][0]}")
+            elif above:
+                parts.append(f"{LABELS[curve]} at {len(above)} steps (up to {max(v for _, v in above):.2f})")
+        if parts:
+            lines.append(("" if len(runs) == 1 else f"{display_name(run)}: ") + ", ".join(parts))
+    return None if not lines else "▲ above the axis:" + (" " if len(runs) == 1 else "\n") + "\n".join(lines)
+
+
+def tokens_label(count):
+    """A token count as people say it, to 3 significant digits: 200000 -> 200K, 1.5e9 -> 1.5B, 0 -> 0."""
+    count = float(f"{count:.3g}")  # first, so that 999999 reads 1M, not 1e+03K
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(count) >= scale:
+            return f"{count / scale:g}{suffix}"
+    return f"{count:g}"
+
+
+def time_unit(seconds):
+    """(seconds per unit, its name) for times up to seconds: hours past 2 hours, minutes past 2 minutes."""
+    return next(((size, name) for size, name in ((3600, "h"), (60, "min")) if seconds >= 2 * size), (1, "s"))
+
+
+def display_name(run):
+    return run.name + (f" (recipe {run.recipe})" if run.recipe else "")
+
+
+def run_names(log_dirs):
+    """Each run's name in titles and legends: its directory's own name, or the path given where two share it."""
+    names = [os.path.basename(os.path.abspath(log_dir)) for log_dir in log_dirs]
+    return [name if names.count(name) == 1 else os.path.normpath(log_dir) for name, log_dir in zip(names, log_dirs)]
+
+
+def title(runs, unit):
+    """One run: its name and recipe, and its last point's step, tokens and training time. Several: their names and
+    recipes."""
+    if len(runs) > 1:
+        return " vs ".join(display_name(run) for run in runs)
+    run = runs[0]
+    last = max(step for curve in CURVES for step in run.curves[curve])
+    extent = [f"{last} steps"]
+    tokens = [run.curves[curve][last][0] for curve in CURVES if last in run.curves[curve]]
+    if any(count is not None for count in tokens):
+        extent.append(f"{tokens_label(max(count for count in tokens if count is not None))} tokens")
+    seconds = seconds_before(run, last)
+    if seconds is not None:
+        extent.append(f"{seconds / unit[0]:.3g} {unit[1]}")
+    return f"{display_name(run)}: {', '.join(extent)}"
+
+
+def styles(runs, index):
+    """{curve: (colour, label)} for runs[index]: one run gets a colour per curve; several, a colour per run, and
+    labels that name the run."""
+    if len(runs) == 1:
+        colors = {"train_loss": "C0", "val_loss": "C1", "hellaswag_acc_norm": "green"}
+        return {curve: (colors[curve], LABELS[curve]) for curve in CURVES}
+    color = RUN_COLORS[index % len(RUN_COLORS)]
+    return {curve: (color, f"{display_name(runs[index])}: {LABELS[curve]}") for curve in CURVES}
+
+
+def draw_losses(ax, runs, x_axis, gpt2, top, seconds_per_unit):
+    for index, run in enumerate(runs):
+        style = styles(runs, index)
+        (train_color, train_label), (val_color, val_label) = style["train_loss"], style["val_loss"]
+        losses = [value for _, (_, value) in sorted(run.curves["train_loss"].items())]
+        window = smoothing_window(len(losses))
+        faint = {"lw": 0.6, "alpha": 0.3} if window > 1 else {"lw": 1}  # behind its running mean, or alone
+        ax.plot(*points(run, "train_loss", x_axis, None, seconds_per_unit), color=train_color, label=train_label,
+                **faint)
+        if window > 1:
+            ax.plot(*points(run, "train_loss", x_axis, running_mean(losses, window), seconds_per_unit),
+                    color=train_color, lw=1.5, label=f"{train_label}, mean of {window} steps")
+        xs, ys = points(run, "val_loss", x_axis, None, seconds_per_unit)
+        ax.plot(xs, ys, color=val_color, lw=2, marker=".", ms=8, ls="-" if len(runs) == 1 else "--", label=val_label)
+        above = [x for x, y in zip(xs, ys) if top is not None and y > top]
+        if above:  # on the top edge, where the points left the panel (unclipped: an empty line would stretch layout)
+            ax.plot(above, [top] * len(above), ls="", marker="^", ms=9, color=val_color, clip_on=False,
+                    label="_above the axis")
+    if "val_loss" in gpt2:
+        ax.axhline(gpt2["val_loss"], color="red", ls="--", label=f"OpenAI GPT-2 124M val loss ({gpt2['val_loss']:.4f})")
+
+
+def draw_hellaswag(ax, runs, x_axis, gpt2, seconds_per_unit):
+    for index, run in enumerate(runs):
+        color, label = styles(runs, index)["hellaswag_acc_norm"]
+        ax.plot(*points(run, "hellaswag_acc_norm", x_axis, None, seconds_per_unit), lw=2, marker=".", color=color,
+                label=label)
+    if "hellaswag_acc_norm" in gpt2:
+        gpt2_label = f"OpenAI GPT-2 124M, measured ({gpt2['hellaswag_acc_norm']:.4f})"
+    else:
+        gpt2_label = f"OpenAI GPT-2 124M, published ({GPT2_124M_HELLASWAG})"
+    ax.axhline(gpt2.get("hellaswag_acc_norm", GPT2_124M_HELLASWAG), color="red", ls="--", label=gpt2_label)
+    ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--",
+               label=f"OpenAI GPT-3 124M, published ({GPT3_124M_HELLASWAG})")
+
+
+def plot_runs(runs, x_axes=("step", "tokens")):
+    """
+    The figure: a loss row, a HellaSwag row when a run has HellaSwag points, and a column per x axis. Runs compared
+    share the panels (and so their axes), each in its colour, and one legend below them. GPT-2's measured values
+    come from the first log that has them.
+    """
+    rows = 2 if any(run.curves["hellaswag_acc_norm"] for run in runs) else 1  # the CPU default has no HellaSwag
+    fig, axes = plt.subplots(rows, len(x_axes), figsize=(7 * len(x_axes), 4.5 * rows), sharex="col", sharey="row",
+                             squeeze=False, layout="constrained")
+    gpt2 = {curve: value for run in reversed(runs) for curve, value in run.gpt2.items()}
+    limits = loss_axis_limits([run.curves for run in runs], gpt2.get("val_loss"))
+    top = None if limits is None else limits[1]
+    unit = time_unit(max((s for run in runs for _, s in run.curves.get("elapsed_s", {}).values()), default=0))
+    for column, x_axis in enumerate(x_axes):
+        draw_losses(axes[0][column], runs, x_axis, gpt2, top, unit[0] if x_axis == "time" else 1)
         if rows == 2:
-            hellaswag_ax = axes[1][column]
-            hellaswag_ax.plot(*points(curves["hellaswag_acc_norm"], x_axis), lw=2, marker=".", color="green",
-                              label="HellaSwag acc_norm")
-            if "hellaswag_acc_norm" in gpt2:
-                gpt2_label = f"OpenAI GPT-2 124M, measured ({gpt2['hellaswag_acc_norm']:.4f})"
-            else:
-                gpt2_label = f"OpenAI GPT-2 124M, published ({GPT2_124M_HELLASWAG})"
-            hellaswag_ax.axhline(gpt2.get("hellaswag_acc_norm", GPT2_124M_HELLASWAG), color="red", ls="--",
-                                 label=gpt2_label)
-            hellaswag_ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--",
-                                 label=f"OpenAI GPT-3 124M, published ({GPT3_124M_HELLASWAG})")
-            panels.append((hellaswag_ax, "HellaSwag acc_norm"))
-        for ax, y_label in panels:
-            ax.set_xlabel(x_axis)
+            draw_hellaswag(axes[1][column], runs, x_axis, gpt2, unit[0] if x_axis == "time" else 1)
+        for ax, y_label in zip([row[column] for row in axes], ["loss", "HellaSwag acc_norm"]):
+            ax.set_xlabel(f"training time ({unit[1]})" if x_axis == "time" else x_axis)
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
-            ax.legend()
-    limits = loss_axis_limits(curves, gpt2.get("val_loss"))
+            if x_axis == "tokens":
+                ax.xaxis.set_major_formatter(lambda x, _: tokens_label(x))
     if limits is not None:
-        axes[0][0].set_ylim(*limits)  # the row shares its y axis: both loss panels
-    fig.suptitle(title)
-    fig.tight_layout()
+        axes[0][0].set_ylim(*limits)  # the row shares its y axis: every loss panel
+        note = above_axis_note(runs, top)
+        if note:  # above the panel, where it covers no curve
+            axes[0][0].set_title(note, loc="left", fontsize=9)
+    handles = {}  # one legend for every panel: the first column holds every curve
+    for ax in [row[0] for row in axes]:
+        handles.update((line.get_label(), line) for line in ax.get_lines() if not line.get_label().startswith("_"))
+    columns = legend_columns(runs, list(handles))
+    blank = matplotlib.lines.Line2D([], [], alpha=0)
+    labels = [label for column in columns for label in column]
+    fig.legend([handles.get(label, blank) for label in labels], labels, loc="outside lower center",
+               ncols=len(columns), fontsize=9)
+    fig.suptitle(title(runs, unit))
     return fig
 
 
-def main():
-    parser = argparse.ArgumentParser(description="Plot the loss and HellaSwag curves of a train_gpt2.py run.")
-    parser.add_argument("log_dir", help="the --log-dir of the run: holds log.jsonl; curves.png is written there")
-    args = parser.parse_args()
-    log_path = os.path.join(args.log_dir, "log.jsonl")
+def legend_columns(runs, labels):
+    """The legend's columns of labels: one run's, up to 4 columns; several runs', a column per run and one for the
+    reference lines, padded with blank labels so that each column holds one run (the legend fills column by column)."""
+    if len(runs) == 1:
+        columns = min(len(labels), 4)
+        depth = -(-len(labels) // columns)
+        return [labels[i * depth:(i + 1) * depth] for i in range(columns)]
+    columns = [[label for label in labels if label.startswith(f"{display_name(run)}: ")] for run in runs]
+    columns.append([label for label in labels if not any(label in column for column in columns)])
+    depth = max(len(column) for column in columns)
+    return [column + [""] * (depth - len(column)) for column in columns if column]
+
+
+def read_runs(log_dirs, recipes):
+    """A Run per log directory (named by run_names), its recipe from the log or else from --recipe (which may not
+    contradict the log); prints a warning for a log's lines that are not records."""
+    if recipes and len(recipes) != len(log_dirs):
+        raise UsageError(f"--recipe given {len(recipes)} time(s) for {len(log_dirs)} log dir(s): once per LOG_DIR")
+    runs = []
+    for log_dir, recipe, name in zip(log_dirs, recipes or [None] * len(log_dirs), run_names(log_dirs)):
+        log_path = os.path.join(log_dir, "log.jsonl")
+        if not os.path.isfile(log_path):
+            raise UsageError(f"{log_path} not found: pass the --log-dir of a train_gpt2.py run")
+        run = read_log(log_path, name)
+        if run.bad_lines:
+            print(f"warning: skipped {run.bad_lines} line(s) of {log_path} that are not log records")
+        if not any(run.curves[curve] for curve in CURVES):
+            raise UsageError(f"{log_path} has no train_loss, val_loss or hellaswag_acc_norm lines to plot")
+        if recipe and run.recipe and recipe != run.recipe:
+            raise UsageError(f"--recipe {recipe}, but {log_path} says the run's recipe is {run.recipe}")
+        runs.append(run._replace(recipe=run.recipe or recipe))
+    return runs
+
+
+def chosen_x_axes(x, runs):
+    """The columns' x axes: --x's, else step and tokens, and time when a log records it."""
+    timed = [run for run in runs if run.curves["elapsed_s"]]
+    if x is None:
+        return ("step", "tokens") + ("time",) * bool(timed)
+    x_axes = tuple(x.split(","))
+    if not x_axes or not set(x_axes) <= set(X_AXES):
+        raise UsageError(f"--x {x}: a comma-separated list of {', '.join(X_AXES)}")
+    if "time" in x_axes and not timed:
+        raise UsageError("--x time: no log has training times (elapsed_s in its step lines; older logs lack them)")
+    return x_axes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Plot the loss and HellaSwag curves of train_gpt2.py runs.")
+    parser.add_argument("log_dirs", nargs="*", default=["log"], metavar="LOG_DIR",
+                        help="a run's --log-dir, holding log.jsonl (default: log); several: drawn on the same axes")
+    parser.add_argument("--out", help="the PNG to write (default: LOG_DIR/curves.png; for several runs, compare.png)")
+    parser.add_argument("--x", help="the columns: some of step,tokens,time (default: step,tokens, and time when a "
+                                    "log has the training times)")
+    parser.add_argument("--recipe", action="append", help="the recipe of a run whose log does not name it (gpt2, "
+                                                          "modern): once per LOG_DIR, in their order")
+    args = parser.parse_args(argv)
     if plt is None:
         print("error: plot.py needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
         sys.exit(2)
-    if not os.path.isfile(log_path):
-        print(f"error: {log_path} not found: pass the --log-dir of a train_gpt2.py run", file=sys.stderr)
-        sys.exit(2)
-    curves, gpt2, bad_lines = read_log(log_path)
-    if bad_lines:
-        print(f"warning: skipped {bad_lines} line(s) of {log_path} that are not log records")
-    if not any(curves.values()):
-        print(f"error: {log_path} has no train_loss, val_loss or hellaswag_acc_norm lines to plot", file=sys.stderr)
-        sys.exit(2)
-
-    fig = plot_curves(curves, gpt2, os.path.abspath(args.log_dir))
-    out_path = os.path.join(args.log_dir, "curves.png")
-    try:  # whoever is looking at curves.png never sees half a picture, nor a temp file left over
+    try:
+        runs = read_runs(args.log_dirs, args.recipe)
+        x_axes = chosen_x_axes(args.x, runs)
+        out_path = args.out or (os.path.join(args.log_dirs[0], "curves.png") if len(runs) == 1 else "compare.png")
+        out_dir = os.path.dirname(out_path) or "."
+        fig = plot_runs(runs, x_axes)
+        # whoever is looking at the picture never sees half of it, nor a temp file left over
         write_atomically(out_path, lambda f: fig.savefig(f, format="png", dpi=100), f"{out_path}.{os.getpid()}.tmp",
-                         lambda: f"make room in {args.log_dir}")
+                         lambda: f"make room in {out_dir}")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
-        print(f"error: cannot write {out_path} ({e}); check that {args.log_dir} is writable and has space",
-              file=sys.stderr)
+        print(f"error: cannot write {out_path} ({e}); check that {out_dir} is writable and has space", file=sys.stderr)
         sys.exit(2)
-    counts = ", ".join(f"{len(curves[name])} {name}" for name in CURVES)
-    references = "".join(f", GPT-2 {name} {value:.4f}" for name, value in gpt2.items())
-    print(f"wrote {out_path} ({counts}{references})")
+    counts = [", ".join(f"{len(run.curves[curve])} {curve}" for curve in CURVES) for run in runs]
+    if len(runs) > 1:
+        counts = ["; ".join(f"{run.name}: {run_counts}" for run, run_counts in zip(runs, counts))]
+    gpt2 = {curve: value for run in reversed(runs) for curve, value in run.gpt2.items()}
+    references = "".join(f", GPT-2 {curve} {value:.4f}" for curve, value in gpt2.items())
+    print(f"wrote {out_path} ({counts[0]}{references})")
 
 
 if __name__ == "__main__":

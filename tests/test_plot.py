@@ -1,8 +1,10 @@
 """plot.py: curves.png from a log.jsonl, the reading rules (last line per step, resumes, references, tokens), the loss
-axis' range, errors."""
+axis' range and what it leaves above, errors; log/ by default, the title, token counts, the train loss' running
+mean, the training-time axis, runs compared."""
 import json
 import math
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -58,7 +60,7 @@ def test_last_line_per_step_wins_and_a_resume_drops_later_steps(tmp_path):
     records.append({"step": 3, "tokens": 3072, "val_loss": 1.5, "eval_only": True, "init_from": "log/ckpt_000003.pt"})
     records.append({"step": 4, "tokens": 5120, "train_loss": None, "skipped": True})  # non-finite: no point
     write_log(tmp_path, records)
-    curves, gpt2, bad_lines = plot.read_log(tmp_path / "log.jsonl")
+    curves, gpt2, bad_lines = plot.read_log(tmp_path / "log.jsonl")[:3]
     assert sorted(curves["train_loss"]) == [0, 1, 2, 3]
     assert curves["train_loss"][3] == (3072, 42.0)
     assert sorted(curves["val_loss"]) == [0, 2]  # the checkpoint's eval-only line is not a point of this run
@@ -70,7 +72,7 @@ def test_train_and_val_losses_of_the_same_weights_share_their_tokens(tmp_path):
     """A train line logs the tokens through its step, (step + 1) * batch; its loss is that of the weights before
     the step's update, which the val line of that step evaluates at step * batch tokens."""
     write_log(tmp_path, run_log(range(5)))
-    curves, _, _ = plot.read_log(tmp_path / "log.jsonl")
+    curves, _, _ = plot.read_log(tmp_path / "log.jsonl")[:3]
     assert {step: tokens for step, (tokens, _) in curves["train_loss"].items()} == {s: s * 1024 for s in range(5)}
     assert all(curves["val_loss"][s][0] == curves["train_loss"][s][0] for s in curves["val_loss"])
 
@@ -87,9 +89,9 @@ def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
         (gpt2_lines[:1], {"val_loss": 3.29}, "OpenAI GPT-2 124M, published (0.2945)"),
     ]:
         write_log(tmp_path, run_log() + extra)
-        curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")
+        curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")[:3]
         assert gpt2 == expected
-        fig = plot.plot_curves(curves, gpt2, "run")
+        fig = plot.plot_runs([plot.Run(curves, gpt2)])
         hellaswag_lines = {line.get_label(): line.get_ydata()[0] for line in fig.axes[2].get_lines()}
         assert hellaswag_lines[label] == gpt2.get("hellaswag_acc_norm", 0.2945)
         assert hellaswag_lines["OpenAI GPT-3 124M, published (0.337)"] == 0.337
@@ -106,11 +108,11 @@ def test_loss_axis_leaves_out_the_first_steps(steps, loss, reference):
     curves = {"train_loss": {s: (s * 1024, loss(s)) for s in range(steps)},
               "val_loss": {s: (s * 1024, loss(s)) for s in range(0, steps, 25)}, "hellaswag_acc_norm": {}}
     curves["train_loss"][steps * 3 // 4] = (0, 9.0)
-    bottom, top = plot.loss_axis_limits(curves, reference)
+    bottom, top = plot.loss_axis_limits([curves], reference)
     assert loss(int(0.06 * steps)) < top < loss(int(0.04 * steps))
     assert bottom < loss(steps - 1) < top and (reference is None or bottom < reference < top)
     if plot.plt is not None:
-        fig = plot.plot_curves(curves, {} if reference is None else {"val_loss": reference}, "run")
+        fig = plot.plot_runs([plot.Run(curves, {} if reference is None else {"val_loss": reference})])
         assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim() == (bottom, top)
         plot.plt.close(fig)
 
@@ -141,10 +143,10 @@ def test_non_finite_values_are_skipped_and_the_finite_points_drawn(tmp_path):
     png = (tmp_path / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
-    curves, gpt2, bad_lines = plot.read_log(tmp_path / "log.jsonl")
+    curves, gpt2, bad_lines = plot.read_log(tmp_path / "log.jsonl")[:3]
     assert gpt2 == {"hellaswag_acc_norm": 0.2955} and bad_lines == 0
     assert curves["train_loss"][6] == (None, 4.5)  # drawn against steps; against tokens, as a line without them
-    fig = plot.plot_curves(curves, gpt2, "run")
+    fig = plot.plot_runs([plot.Run(curves, gpt2)])
     assert drawn(fig, "train loss") == [(0, 11.0), (1, 10.0), (3, 8.0), (4, 7.0), (5, 6.0), (6, 4.5)]
     assert drawn(fig, "val loss") == [(0, 10.0), (4, 6.0)]
     assert drawn(fig, "HellaSwag acc_norm") == [(0, 0.25), (2, 0.27), (4, 0.29), (6, 0.31)]
@@ -161,8 +163,8 @@ def test_a_series_with_no_finite_point_leaves_the_others_drawn(tmp_path, bad_val
     result = subprocess.run([sys.executable, PLOT, str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "4 train_loss, 0 val_loss" in result.stdout and (tmp_path / "curves.png").exists()
-    curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")
-    fig = plot.plot_curves(curves, gpt2, "run")
+    curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")[:3]
+    fig = plot.plot_runs([plot.Run(curves, gpt2)])
     assert drawn(fig, "train loss") == [(0, 11.0), (1, 10.0), (2, 9.0), (3, 8.0)] and drawn(fig, "val loss") == []
     plot.plt.close(fig)
 
@@ -207,3 +209,186 @@ def test_without_matplotlib_says_so_in_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "error: plot.py needs matplotlib, which is not installed: pip install matplotlib"
     assert not (tmp_path / "log" / "curves.png").exists()
+
+
+def png_size(path):
+    png = path.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    return struct.unpack(">II", png[16:24])  # width, height
+
+
+def test_no_argument_reads_log_the_trainers_default(tmp_path, monkeypatch, capsys):
+    """`python plot.py` was a usage error; the trainer's --log-dir defaults to log, and so does plot.py."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "log", run_log())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["plot.py"])
+    plot.main()
+    assert capsys.readouterr().out.startswith(f"wrote {os.path.join('log', 'curves.png')} (4 train_loss, 2 val_loss")
+    assert png_size(tmp_path / "log" / "curves.png") == (1400, 900)
+
+
+def shakespeare_curves(seed=0):
+    """The Shakespeare quick start's shape: 900 steps of 1024 tokens, train loss falling from ~11 to noise around
+    4-6, its val losses every 150 steps."""
+    rng = random.Random(seed)
+    train = {s: (s * 1024, 4.8 + 6.1 * math.exp(-s / 38) + rng.gauss(0, 0.45 if s > 40 else 0.1)) for s in range(900)}
+    val = dict(zip(range(0, 901, 150), [10.84, 6.11, 5.47, 5.59, 5.19, 5.37, 5.11]))
+    return {"train_loss": train, "val_loss": {s: (s * 1024, v) for s, v in val.items()}, "hellaswag_acc_norm": {}}
+
+
+def test_points_above_the_loss_axis_are_marked_and_listed():
+    """The axis leaves the first steps' losses above it (10.84 at step 0 for Shakespeare): each such val point gets
+    a ▲ on the top edge, in each loss panel, and a note above the panel says what is left out."""
+    pytest.importorskip("matplotlib")
+    curves = shakespeare_curves()
+    fig = plot.plot_runs([plot.Run(curves, {})])
+    top = fig.axes[0].get_ylim()[1]
+    val_above = [(s, v) for s, (_, v) in sorted(curves["val_loss"].items()) if v > top]
+    train_above = [v for _, v in curves["train_loss"].values() if v > top]
+    assert val_above == [(0, 10.84)] and len(train_above) > 20  # in view: 6.11 at step 150 and all after
+    assert fig.axes[0].get_title(loc="left") == (f"▲ above the axis: val loss 10.84 at step 0, train loss at "
+                                                 f"{len(train_above)} steps (up to {max(train_above):.2f})")
+    for ax, x in zip(fig.axes, [0, 0]):  # the step and the tokens panel
+        marks = [line for line in ax.get_lines() if line.get_marker() == "^"]
+        assert len(marks) == 1 and not marks[0].get_clip_on()  # drawn over the edge, not clipped away
+        assert list(marks[0].get_xdata()) == [x] and list(marks[0].get_ydata()) == [top]
+    plot.plt.close(fig)
+
+    curves["val_loss"].pop(0)  # nothing above the axis: no note, no mark
+    curves["train_loss"] = {s: (s * 1024, 6.5 if s % 2 else 4.0) for s in range(900)}
+    fig = plot.plot_runs([plot.Run(curves, {})])
+    assert fig.axes[0].get_title(loc="left") == ""
+    assert not [line for line in fig.axes[0].get_lines() if line.get_marker() == "^"]
+    plot.plt.close(fig)
+
+
+def test_title_names_the_run_and_its_recipe_not_an_absolute_path(tmp_path, capsys):
+    """The title was the log dir's absolute path; it is the run's name, its recipe (from the log's start record,
+    else --recipe; a --recipe the log contradicts is refused) and where it ended."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "shk", [{"event": "start", "recipe": "modern", "model": "d12"}] + run_log(range(5)))
+    write_log(tmp_path / "old", run_log(range(5)))
+    for log_dir, recipes, expected in [
+        ("shk", None, "shk (recipe modern): 4 steps, 4.1K tokens"),  # step 4: its val line, 4 * 1024 tokens
+        ("shk", ["modern"], "shk (recipe modern): 4 steps, 4.1K tokens"),
+        ("old", None, "old: 4 steps, 4.1K tokens"),
+        ("old", ["gpt2"], "old (recipe gpt2): 4 steps, 4.1K tokens"),
+    ]:
+        runs = plot.read_runs([str(tmp_path / log_dir)], recipes)
+        assert runs[0].bad_lines == 0  # the start record has no step, and is no bad line
+        fig = plot.plot_runs(runs)
+        assert fig.get_suptitle() == expected
+        plot.plt.close(fig)
+    with pytest.raises(plot.UsageError, match="--recipe gpt2, but .* says the run's recipe is modern"):
+        plot.read_runs([str(tmp_path / "shk")], ["gpt2"])
+    with pytest.raises(plot.UsageError, match="--recipe given 1 time"):
+        plot.read_runs([str(tmp_path / "shk"), str(tmp_path / "old")], ["gpt2"])
+    assert plot.run_names(["runs/a/log", "runs/b/log", "/abs/shk"]) == ["runs/a/log", "runs/b/log", "shk"]
+
+
+def test_tokens_read_as_people_say_them():
+    pytest.importorskip("matplotlib")
+    for count, said in [(0, "0"), (512, "512"), (200000, "200K"), (921600, "922K"), (999999, "1M"),
+                        (1.5e6, "1.5M"), (19073 * 524288, "10B"), (2.5e9, "2.5B"), (3e12, "3T")]:
+        assert plot.tokens_label(count) == said
+    fig = plot.plot_runs([plot.Run(shakespeare_curves(), {})])
+    tokens_axis, (left, right) = fig.axes[1].xaxis, fig.axes[1].get_xlim()
+    ticks = [tokens_axis.get_major_formatter()(x, 0) for x in tokens_axis.get_majorticklocs() if left <= x <= right]
+    assert ticks == ["0", "200K", "400K", "600K", "800K"]
+    plot.plt.close(fig)
+
+
+def test_train_loss_is_drawn_with_its_running_mean():
+    """The noisy train loss (±0.5 on Shakespeare) is drawn faint, with its running mean over 2% of its points on
+    top: each point's mean with its neighbours, fewer at the ends; checked against the mean of each slice."""
+    pytest.importorskip("matplotlib")
+    values = [random.Random(1).random() for _ in range(30)]
+    for window in (1, 3, 7):
+        half = window // 2
+        naive = [sum(values[max(i - half, 0):i + half + 1]) / len(values[max(i - half, 0):i + half + 1])
+                 for i in range(len(values))]
+        assert plot.running_mean(values, window) == pytest.approx(naive, rel=1e-12)
+    assert [plot.smoothing_window(n) for n in (60, 99, 100, 900, 19073)] == [1, 1, 3, 19, 381]
+
+    curves = shakespeare_curves()
+    fig = plot.plot_runs([plot.Run(curves, {})])
+    raw, mean = drawn(fig, "train loss"), drawn(fig, "train loss, mean of 19 steps")
+    assert [x for x, _ in raw] == [x for x, _ in mean] == list(range(900))
+    ys = [y for _, y in raw]
+    assert [y for _, y in mean] == pytest.approx([sum(ys[max(i - 9, 0):i + 10]) / len(ys[max(i - 9, 0):i + 10])
+                                                  for i in range(900)])
+    plot.plt.close(fig)
+    short = {"train_loss": {s: (s, 11.0 - s / 10) for s in range(60)}, "val_loss": {}, "hellaswag_acc_norm": {}}
+    fig = plot.plot_runs([plot.Run(short, {})])  # too few points to smooth: the raw line alone
+    assert [line.get_label() for line in fig.axes[0].get_lines() if line.get_label().startswith("train")] == [
+        "train loss"]
+    plot.plt.close(fig)
+
+
+def timed_log(steps=range(4), dt=40.0):
+    """run_log with the training seconds each step line logs at its end: dt a step."""
+    records = run_log(steps)
+    for record in records:
+        if "train_loss" in record:
+            record["elapsed_s"] = (record["step"] + 1) * dt
+    return records
+
+
+def test_time_axis_when_the_log_has_training_times(tmp_path):
+    """A third column against training time when step lines carry elapsed_s: a point at step s is at the seconds
+    logged by step s - 1 (0 at step 0), as its tokens are those trained before step s. Logs without it: two columns,
+    and --x time is refused in one line."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "timed", timed_log(range(5), dt=40.0))  # 200 s: minutes
+    runs = plot.read_runs([str(tmp_path / "timed")], None)
+    assert plot.chosen_x_axes(None, runs) == ("step", "tokens", "time")
+    fig = plot.plot_runs(runs, ("step", "tokens", "time"))
+    assert fig.axes[2].get_xlabel() == "training time (min)"
+    minutes = [0, 40 / 60, 80 / 60, 120 / 60, 160 / 60]
+    train = next(line for line in fig.axes[2].get_lines() if line.get_label() == "train loss")
+    val = next(line for line in fig.axes[2].get_lines() if line.get_label() == "val loss")
+    assert list(train.get_xdata()) == pytest.approx(minutes) and list(val.get_xdata()) == pytest.approx(minutes[::2])
+    assert fig.get_suptitle() == "timed: 4 steps, 4.1K tokens, 2.67 min"
+    plot.plt.close(fig)
+    assert [plot.time_unit(s) for s in (0, 119, 120, 7199, 7200)] == [(1, "s"), (1, "s"), (60, "min"), (60, "min"),
+                                                                     (3600, "h")]
+
+    write_log(tmp_path / "untimed", run_log())
+    untimed = plot.read_runs([str(tmp_path / "untimed")], None)
+    assert plot.chosen_x_axes(None, untimed) == ("step", "tokens")
+    assert plot.chosen_x_axes("tokens,time", runs) == ("tokens", "time")
+    for x, error in [("time", "--x time: no log has training times"), ("steps", "--x steps: a comma-separated")]:
+        with pytest.raises(plot.UsageError, match=error):
+            plot.chosen_x_axes(x, untimed)
+
+
+def test_several_runs_share_the_axes_and_one_legend(tmp_path, monkeypatch, capsys):
+    """Runs compared are drawn in the same panels, a colour each, under one legend that names each run and recipe;
+    the picture goes to compare.png, sized by its columns (time: one of the logs has it) and rows."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "gpt2", run_log(range(5)))
+    write_log(tmp_path / "modern", [{"event": "start", "recipe": "modern"}] + timed_log(range(5)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["plot.py", "gpt2", "modern", "--recipe", "gpt2", "--recipe", "modern"])
+    plot.main()
+    assert capsys.readouterr().out.startswith("wrote compare.png (gpt2: 5 train_loss, 3 val_loss, 3 hellaswag_acc_norm;"
+                                              " modern: 5 train_loss")
+    assert png_size(tmp_path / "compare.png") == (2100, 900)
+
+    runs = plot.read_runs(["gpt2", "modern"], ["gpt2", None])
+    fig = plot.plot_runs(runs, ("step", "tokens"))
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert labels == [  # filled column by column: a run's, a run's, the references
+        "gpt2 (recipe gpt2): train loss", "gpt2 (recipe gpt2): val loss", "gpt2 (recipe gpt2): HellaSwag acc_norm",
+        "modern (recipe modern): train loss", "modern (recipe modern): val loss",
+        "modern (recipe modern): HellaSwag acc_norm",
+        "OpenAI GPT-2 124M, published (0.2945)", "OpenAI GPT-3 124M, published (0.337)", ""]
+    assert [len(column) for column in plot.legend_columns(runs, [label for label in labels if label])] == [3, 3, 3]
+    assert drawn(fig, "gpt2 (recipe gpt2): val loss") == drawn(fig, "modern (recipe modern): val loss") == [
+        (0, 10.0), (2, 8.0), (4, 6.0)]  # the same run twice: the same points in the same panel
+    colors = {line.get_label(): line.get_color() for line in fig.axes[0].get_lines()}
+    assert colors["gpt2 (recipe gpt2): val loss"] != colors["modern (recipe modern): val loss"]
+    assert fig.get_suptitle() == "gpt2 (recipe gpt2) vs modern (recipe modern)"
+    plot.plt.close(fig)
