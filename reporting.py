@@ -112,13 +112,13 @@ def start(run, accumulation_steps):
     train_tokens = sum(len(shard) for shard in run.stream.shards)
     print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
           f"{cfg.batch_size} x {cfg.seq_len} x {accumulation_steps} accumulation steps x {env.world_size} process(es)")
-    if run.resumed_from and not cfg.eval_only:  # plot.py drops the points logged after it: they are trained again
-        report(run, {"step": run.step, "event": "resume"})
+
 
 
 @contextlib.contextmanager
 def wandb(run):
-    """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well, while inside; then ends it,
+    """Logs the launch's start record (start_record), then, with --wandb-project, rank 0 logs log.jsonl's records to
+    a W&B run as well, while inside; then ends it,
     failed if an error is on its way out. A resumed run continues the W&B run of its checkpoint; --eval-only gets one
     of its own (restore leaves it no id), as the training's may still be going on."""
     cfg = run.cfg
@@ -127,9 +127,21 @@ def wandb(run):
             with failing_together():
                 if run.master:
                     run.log.start_wandb(cfg.wandb_project, cfg.wandb_run_name, asdict(cfg))
+        if not cfg.eval_only:
+            report(run, start_record(run))
         yield
     finally:
         run.log.finish(failed=sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
+
+
+def start_record(run):
+    """The first record of a launch, for plot.py and W&B: what runs; and a resume's, after which the points logged
+    past its checkpoint are dropped, as they are trained again."""
+    cfg, env = run.cfg, run.env
+    return {"step": run.step, "event": "resume" if run.resumed_from else "start", "recipe": cfg.recipe,
+            "max_steps": cfg.max_steps, "total_batch_size": cfg.total_batch_size,
+            "n_params": sum(p.numel() for p in run.model.parameters()), "world_size": env.world_size,
+            "device": torch.cuda.get_device_name() if env.device_type == "cuda" else env.device_type}
 
 
 def finish(run, stopped_by_signal):

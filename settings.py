@@ -226,11 +226,11 @@ def take_model_settings(cfg, given, model_config, path):
     """--eval-only evaluates a checkpoint's model as it was trained: its recipe and shapes (model_config), not those
     the flags and presets say, as --sample does. A flag given that says otherwise is refused."""
     taken = {k: v for k, v in model_config.items() if k not in ("attn", "loss")}  # how it computes may change
-    clash = [f"{flag(k)} {getattr(cfg, k)} (it has {v})" for k, v in taken.items()
+    clash = [f"{k}: checkpoint {v}, flags {getattr(cfg, k)}" for k, v in taken.items()
              if k in given and getattr(cfg, k) != v]
     if clash:
-        raise UsageError(f"--eval-only evaluates {path} as it was trained, and {', '.join(clash)} says otherwise; "
-                         f"drop {'it' if len(clash) == 1 else 'them'}")
+        raise UsageError(f"--eval-only evaluates {path} as it was trained, and flags say otherwise "
+                         f"({'; '.join(clash)}); drop them")
     cfg.__dict__.update(taken)
     if cfg.seq_len > cfg.block_size:
         raise UsageError(f"--seq-len {cfg.seq_len} is longer than {path}'s block of {cfg.block_size} tokens; pass "

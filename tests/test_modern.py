@@ -384,6 +384,6 @@ def test_eval_only_evaluates_a_modern_checkpoint_as_it_was_trained(shards, tmp_p
     line = expect_usage_error(args + ["--eval-only", "--no-resume"], capsys, "--eval-only evaluates a checkpoint",
                               "drop --no-resume")
     assert "--no-resume to" not in line
-    expect_usage_error(args + ["--eval-only", "--n-layer", "4"], capsys, "--n-layer 4 (it has 2) says otherwise",
-                       "drop it")
+    expect_usage_error(args + ["--eval-only", "--n-layer", "4"], capsys, "as it was trained, and flags say otherwise",
+                       "n_layer: checkpoint 2, flags 4", "drop them")
     assert len(read_log(tmp_path)) == logged  # the refusals evaluated nothing into the run's log

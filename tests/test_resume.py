@@ -143,7 +143,8 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(shards, tmp_path, 
     assert "resuming from the checkpoint of step 4" in out
     records = read_log(log_dir)
     assert [r["step"] for r in records if r.get("event") == "resume"] == [4]
-    again = [r for r in records[records.index({"step": 4, "event": "resume"}):] if "train_loss" in r]
+    resume = next(i for i, r in enumerate(records) if r.get("event") == "resume")
+    again = [r for r in records[resume:] if "train_loss" in r]
     assert [r["step"] for r in again] == [4, 5]
     for r in again:  # the same steps again, bitwise
         assert r["train_loss"] == first[r["step"]]["train_loss"]

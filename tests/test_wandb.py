@@ -120,12 +120,15 @@ def test_wandb_logs_what_log_jsonl_holds_and_a_resumed_run_continues_it(shards, 
     assert first["id"] == second["id"] == load_ckpt(checkpoint_path(log_dir, 5))["wandb_id"] != ""
     assert first["project"] == second["project"] == "tiny" and first["name"] == second["name"] == "first try"
     records = read_log(log_dir)
-    resume = records.index({"step": 2, "event": "resume"})  # log.jsonl's marker for plot.py; W&B starts after it
-    assert first["history"] == records[:resume] and second["history"] == records[resume + 1:]
+    # each launch's first record says what runs; a resume's is log.jsonl's marker for plot.py
+    assert records[0]["event"] == "start" and records[0]["recipe"] == "gpt2"
+    resume = records.index(next(r for r in records if r.get("event") == "resume"))
+    assert records[resume]["step"] == 2
+    assert first["history"] == records[:resume] and second["history"] == records[resume:]
     # W&B's own step is the record's line in log.jsonl: it goes on growing across the resume, so that W&B can append
     # the second offline run to the first (wandb sync --append) instead of writing over its history
     assert first["wandb_steps"] == list(range(resume))
-    assert second["wandb_steps"] == list(range(resume + 1, len(records)))
+    assert second["wandb_steps"] == list(range(resume, len(records)))
     assert [r["step"] for r in second["history"] if "train_loss" in r] == [2, 3, 4]  # steps 2 and 3 again
     # step 2 was evaluated before its checkpoint
     assert [r["step"] for r in second["history"] if "val_loss" in r] == [4, 5]
