@@ -96,10 +96,13 @@ def model_config(n_layer, n_head, n_embd, block_size, vocab_size, dtype):
     }
 
 
-def generation_config(vocab_size):
-    """Sampling as train_gpt2.py's samples do it: top-k 50 from the softmax."""
+def generation_config(vocab_size, block_size):
+    """Sampling as train_gpt2.py's samples do it: top-k 50 from the softmax, to the end of the model's context at
+    most. Without max_length, transformers' text-generation pipeline adds 256 new tokens to any prompt, past the
+    positions of a smaller context (the Shakespeare preset's 256), where GPT-2's position table has no row."""
     eot = EOT if vocab_size > EOT else None
-    return {"do_sample": True, "top_k": 50, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+    return {"do_sample": True, "top_k": 50, "max_length": block_size, "bos_token_id": eot, "eos_token_id": eot,
+            "pad_token_id": eot}
 
 
 def read_shape(directory):
@@ -302,7 +305,8 @@ def export(out_dir, state_dict, config, n_tokens, about):
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
         plumbing.sync_file(path)
         write_file(directory, "config.json", json.dumps(model_config(**shape, dtype=dtype), indent=2))
-        write_file(directory, "generation_config.json", json.dumps(generation_config(shape["vocab_size"]), indent=2))
+        generation = generation_config(shape["vocab_size"], shape["block_size"])
+        write_file(directory, "generation_config.json", json.dumps(generation, indent=2))
         for name, contents in tokenizer_files(shape["block_size"]).items():
             write_file(directory, name, contents)
         write_file(directory, "README.md", model_card(shape, n_params, about))
