@@ -327,3 +327,15 @@ def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path):
     line = check_usage_error(result.returncode, stdout, result.stderr, f"disk full writing {out}: ", "run the same")
     assert listing == "", line
 
+
+def test_under_torchrun_rank_0_alone_exports(exports, tmp_path, capsys, monkeypatch):
+    """Each rank of `torchrun train_gpt2.py --export-hf OUT_DIR` (RANK is what torchrun sets): rank 1 writes nothing
+    and exits 0, whether it starts before rank 0 or after; rank 0 writes OUT_DIR."""
+    argv = ["--export-hf", tmp_path / "hf", "--resume", exports[128][0]]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, listing in (("1", []), ("0", ["hf"]), ("1", ["hf"])):
+        monkeypatch.setenv("RANK", rank)
+        code, printed, err = run_main(argv, capsys)
+        assert (code, err) == (0, ""), (rank, err)
+        assert (printed.startswith("exported") if rank == "0" else printed == "") and os.listdir(tmp_path) == listing
+    assert sorted(os.listdir(tmp_path / "hf")) == FILES
