@@ -2,6 +2,7 @@
 offline: its logits, its generate and its tokenizer must agree with train_gpt2.py's, and our from_pretrained reads it
 back to the same weights. Mistakes are refused in one line, and an export cut short leaves nothing at OUT_DIR."""
 import contextlib
+import fcntl
 import functools
 import io
 import json
@@ -27,6 +28,7 @@ from helpers import (
     load_ckpt,
     run_main,
     run_script_on_tmpfs,
+    run_source,
     write_shards,
 )
 from plumbing import EOT, GPT2_VOCAB, UsageError, gpt2_tokenizer
@@ -326,6 +328,67 @@ def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path):
     stdout, _, listing = result.stdout.rstrip("\n").rpartition("\n")
     line = check_usage_error(result.returncode, stdout, result.stderr, f"disk full writing {out}: ", "run the same")
     assert listing == "", line
+
+
+SIGTERM_MIDWAY = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import hf_export, train_gpt2
+
+def terminated(block_size):  # once the weights are written, as `kill PID` would
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise AssertionError("the export went on after SIGTERM")
+
+hf_export.tokenizer_files = terminated
+train_gpt2.main(sys.argv[2:])
+"""
+
+
+def test_sigterm_stops_an_export_as_ctrl_c_does(exports, tmp_path):
+    """`kill PID` midway: no OUT_DIR, no temporary directory beside it, and the exit code a shell gives a process that
+    SIGTERM killed (143), without a traceback."""
+    result = run_source(SIGTERM_MIDWAY, tmp_path, ["--export-hf", tmp_path / "hf", "--resume", exports[128][0]])
+    assert result.returncode == 128 + 15, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == ["script.py"]
+
+
+def test_a_killed_exports_directory_is_removed_by_the_next(exports, tmp_path, capsys):
+    """What `kill -9` leaves beside OUT_DIR, a temporary directory with files in it that no process locks, is deleted
+    by the next export to OUT_DIR; the directory of an export still running (locked, as it locks its own) stays, as
+    does an empty one (an export starting, which has yet to lock it) and what is not an export's to OUT_DIR."""
+    names = {"killed": "hf.0123abcd.tmp", "running": "hf.4567cdef.tmp", "starting": "hf.89abcdef.tmp",
+             "another OUT_DIR's": "hf2.0123abcd.tmp", "not an export's": "hf.notes.tmp"}
+    for what, name in names.items():
+        (tmp_path / name).mkdir()
+        if what != "starting":
+            (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    running = os.open(tmp_path / names["running"], os.O_RDONLY)
+    try:
+        fcntl.flock(running, fcntl.LOCK_EX)
+        code, printed, err = run_main(["--export-hf", tmp_path / "hf", "--resume", exports[128][0]], capsys)
+    finally:
+        os.close(running)
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == sorted(["hf"] + [name for what, name in names.items() if what != "killed"])
+    assert sorted(os.listdir(tmp_path / "hf")) == FILES
+    assert printed.startswith(f"removed {tmp_path / names['killed']}, left by an export to {tmp_path / 'hf'}")
+
+
+def test_an_export_that_finishes_first_wins(exports, tmp_path, capsys, monkeypatch):
+    """Two exports to one OUT_DIR at once: the one that renames its directory second is refused in one line, and
+    leaves the other's whole."""
+    out, tokenizer_files = tmp_path / "hf", hf_export.tokenizer_files
+
+    def another_export_finishes(block_size):
+        out.mkdir()
+        (out / "config.json").write_text("the other export's")
+        return tokenizer_files(block_size)
+
+    monkeypatch.setattr(hf_export, "tokenizer_files", another_export_finishes)
+    expect_usage_error(["--export-hf", out, "--resume", exports[128][0]], capsys, f"--export-hf {out}",
+                       "not an empty directory")
+    assert os.listdir(tmp_path) == ["hf"] and (out / "config.json").read_text() == "the other export's"
 
 
 def test_under_torchrun_rank_0_alone_exports(exports, tmp_path, capsys, monkeypatch):
