@@ -5,6 +5,7 @@ sets up a run. It never imports train_gpt2: what they need of it (model_of, whic
 settings; GPT.from_pretrained) is handed over.
 """
 
+import os
 import shlex
 from dataclasses import asdict
 
@@ -28,7 +29,10 @@ def model_to_sample(cfg, env, model_of):
 
 def export_hf(cfg, argv, model_of, from_pretrained):
     """--export-hf DIR: the latest checkpoint in --log-dir (or --resume's, or OpenAI's weights with --init-from) as a
-    Hugging Face model directory, which transformers loads as a GPT-2; on the CPU, in one process."""
+    Hugging Face model directory, which transformers loads as a GPT-2; on the CPU, in one process: under torchrun,
+    rank 0 writes it, and the other ranks end at once (each writing it, all but one would fail, finding it written)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     hf_export.check_new_directory(cfg.export_hf)  # now, not after a long load
     if cfg.init_from != "scratch":
         model = from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)

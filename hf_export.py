@@ -14,9 +14,12 @@ into a new directory beside the one asked for, renamed into place once whole. It
 never transformers, and never imports train_gpt2 (which imports it).
 """
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import uuid
 
 from safetensors.torch import load_file, save_file
@@ -24,6 +27,11 @@ from tiktoken.load import load_tiktoken_bpe
 
 import plumbing
 from plumbing import EOT, GPT2_VOCAB, UsageError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 EOT_TEXT = "<|endoftext|>"
 # the weights OpenAI's Conv1D stores (in, out), where nn.Linear has (out, in)
@@ -96,10 +104,13 @@ def model_config(n_layer, n_head, n_embd, block_size, vocab_size, dtype):
     }
 
 
-def generation_config(vocab_size):
-    """Sampling as train_gpt2.py's samples do it: top-k 50 from the softmax."""
+def generation_config(vocab_size, block_size):
+    """Sampling as train_gpt2.py's samples do it: top-k 50 from the softmax, to the end of the model's context at
+    most. Without max_length, transformers' text-generation pipeline adds 256 new tokens to any prompt, past the
+    positions of a smaller context (the Shakespeare preset's 256), where GPT-2's position table has no row."""
     eot = EOT if vocab_size > EOT else None
-    return {"do_sample": True, "top_k": 50, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+    return {"do_sample": True, "top_k": 50, "max_length": block_size, "bos_token_id": eot, "eos_token_id": eot,
+            "pad_token_id": eot}
 
 
 def read_shape(directory):
@@ -264,25 +275,82 @@ def write_file(directory, name, contents):
         os.fsync(f.fileno())
 
 
+def exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # as Ctrl-C's KeyboardInterrupt, deletes the temporary directory; 143: SIGTERM's
+
+
+def lock(fd, wait):
+    """Takes an exclusive lock (flock) of the open directory fd: True if taken. The kernel drops it when its process
+    ends, even by SIGKILL. A file system that cannot lock a directory (NFS) says False: nothing there is ever taken
+    for a killed export's."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except OSError:
+        return False
+
+
+def remove_killed_exports(out):
+    """Deletes the temporary directories beside out that exports to it killed outright (kill -9) left: those that hold
+    files and no lock. A running export locks its own before it writes into it, so that an empty one may be an
+    export's that is starting, and stays."""
+    parent = os.path.dirname(out)
+    for name in sorted(os.listdir(parent)):
+        if re.fullmatch(re.escape(os.path.basename(out)) + r"\.[0-9a-f]{8}\.tmp", name):
+            path = os.path.join(parent, name)
+            with contextlib.suppress(OSError):  # gone meanwhile: another export removed or finished it
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    if lock(fd, wait=False) and os.listdir(path):
+                        shutil.rmtree(path)
+                        print(f"removed {path}, left by an export to {out} that was killed")
+                finally:
+                    os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_directory(path):
+    """Makes the directory path, locked while inside (where there is flock: not on Windows, where a killed export's
+    directory stays), and deletes it if anything is raised inside, while still locked."""
+    os.mkdir(path)  # not tempfile.mkdtemp's 0700: the umask's permissions, as any directory the user makes
+    fd = os.open(path, os.O_RDONLY) if fcntl else None
+    try:
+        if fcntl:
+            lock(fd, wait=True)  # waits only while another export looks whether this one is a killed one's
+        yield
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def write_directory(out_dir, fill):
     """Makes out_dir with fill(directory), whole or not at all: fill writes into a new directory beside out_dir,
-    which is synced, then renamed to it. A failed or interrupted fill leaves no out_dir, and deletes the temporary
-    one (only a process killed outright leaves it, as OUT_DIR.<random>.tmp)."""
+    OUT_DIR.<random>.tmp, which is synced, then renamed to it. A failed or interrupted fill (an error, Ctrl-C,
+    SIGTERM) leaves no out_dir, and deletes the temporary one; one that a process killed outright left is deleted by
+    the next export to out_dir."""
     check_new_directory(out_dir)
     out = os.path.abspath(out_dir)
-    temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        os.mkdir(temp)  # not tempfile.mkdtemp's 0700: the umask's permissions, as any directory the user makes
-        fill(temp)
-        plumbing.sync_directory(temp)
-        os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
+        if fcntl:
+            remove_killed_exports(out)
+        temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
+        with locked_directory(temp):
+            fill(temp)
+            plumbing.sync_directory(temp)
+            os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
     except BaseException as e:
-        shutil.rmtree(temp, ignore_errors=True)
         plumbing.raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
         if isinstance(e, OSError):
+            check_new_directory(out_dir)  # another export to it finished first
             raise UsageError(f"--export-hf {out_dir}: cannot write it ({e}); pass a directory you may write to")
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     plumbing.sync_directory(os.path.dirname(out))
 
 
@@ -302,7 +370,8 @@ def export(out_dir, state_dict, config, n_tokens, about):
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
         plumbing.sync_file(path)
         write_file(directory, "config.json", json.dumps(model_config(**shape, dtype=dtype), indent=2))
-        write_file(directory, "generation_config.json", json.dumps(generation_config(shape["vocab_size"]), indent=2))
+        generation = generation_config(shape["vocab_size"], shape["block_size"])
+        write_file(directory, "generation_config.json", json.dumps(generation, indent=2))
         for name, contents in tokenizer_files(shape["block_size"]).items():
             write_file(directory, name, contents)
         write_file(directory, "README.md", model_card(shape, n_params, about))

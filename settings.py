@@ -160,6 +160,17 @@ def require(cfg, names, ok, what):
             raise UsageError(f"{flag(name)} must be {what}, not {getattr(cfg, name)}")
 
 
+PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "cache_dir", "sample", "export_hf", "resume")
+
+
+def check_paths(cfg, given):
+    """Refuses a path flag given an empty value, as an unset shell variable gives: to some, an empty path means "off"
+    or "the default" (--export-hf "" trained instead, resuming the run in --log-dir or moving its files aside)."""
+    for name in PATH_SETTINGS:
+        if name in given and getattr(cfg, name) == "":
+            raise UsageError(f"{flag(name)} is empty; pass a path (an unset shell variable?), or drop the flag")
+
+
 def check_config(cfg, world_size):
     require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len",
                   "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip",

@@ -882,6 +882,7 @@ def main(argv=None):
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     error = None
     try:
+        settings.check_paths(cfg, given)
         if cfg.export_hf:
             commands.export_hf(cfg, sys.argv[1:] if argv is None else argv, model_of, GPT.from_pretrained)
         elif cfg.sample:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import plumbing
+import settings
 import train_gpt2
 from helpers import TINY, check_usage_error, expect_usage_error, run_main, run_script, run_script_on_tmpfs, write_shards
 
@@ -145,6 +146,17 @@ def test_cuda_asked_for_but_absent(shards, tmp_path, capsys):
 ])
 def test_nonsense_values(shards, tmp_path, capsys, flag, value):
     expect_usage_error(args(shards, tmp_path / "log", flag, value), capsys, flag)
+
+
+@pytest.mark.parametrize("name", settings.PATH_SETTINGS)
+def test_an_empty_path_is_refused(shards, tmp_path, capsys, monkeypatch, name):
+    """As an unset shell variable gives it (`--export-hf "$OUT"`): an empty path means "off" or "the default" to some
+    of these flags, and `--export-hf ""` trained (over the run in --log-dir). Refused before anything is written, in
+    --log-dir or in the current directory."""
+    monkeypatch.chdir(tmp_path)
+    flag = settings.flag(name)
+    expect_usage_error(args(shards, tmp_path / "log", flag, ""), capsys, f"{flag} is empty")
+    assert os.listdir(tmp_path) == ["data"]
 
 
 def test_seq_len_zero_without_shards(tmp_path, capsys, monkeypatch):

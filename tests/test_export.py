@@ -2,10 +2,14 @@
 offline: its logits, its generate and its tokenizer must agree with train_gpt2.py's, and our from_pretrained reads it
 back to the same weights. Mistakes are refused in one line, and an export cut short leaves nothing at OUT_DIR."""
 import contextlib
+import fcntl
+import functools
 import io
 import json
 import os
+import re
 import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from helpers import (
     load_ckpt,
     run_main,
     run_script_on_tmpfs,
+    run_source,
     write_shards,
 )
 from plumbing import EOT, GPT2_VOCAB, UsageError, gpt2_tokenizer
@@ -35,6 +40,16 @@ gpt2_server = test_pretrained.gpt2_server  # the fixture serving a tiny stand-in
 PADDED = train_gpt2.PADDED_VOCAB
 FILES = ["README.md", "config.json", "generation_config.json", "merges.txt", "model.safetensors",
          "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_files_made_once():
+    """Recovering GPT-2's merges from its ranks takes seconds, and the tokenizer's files of a context length are the
+    same for every export of these tests."""
+    made = hf_export.tokenizer_files
+    hf_export.tokenizer_files = functools.cache(made)
+    yield
+    hf_export.tokenizer_files = made
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +116,8 @@ def test_the_exported_files(exports, vocab):
     assert (config["n_layer"], config["n_head"], config["n_embd"], config["n_positions"], config["vocab_size"]) == (
         2, 4, 64, 32, n_tokens)
     assert config["eos_token_id"] == (EOT if vocab == PADDED else None)  # a vocabulary of 128 has no <|endoftext|>
+    generation = json.load(open(os.path.join(out, "generation_config.json")))
+    assert generation["max_length"] == config["n_positions"]  # transformers never samples past the context
     mode = os.stat(os.path.join(out, "config.json")).st_mode
     assert os.stat(os.path.join(out, "model.safetensors")).st_mode == mode  # not safetensors' private file
     card = open(os.path.join(out, "README.md")).read()
@@ -164,6 +181,41 @@ def test_transformers_generates_from_the_export(exports):
     generator = transformers.pipeline("text-generation", model=exports[PADDED][1], device="cpu")
     text = generator("Hello, I'm a language model,", max_new_tokens=8)[0]["generated_text"]
     assert text.startswith("Hello, I'm a language model,") and len(text) > len("Hello, I'm a language model,")
+
+
+@pytest.fixture(scope="module")
+def quick_start_export(tmp_path_factory):
+    """An export of a model of the shapes the README's quick start trains (`python train_gpt2.py` without shards: the
+    SHAKESPEARE preset, whose context of 256 tokens is shorter than the 256 new tokens transformers' pipeline adds),
+    its weights random."""
+    shapes = {key: train_gpt2.SHAKESPEARE[key] for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    assert shapes == dict(n_layer=8, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB)
+    torch.manual_seed(0)
+    model = train_gpt2.model_of(train_gpt2.GPTConfig(**shapes))
+    out = str(tmp_path_factory.mktemp("quick_start") / "hf")
+    about = dict(hf_export.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1")
+    hf_export.export(out, model.state_dict(), asdict(model.config), model.n_tokens, about)
+    return out
+
+
+def one_liner(text):
+    """The Python of the transformers one-liner in a README: a `python -c '...'` line, or a ```python block."""
+    python_c, block = r"python -c '(.*pipeline\(.*)'", r"```python\n(.*?pipeline\(.*?)```"
+    return (re.search(python_c, text) or re.search(block, text, re.S)).group(1)
+
+
+@pytest.mark.parametrize("readme, model_path", [("README.md", "hf/run1"), ("the model card", "path/to/this/directory")])
+def test_the_readmes_pipeline_runs_as_written(quick_start_export, capsys, readme, model_path):
+    """The one-liner of README.md and of the exported model card, with the export's path for the model's: it samples
+    to the end of the model's context, not past it (transformers' pipeline would add 256 tokens to the prompt)."""
+    text = open(os.path.join(REPO, "README.md") if readme == "README.md" else
+                os.path.join(quick_start_export, "README.md")).read()
+    code = one_liner(text)
+    assert code.count(f'model="{model_path}"') == 1, code
+    torch.manual_seed(0)  # the sampling
+    exec(code.replace(model_path, quick_start_export), {})
+    printed = capsys.readouterr().out
+    assert "Hello, I" in printed and len(printed) > 500, printed  # 250 new tokens or so
 
 
 MIXED_TEXT = (
@@ -276,3 +328,77 @@ def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path):
     stdout, _, listing = result.stdout.rstrip("\n").rpartition("\n")
     line = check_usage_error(result.returncode, stdout, result.stderr, f"disk full writing {out}: ", "run the same")
     assert listing == "", line
+
+
+SIGTERM_MIDWAY = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import hf_export, train_gpt2
+
+def terminated(block_size):  # once the weights are written, as `kill PID` would
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise AssertionError("the export went on after SIGTERM")
+
+hf_export.tokenizer_files = terminated
+train_gpt2.main(sys.argv[2:])
+"""
+
+
+def test_sigterm_stops_an_export_as_ctrl_c_does(exports, tmp_path):
+    """`kill PID` midway: no OUT_DIR, no temporary directory beside it, and the exit code a shell gives a process that
+    SIGTERM killed (143), without a traceback."""
+    result = run_source(SIGTERM_MIDWAY, tmp_path, ["--export-hf", tmp_path / "hf", "--resume", exports[128][0]])
+    assert result.returncode == 128 + 15, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == ["script.py"]
+
+
+def test_a_killed_exports_directory_is_removed_by_the_next(exports, tmp_path, capsys):
+    """What `kill -9` leaves beside OUT_DIR, a temporary directory with files in it that no process locks, is deleted
+    by the next export to OUT_DIR; the directory of an export still running (locked, as it locks its own) stays, as
+    does an empty one (an export starting, which has yet to lock it) and what is not an export's to OUT_DIR."""
+    names = {"killed": "hf.0123abcd.tmp", "running": "hf.4567cdef.tmp", "starting": "hf.89abcdef.tmp",
+             "another OUT_DIR's": "hf2.0123abcd.tmp", "not an export's": "hf.notes.tmp"}
+    for what, name in names.items():
+        (tmp_path / name).mkdir()
+        if what != "starting":
+            (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    running = os.open(tmp_path / names["running"], os.O_RDONLY)
+    try:
+        fcntl.flock(running, fcntl.LOCK_EX)
+        code, printed, err = run_main(["--export-hf", tmp_path / "hf", "--resume", exports[128][0]], capsys)
+    finally:
+        os.close(running)
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == sorted(["hf"] + [name for what, name in names.items() if what != "killed"])
+    assert sorted(os.listdir(tmp_path / "hf")) == FILES
+    assert printed.startswith(f"removed {tmp_path / names['killed']}, left by an export to {tmp_path / 'hf'}")
+
+
+def test_an_export_that_finishes_first_wins(exports, tmp_path, capsys, monkeypatch):
+    """Two exports to one OUT_DIR at once: the one that renames its directory second is refused in one line, and
+    leaves the other's whole."""
+    out, tokenizer_files = tmp_path / "hf", hf_export.tokenizer_files
+
+    def another_export_finishes(block_size):
+        out.mkdir()
+        (out / "config.json").write_text("the other export's")
+        return tokenizer_files(block_size)
+
+    monkeypatch.setattr(hf_export, "tokenizer_files", another_export_finishes)
+    expect_usage_error(["--export-hf", out, "--resume", exports[128][0]], capsys, f"--export-hf {out}",
+                       "not an empty directory")
+    assert os.listdir(tmp_path) == ["hf"] and (out / "config.json").read_text() == "the other export's"
+
+
+def test_under_torchrun_rank_0_alone_exports(exports, tmp_path, capsys, monkeypatch):
+    """Each rank of `torchrun train_gpt2.py --export-hf OUT_DIR` (RANK is what torchrun sets): rank 1 writes nothing
+    and exits 0, whether it starts before rank 0 or after; rank 0 writes OUT_DIR."""
+    argv = ["--export-hf", tmp_path / "hf", "--resume", exports[128][0]]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, listing in (("1", []), ("0", ["hf"]), ("1", ["hf"])):
+        monkeypatch.setenv("RANK", rank)
+        code, printed, err = run_main(argv, capsys)
+        assert (code, err) == (0, ""), (rank, err)
+        assert (printed.startswith("exported") if rank == "0" else printed == "") and os.listdir(tmp_path) == listing
+    assert sorted(os.listdir(tmp_path / "hf")) == FILES
