@@ -309,7 +309,8 @@ CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckp
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
 # other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
 PARTIAL = CHECKPOINT + r"\.tmp(\.old)?"  # a checkpoint being written, or one being replaced by its step's new one
-RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, CHECKPOINT + r"\.abandoned", r"wandb"]
+ABANDONED = CHECKPOINT + r"\.abandoned(\.\d+)?"  # a checkpoint newer than the one a run resumed from, moved aside
+RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, ABANDONED, r"wandb"]
 
 
 def checkpoint_step(path):
@@ -346,16 +347,21 @@ def lock_log_dir(log_dir, exclusive):
                           f"write to")
 
 
+def unused_name(path):
+    """path, or if that is taken, the first of path.1, path.2, ... that is not."""
+    n, name = 0, path
+    while os.path.lexists(name):
+        n += 1
+        name = f"{path}.{n}"
+    return name
+
+
 def move_old_run_aside(log_dir):
     """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>."""
     old = files_in(log_dir, "|".join(RUN_FILES))
     if not old:
         return
-    aside = stamped = f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 0
-    while os.path.exists(aside):  # two fresh starts within a second must not collide
-        n += 1
-        aside = f"{stamped}.{n}"
+    aside = unused_name(f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}")  # two starts in a second
     os.mkdir(aside)
     for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
         os.rename(path, os.path.join(aside, os.path.basename(path)))
@@ -373,8 +379,9 @@ def prepare_log_dir(log_dir, resumed_step):
         remove(stale)
     for path in checkpoint_paths(log_dir):
         if checkpoint_step(path) > resumed_step:
-            os.replace(path, path + ".abandoned")
-            print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
+            aside = unused_name(path + ".abandoned")  # resuming twice from one checkpoint abandons a step twice
+            os.rename(path, aside)
+            print(f"moved {path} aside to {aside}: this run continues from step {resumed_step}")
 
 
 def no_room_for_checkpoint(log_dir, size, keep):
