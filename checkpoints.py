@@ -82,8 +82,9 @@ def save(run):
 
             def save_into(directory):  # every rank writes its slices there, and rank 0 all the rest beside them
                 fsdp.save(sharded, directory)
-                if run.master:
-                    torch.save(ckpt, os.path.join(directory, "run.pt"))
+                if run.master:  # through a file object: given a path, torch.save's own stream fails with no errno
+                    with open(os.path.join(directory, "run.pt"), "wb") as f:
+                        torch.save(ckpt, f)
 
             plumbing.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
                                               env.world_size, cfg.keep_checkpoints, run.master)

@@ -111,9 +111,33 @@ def sharded_contents(model, optimizers=None):
     return contents
 
 
+def os_error_in(error):
+    """The first OSError with an errno in error's chain (torch.save's RuntimeError keeps it as its context), or None."""
+    while error is not None and not (isinstance(error, OSError) and error.errno):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def keeping_errno(write):
+    """write, a step of torch.distributed.checkpoint's writer, raising a failed write's OSError itself: it gathers each
+    rank's exception to every rank by pickling it, which keeps an OSError's errno (ENOSPC, EDQUOT, ...) but drops the
+    chain that torch.save's RuntimeError holds it in."""
+    def wrapped(*args, **kwargs):
+        try:
+            return write(*args, **kwargs)
+        except Exception as e:
+            cause = os_error_in(e)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename) from e
+    return wrapped
+
+
 def save(contents, directory):
     """Every rank writes its slices of contents (sharded_contents) into directory; rank 0 ends with the index."""
-    dcp.save(contents, checkpoint_id=directory)
+    writer = dcp.FileSystemWriter(directory)
+    writer.write_data, writer.finish = keeping_errno(writer.write_data), keeping_errno(writer.finish)
+    dcp.save(contents, storage_writer=writer)
 
 
 def load_weights(model, path):

@@ -174,6 +174,11 @@ def no_room(error):
     return None
 
 
+def first_line(error):
+    """The first line of an error's message: torch's can run over many, and errors here are one line."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 def raise_if_no_room(error, path, if_no_room, reason=None):
     """Raises the one-line UsageError of a write to path that ran out of room (reason, if given, or no_room's): the
     reason, path, then if_no_room(), which says what to do. Returns if the error is something else."""
@@ -419,16 +424,27 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
         if not os.path.isdir(temp):
             raise UsageError(f"--log-dir {log_dir}: this node does not see the checkpoint directory {temp} that rank 0 "
                              f"made; put --log-dir on a file system that every node shares")
+    failure = None
     try:
         save(temp)
         if master:  # torch.distributed.checkpoint syncs its own files; the rest of them too, before the rename
             for name in os.listdir(temp):
                 sync_file(os.path.join(temp, name))
-    except BaseException as e:
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is no Exception
+        failure = e
+    failed = None if failure is None else (no_room(failure), f"{type(failure).__name__}: {first_line(failure)}")
+    failed = first_error_of_any_rank(failed)  # on every rank, as of rank 0's part alone: none is left in a collective
+    if failed is not None:
         if master:
             shutil.rmtree(temp, ignore_errors=True)
-        raise_if_no_room(e, path, if_no_room)
-        raise
+        reason, what = failed
+        if reason is None:  # not for lack of room: the rank it happened on shows its traceback
+            if failure is not None:
+                raise failure
+            raise UsageError(f"another rank failed to write its part of {path} ({what})")
+        with failing_together():  # rank 0's line, with the room there is once the partial directory is gone
+            if master:
+                raise UsageError(f"{reason} writing {path}: {if_no_room()}")
     if master:
         replaced = path + ".tmp.old"
         if os.path.exists(path):  # the same step saved again, evaluated since: the new one takes its place
