@@ -119,20 +119,25 @@ def stop_if_diverging(run):
 
 
 def load(path):
-    """A checkpoint of this train_gpt2.py. Raises ValueError if it cannot be read, UsageError if it is of another
-    format."""
-    # weights_only: a checkpoint is data, and loading one can never run code
+    """A checkpoint of this train_gpt2.py, whole. Raises ValueError if it cannot be read, UsageError if it is of
+    another format or a file inside one."""
+    inside = os.path.dirname(path) or os.getcwd()
+    if not os.path.isdir(path) and os.path.isfile(os.path.join(inside, "run.pt")):
+        raise UsageError(f"{path} is a file inside the sharded checkpoint {inside}: pass the directory {inside}")
     try:  # --fsdp's is a directory: all but the sharded tensors are in its run.pt (save)
+        # weights_only: a checkpoint is data, and loading one can never run code
         ckpt = torch.load(os.path.join(path, "run.pt") if os.path.isdir(path) else path, map_location="cpu",
                           weights_only=True, mmap=True)  # mmap: no private copy per rank
     except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
-        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise ValueError(f"{type(e).__name__}: {plumbing.first_line(e)}") from None
     if not isinstance(ckpt, dict) or not ("model" in ckpt or ckpt.get("sharded")) or "model_config" not in ckpt:
         raise ValueError("not a train_gpt2.py checkpoint")
     ckpt.setdefault("sharded", False)  # written before --fsdp was
     if ckpt.get("format") != FORMAT:
         raise UsageError(f"{path} is a checkpoint of format {ckpt.get('format', 1)}, and this train_gpt2.py reads "
                          f"format {FORMAT} only; use the train_gpt2.py that wrote it")
+    if ckpt["sharded"]:
+        fsdp.check_complete(path)
     ckpt["model_config"] = {**BEFORE_MODERN, **ckpt["model_config"]}
     return ckpt
 
