@@ -4,8 +4,10 @@ resume from (the resume policy), restoring a run from it, and the signals that e
 directory's lock, which keeps a second run from moving the first one's checkpoints.
 
 A checkpoint is a file ckpt_<step>.pt, or with --fsdp a directory ckpt_<step>.dcp/ of each rank's slices (fsdp.py)
-and run.pt beside them; plumbing.py writes either whole or not at all. It never imports train_gpt2: the run is
-handed over, and the model is built by the model_of it passes (a checkpoint's model_config -> a new model).
+and run.pt beside them; plumbing.py writes either whole or not at all. A process reading one holds it from choosing it
+until its tensors are loaded (load, release), so that the training beside never prunes it under its reader. It never
+imports train_gpt2: the run is handed over, and the model is built by the model_of it passes (a checkpoint's
+model_config -> a new model).
 """
 
 import contextlib
@@ -84,8 +86,9 @@ def save(run):
 
             def save_into(directory):  # every rank writes its slices there, and rank 0 all the rest beside them
                 fsdp.save(sharded, directory)
-                if run.master:
-                    torch.save(ckpt, os.path.join(directory, "run.pt"))
+                if run.master:  # through a file object: given a path, torch.save's own stream fails with no errno
+                    with open(os.path.join(directory, "run.pt"), "wb") as f:
+                        torch.save(ckpt, f)
 
             plumbing.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
                                               env.world_size, cfg.keep_checkpoints, run.master)
@@ -120,22 +123,50 @@ def stop_if_diverging(run):
 
 
 def load(path):
-    """A checkpoint of this train_gpt2.py. Raises ValueError if it cannot be read, UsageError if it is of another
-    format."""
-    # weights_only: a checkpoint is data, and loading one can never run code
+    """A checkpoint of this train_gpt2.py, whole, and held (plumbing.CheckpointReadLock) until release(ckpt), once its
+    tensors are loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be read
+    (plumbing.CheckpointGone if it is no more), UsageError if it is of another format or a file inside one."""
+    inside = os.path.dirname(path) or os.getcwd()
+    if not os.path.isdir(path) and os.path.isfile(os.path.join(inside, "run.pt")):
+        raise UsageError(f"{path} is a file inside the sharded checkpoint {inside}: pass the directory {inside}")
+    try:
+        held = plumbing.CheckpointReadLock(path)
+    except OSError as e:
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    try:
+        ckpt = read_checkpoint(path)
+    except BaseException:
+        held.release()  # now, not once collected: this very run may move it aside (unread), which waits for readers
+        raise
+    ckpt["held"] = held
+    return ckpt
+
+
+def read_checkpoint(path):
+    """What load returns, but for the lock."""
     try:  # --fsdp's is a directory: all but the sharded tensors are in its run.pt (save)
+        # weights_only: a checkpoint is data, and loading one can never run code
         ckpt = torch.load(os.path.join(path, "run.pt") if os.path.isdir(path) else path, map_location="cpu",
                           weights_only=True, mmap=True)  # mmap: no private copy per rank
     except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
-        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise ValueError(f"{type(e).__name__}: {plumbing.first_line(e)}") from None
     if not isinstance(ckpt, dict) or not ("model" in ckpt or ckpt.get("sharded")) or "model_config" not in ckpt:
         raise ValueError("not a train_gpt2.py checkpoint")
     ckpt.setdefault("sharded", False)  # written before --fsdp was
     if ckpt.get("format") != FORMAT:
         raise UsageError(f"{path} is a checkpoint of format {ckpt.get('format', 1)}, and this train_gpt2.py reads "
                          f"format {FORMAT} only; use the train_gpt2.py that wrote it")
+    if ckpt["sharded"]:
+        fsdp.check_complete(path)
     ckpt["model_config"] = {**BEFORE_MODERN, **ckpt["model_config"]}
     return ckpt
+
+
+def release(ckpt):
+    """Lets the training prune or replace the checkpoint again (load): what is read of it is loaded."""
+    held = ckpt.pop("held", None)
+    if held is not None:
+        held.release()
 
 
 def load_weights(model, ckpt, path):
@@ -156,6 +187,7 @@ def model_from_checkpoint(ckpt, path, model_of):
         raise UsageError(f"{path} has model settings this train_gpt2.py does not know ({e}); use the train_gpt2.py "
                          f"that wrote it") from None
     load_weights(model, ckpt, path)
+    release(ckpt)
     return model
 
 
@@ -170,6 +202,27 @@ def val_loss_in_words(ckpt):
     return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"
 
 
+def choose_checkpoint(cfg):
+    """--resume's checkpoint and its path, or the latest readable one in --log-dir ((None, None): there is none)."""
+    if cfg.resume != "auto":
+        try:
+            return load(cfg.resume), cfg.resume
+        except ValueError as e:
+            raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
+    unreadable = []
+    while True:
+        paths = [path for path in plumbing.checkpoint_paths(cfg.log_dir) if path not in unreadable]
+        if not paths:
+            return None, None
+        try:
+            return load(paths[-1]), paths[-1]
+        except plumbing.CheckpointGone:
+            continue  # the training beside pruned it meanwhile, or saved its step again: look again
+        except ValueError as e:
+            print(f"warning: skipping unreadable checkpoint {paths[-1]} ({e})")
+            unreadable.append(paths[-1])
+
+
 def find_resume_checkpoint(cfg, rank, world_size):
     """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
     unreadable ones, and every rank loads that same one."""
@@ -178,14 +231,7 @@ def find_resume_checkpoint(cfg, rank, world_size):
     ckpt, chosen = None, [None]
     with failing_together():
         if rank == 0:
-            for path in [cfg.resume] if cfg.resume != "auto" else reversed(plumbing.checkpoint_paths(cfg.log_dir)):
-                try:
-                    ckpt, chosen = load(path), [path]
-                    break
-                except ValueError as e:
-                    if cfg.resume != "auto":
-                        raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
-                    print(f"warning: skipping unreadable checkpoint {path} ({e})")
+            ckpt, chosen[0] = choose_checkpoint(cfg)
     if world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
     with failing_together():
@@ -270,6 +316,7 @@ def restore(run, ckpt, path):
     # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
     run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
     if cfg.eval_only:  # its steps stand for the tokens of the batch it was trained with, whatever the flags say
+        release(ckpt)
         cfg.total_batch_size = ckpt["train_config"]["total_batch_size"]
         return
     if run.step > cfg.max_steps:
@@ -278,6 +325,7 @@ def restore(run, ckpt, path):
     check_same_training(ckpt, cfg, run.stream, path)
     run.stream.load_state_dict(ckpt["stream"])
     load_optimizers(run.optimizers, run.model, ckpt, path, cfg.fsdp)
+    release(ckpt)
     if ckpt["scaler"]:  # empty unless the run used fp16
         run.scaler.load_state_dict(ckpt["scaler"])
     rank = run.env.rank

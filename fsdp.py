@@ -6,11 +6,13 @@ to each by DDP (train_gpt2.py's default), for models too large for one GPU. What
 - shard_model: which modules become groups of their own, and in which precision their weights are gathered;
 - ShardedMuon: torch's Muon (the modern recipe's, modern.py) for matrices split over the ranks;
 - sharded checkpoints: each rank's slices of the weights and optimizer state, written and read with
-  torch.distributed.checkpoint by name, on any number of ranks (checkpoints.py writes the rest beside them).
+  torch.distributed.checkpoint by name, on any number of ranks (checkpoints.py writes the rest beside them), and
+  checked whole before they are read.
 
 train_gpt2.py shards the model in one place (wrap_model), before its optimizers are made.
 """
 
+import os
 import warnings
 
 import torch
@@ -116,9 +118,54 @@ def sharded_contents(model, optimizers=None):
     return contents
 
 
+def os_error_in(error):
+    """The first OSError with an errno in error's chain (torch.save's RuntimeError keeps it as its context), or None."""
+    while error is not None and not (isinstance(error, OSError) and error.errno):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def keeping_errno(write):
+    """write, a step of torch.distributed.checkpoint's writer, raising a failed write's OSError itself: it gathers each
+    rank's exception to every rank by pickling it, which keeps an OSError's errno (ENOSPC, EDQUOT, ...) but drops the
+    chain that torch.save's RuntimeError holds it in."""
+    def wrapped(*args, **kwargs):
+        try:
+            return write(*args, **kwargs)
+        except Exception as e:
+            cause = os_error_in(e)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename) from e
+    return wrapped
+
+
 def save(contents, directory):
     """Every rank writes its slices of contents (sharded_contents) into directory; rank 0 ends with the index."""
-    dcp.save(contents, checkpoint_id=directory)
+    writer = dcp.FileSystemWriter(directory)
+    writer.write_data, writer.finish = keeping_errno(writer.write_data), keeping_errno(writer.finish)
+    dcp.save(contents, storage_writer=writer)
+
+
+def check_complete(path):
+    """Raises ValueError unless the sharded checkpoint at path has its index (.metadata) and every file that names,
+    each as long as the byte ranges it lists in it: one damaged or cut short is refused without reading its tensors."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        raise ValueError("its index .metadata is missing") from None
+    except Exception as e:  # pickle's errors, of a file cut short
+        raise ValueError(f"its index .metadata cannot be read ({type(e).__name__}: {e})") from None
+    ends = {}
+    for stored in metadata.storage_data.values():
+        ends[stored.relative_path] = max(ends.get(stored.relative_path, 0), stored.offset + stored.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = os.path.getsize(os.path.join(path, name))
+        except FileNotFoundError:
+            raise ValueError(f"{name}, which its index .metadata names, is missing") from None
+        if size < end:
+            raise ValueError(f"{name} is cut short: {size:,} bytes of {end:,}")
 
 
 def load_weights(model, path):

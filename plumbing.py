@@ -5,7 +5,8 @@ The plumbing of a training run: what train_gpt2.py, hellaswag.py and fineweb.py 
 - one-line errors, agreed on by every rank;
 - shard files: how their names say their split, and their two formats (.npy, and llm.c's .bin);
 - files written whole or not at all, and what to say when the disk, a quota or a file-size limit stops a write;
-- the log directory: its lock, what a fresh start moves aside, checkpoint files and their pruning;
+- the log directory: its lock, what a fresh start moves aside, checkpoint files, their pruning, and the locks that keep
+  a checkpoint being read (--eval-only beside the training) from being deleted under its reader;
 - the run's log: log.jsonl, and Weights & Biases;
 - downloads into a cache that the processes of a node share;
 - the CPU heap setting.
@@ -186,6 +187,11 @@ def no_room(error):
     return None
 
 
+def first_line(error):
+    """The first line of an error's message: torch's can run over many, and errors here are one line."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 def raise_if_no_room(error, path, if_no_room, reason=None):
     """Raises the one-line UsageError of a write to path that ran out of room (reason, if given, or no_room's): the
     reason, path, then if_no_room(), which says what to do. Returns if the error is something else."""
@@ -321,7 +327,8 @@ CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckp
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
 # other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
 PARTIAL = CHECKPOINT + r"\.tmp(\.old)?"  # a checkpoint being written, or one being replaced by its step's new one
-RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, CHECKPOINT + r"\.abandoned", r"wandb"]
+ABANDONED = CHECKPOINT + r"\.abandoned(\.\d+)?"  # a checkpoint newer than the one a run resumed from, moved aside
+RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, ABANDONED, r"wandb"]
 
 
 def checkpoint_step(path):
@@ -341,6 +348,78 @@ def checkpoint_paths(log_dir):
     return sorted(files_in(log_dir, CHECKPOINT), key=checkpoint_step)
 
 
+class CheckpointGone(ValueError):
+    """No checkpoint at the path (any more): the training pruned it, or replaced it, while a reader was choosing it."""
+
+
+def flock(fd, operation):
+    """fcntl.flock, but on a file system that has no such locks (some network ones), nothing: its checkpoints are
+    read unguarded, as they were before these locks. Raises BlockingIOError for a lock another process holds."""
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+
+
+class CheckpointReadLock:
+    """A shared flock on the checkpoint at path (its file, or --fsdp's directory), held from choosing it until its
+    tensors are loaded (release): the training deletes or moves no checkpoint a reader holds (unread). --eval-only,
+    --sample and --export-hf read checkpoints while the training that writes them goes on. flock, not lockf: POSIX
+    record locks are dropped when any descriptor of the file closes, and torch.load opens it again."""
+
+    def __init__(self, path):
+        self.fd = None
+        if fcntl is None:  # Windows: no flock, and no descriptors of directories
+            return
+        try:
+            self.fd = os.open(path, os.O_RDONLY)  # a directory too
+        except FileNotFoundError as e:
+            if os.path.lexists(path):  # a broken symbolic link: unreadable, not gone
+                raise
+            raise CheckpointGone(f"{type(e).__name__}: {e}") from None
+        try:
+            flock(self.fd, fcntl.LOCK_SH)  # waits only while the training deletes or moves it
+            locked, named = os.fstat(self.fd), os.stat(path)
+            if (locked.st_dev, locked.st_ino) != (named.st_dev, named.st_ino):
+                raise FileNotFoundError
+        except FileNotFoundError:
+            self.release()
+            raise CheckpointGone(f"{path} was deleted or replaced as it was opened") from None
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+@contextlib.contextmanager
+def unread(path, wait):
+    """An exclusive flock on path while inside, so that it can be deleted or moved: no reader is loading it
+    (CheckpointReadLock). Yields True; or at once False if a reader holds it and not wait."""
+    if fcntl is None:
+        yield True
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            print(f"waiting for a process that is loading {path} (--eval-only, --sample, --export-hf) to finish")
+            flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)
+
+
 def latest_checkpoint(log_dir, before_step=None):
     """The path of the latest checkpoint in log_dir (of a step before before_step, if given), or None."""
     paths = [p for p in checkpoint_paths(log_dir) if before_step is None or checkpoint_step(p) < before_step]
@@ -358,19 +437,25 @@ def lock_log_dir(log_dir, exclusive):
                           f"write to")
 
 
+def unused_name(path):
+    """path, or if that is taken, the first of path.1, path.2, ... that is not."""
+    n, name = 0, path
+    while os.path.lexists(name):
+        n += 1
+        name = f"{path}.{n}"
+    return name
+
+
 def move_old_run_aside(log_dir):
     """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>."""
     old = files_in(log_dir, "|".join(RUN_FILES))
     if not old:
         return
-    aside = stamped = f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 0
-    while os.path.exists(aside):  # two fresh starts within a second must not collide
-        n += 1
-        aside = f"{stamped}.{n}"
+    aside = unused_name(f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}")  # two starts in a second
     os.mkdir(aside)
     for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
-        os.rename(path, os.path.join(aside, os.path.basename(path)))
+        with unread(path, wait=True):  # not a checkpoint that --eval-only, say, is loading
+            os.rename(path, os.path.join(aside, os.path.basename(path)))
     names = ", ".join(os.path.basename(path) for path in old)
     print(f"starting fresh: moved the old run's files ({names}) from {log_dir} aside to {aside}")
 
@@ -385,8 +470,10 @@ def prepare_log_dir(log_dir, resumed_step):
         remove(stale)
     for path in checkpoint_paths(log_dir):
         if checkpoint_step(path) > resumed_step:
-            os.replace(path, path + ".abandoned")
-            print(f"moved {path} aside to {path}.abandoned: this run continues from step {resumed_step}")
+            aside = unused_name(path + ".abandoned")  # resuming twice from one checkpoint abandons a step twice
+            with unread(path, wait=True):
+                os.rename(path, aside)
+            print(f"moved {path} aside to {aside}: this run continues from step {resumed_step}")
 
 
 def no_room_for_checkpoint(log_dir, size, keep):
@@ -424,20 +511,32 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
         if not os.path.isdir(temp):
             raise UsageError(f"--log-dir {log_dir}: this node does not see the checkpoint directory {temp} that rank 0 "
                              f"made; put --log-dir on a file system that every node shares")
+    failure = None
     try:
         save(temp)
         if master:  # torch.distributed.checkpoint syncs its own files; the rest of them too, before the rename
             for name in os.listdir(temp):
                 sync_file(os.path.join(temp, name))
-    except BaseException as e:
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is no Exception
+        failure = e
+    failed = None if failure is None else (no_room(failure), f"{type(failure).__name__}: {first_line(failure)}")
+    failed = first_error_of_any_rank(failed)  # on every rank, as of rank 0's part alone: none is left in a collective
+    if failed is not None:
         if master:
             shutil.rmtree(temp, ignore_errors=True)
-        raise_if_no_room(e, path, if_no_room)
-        raise
+        reason, what = failed
+        if reason is None:  # not for lack of room: the rank it happened on shows its traceback
+            if failure is not None:
+                raise failure
+            raise UsageError(f"another rank failed to write its part of {path} ({what})")
+        with failing_together():  # rank 0's line, with the room there is once the partial directory is gone
+            if master:
+                raise UsageError(f"{reason} writing {path}: {if_no_room()}")
     if master:
         replaced = path + ".tmp.old"
         if os.path.exists(path):  # the same step saved again, evaluated since: the new one takes its place
-            os.replace(path, replaced)
+            with unread(path, wait=True):
+                os.replace(path, replaced)
         os.replace(temp, path)
         sync_directory(log_dir)
         if os.path.exists(replaced):
@@ -447,9 +546,12 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
 
 
 def prune_checkpoints(log_dir, keep):
-    """Deletes all but the latest keep checkpoints; only once the newest is durably in place (write_checkpoint)."""
+    """Deletes all but the latest keep checkpoints; only once the newest is durably in place (write_checkpoint). One
+    that a reader is loading stays until a later prune: the training never waits for a reader."""
     for old in checkpoint_paths(log_dir)[:-keep]:
-        remove(old)
+        with unread(old, wait=False) as unheld:
+            if unheld:
+                remove(old)
 
 
 # -----------------------------------------------------------------------------

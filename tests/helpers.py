@@ -106,18 +106,18 @@ def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, **env):
                           text=True, timeout=timeout)
 
 
-def run_script_on_tmpfs(args, cwd, mount, options, timeout=240):
-    """The script with a tmpfs of its own mounted at mount (options: "ro", or "size=256k" for a small disk), in a
-    private mount namespace (unshare: as root, or where user namespaces are allowed), so that its writes meet a real
-    read-only or full file system. The files left in the mount are listed on the last line of stdout. Skips where no
-    such namespace can be made."""
+def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1):
+    """The script (under torchrun when nproc > 1) with a tmpfs of its own mounted at mount (options: "ro", or
+    "size=256k" for a small disk), in a private mount namespace (unshare: as root, or where user namespaces are
+    allowed), so that its writes meet a real read-only or full file system. The files left in the mount are listed on
+    the last line of stdout. Skips where no such namespace can be made."""
     os.makedirs(mount, exist_ok=True)
     unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
     mount_it = f"mount -t tmpfs -o {shlex.quote(options)} tmpfs {shlex.quote(str(mount))}"
     probe = subprocess.run(unshare + [mount_it], capture_output=True, text=True) if shutil.which("unshare") else None
     if probe is None or probe.returncode != 0:
         pytest.skip(f"no private tmpfs mount here ({probe.stderr.strip() if probe else 'no unshare command'})")
-    command = " ".join(shlex.quote(part) for part in script_command(args))
+    command = " ".join(shlex.quote(part) for part in script_command(args, nproc))
     listing = f"ls -A {shlex.quote(str(mount))} | tr '\\n' ' '"
     shell = f"{mount_it} && {{ {command}; code=$?; echo; {listing}; exit $code; }}"
     return subprocess.run(unshare + [shell], cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=timeout)

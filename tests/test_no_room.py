@@ -105,3 +105,47 @@ def test_a_sharded_checkpoint_past_the_file_size_limit_stops_the_run_in_one_line
                       f"{log_dir / 'ckpt_000004.dcp'}",
                       f"resumes from {saved}")
     assert sorted(os.listdir(log_dir)) == [".lock", "ckpt_000002.dcp", "log.jsonl"]  # no partial directory
+
+
+def pages(directory, but=()):
+    """The 4 KiB pages that the files of directory (but those named) take on a tmpfs."""
+    return sum(-(-os.path.getsize(directory / name) // 4096) for name in os.listdir(directory) if name not in but)
+
+
+def test_a_full_disk_under_fsdp_stops_the_run_in_one_line(shards, tmp_path, capsys):
+    """A real ENOSPC while torch.distributed.checkpoint writes a rank's slices, on a tmpfs with room for one checkpoint
+    and a half. It gathers each rank's error to every rank by pickling it, which dropped the OSError that torch.save's
+    RuntimeError ("unexpected pos") held: the run ended in a CheckpointException traceback."""
+    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--fsdp"]
+    code, _, err = run_main(args + ["--max-steps", "2", "--log-dir", tmp_path / "sized"], capsys)
+    assert code == 0, err
+    size = 4 * (2 + pages(tmp_path / "sized" / "ckpt_000002.dcp") * 3 // 2)  # the lock, the log, 1.5 checkpoints
+    log_dir = tmp_path / "log"
+    result = run_script_on_tmpfs(args + ["--max-steps", "4", "--log-dir", log_dir], tmp_path, log_dir, f"size={size}k")
+    stdout, listing = result.stdout.rstrip("\n").rsplit("\n", 1)
+    check_usage_error(result.returncode, stdout, result.stderr, f"disk full writing {log_dir / 'ckpt_000004.dcp'}: ",
+                      f"resumes from {log_dir / 'ckpt_000002.dcp'}")
+    assert sorted(listing.split()) == [".lock", "ckpt_000002.dcp", "log.jsonl"]  # the partial directory is gone
+
+
+def test_a_full_disk_under_torchrun_fsdp_stops_every_rank_in_one_line(shards, tmp_path):
+    """Under torchrun, on a tmpfs with room for all of the second checkpoint but its run.pt, which rank 0 writes alone
+    once both ranks wrote their slices: torch.save, given a path, failed in its own stream ("basic_ios::clear: iostream
+    error") with no errno, and the other rank, waiting in a collective, died with gloo's "Connection closed by peer"."""
+    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--fsdp"]
+    sized = run_script(args + ["--max-steps", "2", "--log-dir", tmp_path / "sized"], tmp_path, nproc=2)
+    assert sized.returncode == 0, sized.stderr[-3000:]
+    saved = tmp_path / "sized" / "ckpt_000002.dcp"
+    assert pages(saved) - pages(saved, but=["run.pt"]) >= 2
+    size = 4 * (2 + pages(saved) + pages(saved, but=["run.pt"]) + 1)  # the lock, the log, ckpt 2, and 4 but run.pt
+    log_dir = tmp_path / "log"
+    result = run_script_on_tmpfs(args + ["--max-steps", "4", "--log-dir", log_dir], tmp_path, log_dir, f"size={size}k",
+                                 nproc=2)
+    ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]  # torchrun's own report follows
+    errors = [line for line in ranks_stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and "Traceback" not in ranks_stderr, result.stderr[-3000:]
+    for line in errors:
+        assert f"disk full writing {log_dir / 'ckpt_000004.dcp'}: " in line, line
+        assert f"resumes from {log_dir / 'ckpt_000002.dcp'}" in line, line
+    assert result.returncode != 0  # each rank exits 2, unless torchrun ends it first, once the other has
+    assert sorted(result.stdout.splitlines()[-1].split()) == [".lock", "ckpt_000002.dcp", "log.jsonl"]

@@ -619,3 +619,29 @@ def test_resuming_a_middle_checkpoint_as_the_end_evaluates_it(shards, tmp_path, 
     assert code == 0, err
     assert "done: step 2, val loss" in out
     assert [r["step"] for r in read_log(log_dir) if "val_loss" in r][-1] == 2
+
+
+@pytest.mark.parametrize("fsdp", [[], ["--fsdp"]])
+def test_resuming_twice_from_one_checkpoint_keeps_each_abandoned_one(shards, tmp_path, capsys, fsdp):
+    """The README's way back from divergence (lower --max-lr, --resume an earlier checkpoint), taken twice: under
+    --fsdp the second was refused ("Directory not empty": the first's abandoned directory was in the way), and without
+    it the second abandoned checkpoint replaced the first. Each is kept under a name of its own, which its line names,
+    and a fresh start moves them all aside."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--max-steps", "8", "--checkpoint-every", "4", "--keep-checkpoints", "3",
+                   "--log-dir", log_dir, *fsdp]
+    four, eight = (str(log_dir / f"ckpt_{step:06d}{'.dcp' if fsdp else '.pt'}") for step in (4, 8))
+
+    def max_lr(path):  # which run wrote the checkpoint at path
+        return load_ckpt(os.path.join(path, "run.pt") if fsdp else path)["train_config"]["max_lr"]
+
+    assert run_main(args + ["--max-lr", "6e-4"], capsys)[0] == 0
+    for lr, aside in (("3e-4", f"{eight}.abandoned"), ("1e-4", f"{eight}.abandoned.1")):
+        code, out, err = run_main(args + ["--max-lr", lr, "--resume", four], capsys)
+        assert code == 0, err
+        assert f"moved {eight} aside to {aside}: this run continues from step 4" in out
+    assert [max_lr(path) for path in (f"{eight}.abandoned", f"{eight}.abandoned.1", eight)] == [6e-4, 3e-4, 1e-4]
+    code, out, err = run_main(args + ["--no-resume", "--max-steps", "1", "--checkpoint-every", "0"], capsys)
+    assert code == 0, err
+    assert "ckpt_000008" + (".dcp" if fsdp else ".pt") + ".abandoned.1, " in out  # moved aside with the rest
+    assert not [name for name in os.listdir(log_dir) if "abandoned" in name]
