@@ -20,16 +20,22 @@ import torch.distributed as dist
 
 from plumbing import UsageError
 
-if dist.is_available():  # builds without torch.distributed have none of these
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict as dcp_state  # state dicts named by parameter, sharded or not
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
+# torch.distributed's checkpoint, FSDP and DTensor modules take over a second to import, which every launch of the
+# trainer would pay, each process under torchrun too: only --fsdp and sharded checkpoints need them, so the functions
+# here import them (checkpoint_modules), and builds without torch.distributed never do.
 try:  # torch.optim.Muon's own steps (torch 2.9 and later), so that ShardedMuon's update is exactly Muon's; private
     from torch.optim._muon import _adjust_lr as muon_lr_scale
     from torch.optim._muon import _zeropower_via_newtonschulz as orthogonalize
 except ImportError:  # --fsdp --recipe modern is refused then (check_settings), and nothing else needs them
     muon_lr_scale = orthogonalize = None
+
+
+def checkpoint_modules():
+    """torch.distributed.checkpoint, and its state dicts named by parameter, sharded or not."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dcp_state
+
+    return dcp, dcp_state
 
 
 def check_settings(cfg):
@@ -54,6 +60,8 @@ def shard_model(model, dtype, device_type):
     split over the ranks, each rank holding 1/world of every one. A group's weights are gathered whole just before
     its forward and backward and freed after them, and its gradients are reduce-scattered: each rank receives the
     sum of its own slice. The optimizers then step on slices, so their state is sharded too."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     block_policy = MixedPrecisionPolicy()
     if dtype == "bf16":  # the blocks' weights gathered in bf16 (half the bytes), their gradients summed in float32;
         # inputs not cast, and the embedding and head gathered in float32: the residual stream stays float32, and
@@ -72,7 +80,7 @@ def shard_model(model, dtype, device_type):
 
 
 def is_sharded(model):
-    return dist.is_available() and isinstance(model, FSDPModule)
+    return hasattr(model, "set_requires_gradient_sync")  # FSDP's own, as in train_gpt2.gradient_sync
 
 
 class ShardedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch.optim.Muon is new in torch 2.9
@@ -84,6 +92,8 @@ class ShardedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch
 
     @torch.no_grad()
     def step(self, closure=None):
+        from torch.distributed.tensor import DTensor
+
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -112,6 +122,7 @@ def sharded_contents(model, optimizers=None):
     """FSDP's weights and optimizer state: each rank's own slices, as DTensors named by parameter (not by position),
     which torch.distributed.checkpoint writes and reads on any number of ranks, splitting them anew for that number.
     A model that is not sharded gets its whole tensors, which it loads such a checkpoint into."""
+    _, dcp_state = checkpoint_modules()
     contents = {"model": dcp_state.get_model_state_dict(model)}
     if optimizers is not None:
         contents["optimizers"] = dcp_state.get_optimizer_state_dict(model, optimizers)
@@ -142,6 +153,7 @@ def keeping_errno(write):
 
 def save(contents, directory):
     """Every rank writes its slices of contents (sharded_contents) into directory; rank 0 ends with the index."""
+    dcp, _ = checkpoint_modules()
     writer = dcp.FileSystemWriter(directory)
     writer.write_data, writer.finish = keeping_errno(writer.write_data), keeping_errno(writer.finish)
     dcp.save(contents, storage_writer=writer)
@@ -150,6 +162,7 @@ def save(contents, directory):
 def check_complete(path):
     """Raises ValueError unless the sharded checkpoint at path has its index (.metadata) and every file that names,
     each as long as the byte ranges it lists in it: one damaged or cut short is refused without reading its tensors."""
+    dcp, _ = checkpoint_modules()
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError:
@@ -170,6 +183,7 @@ def check_complete(path):
 
 def load_weights(model, path):
     """A sharded checkpoint's weights into the model, sharded or whole: each rank reads its slices, or all."""
+    dcp, dcp_state = checkpoint_modules()
     contents = sharded_contents(model)
     with warnings.catch_warnings():  # in one process it warns that it assumes one process, as it should
         warnings.simplefilter("ignore", UserWarning)
@@ -179,11 +193,13 @@ def load_weights(model, path):
 
 def load_whole_weights(model, state_dict):
     """A DDP checkpoint's whole tensors into a sharded model's slices."""
+    _, dcp_state = checkpoint_modules()
     dcp_state.set_model_state_dict(model, state_dict, options=dcp_state.StateDictOptions(full_state_dict=True))
 
 
 def load_optimizers(model, optimizers, path):
     """The optimizers' entries alone of a sharded checkpoint (load_weights has read the weights already)."""
+    dcp, dcp_state = checkpoint_modules()
     contents = {"optimizers": sharded_contents(model, optimizers)["optimizers"]}
     dcp.load(contents, checkpoint_id=path)
     dcp_state.set_optimizer_state_dict(model, optimizers, contents["optimizers"])

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp  # noqa: E402
@@ -68,7 +69,7 @@ def main(argv=None):
         sharded = name.startswith("Sharded")
         if sharded:
             for layer in layers:
-                fsdp.fully_shard(layer)
+                fully_shard(layer)
         for layer in layers:  # one backward gives every rank its rows of the gradient, as in training
             layer(torch.randn(4, in_features, device=device)).square().sum().backward()
         optimizer = (fsdp.ShardedMuon if sharded else torch.optim.Muon)(layers.parameters(), lr=0.02,

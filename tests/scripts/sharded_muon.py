@@ -8,6 +8,7 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -26,7 +27,7 @@ env = train_gpt2.set_up_distributed("cpu")  # gloo
 whole, sharded = matrices(), matrices()
 start = [p.detach().clone() for p in whole.parameters()]
 for layer in sharded:
-    fsdp.fully_shard(layer)
+    fully_shard(layer)
 settings = dict(lr=0.05, momentum=0.95, weight_decay=0.1)
 reference = torch.optim.Muon(whole.parameters(), **settings)
 mine = fsdp.ShardedMuon(sharded.parameters(), **settings)
