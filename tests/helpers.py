@@ -93,17 +93,23 @@ def script_env(**extra):
     return env
 
 
-def script_command(args, nproc=1, script=SCRIPT):
+def script_command(args, nproc=1, script=SCRIPT, torchrun=False):
+    """The command that runs the script in nproc processes: with nproc > 1, under torchrun if torchrun, else forked
+    as torchrun would start them by tests/scripts/ranks.py, which imports torch once for all (the tests of torchrun
+    itself ask for it)."""
+    args = [str(script)] + [str(a) for a in args]
     if nproc == 1:
-        return [sys.executable, str(script)] + [str(a) for a in args]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return torchrun + [str(script)] + [str(a) for a in args]
+        return [sys.executable] + args
+    if torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
+    return [sys.executable, os.path.join(REPO, "tests", "scripts", "ranks.py"), str(nproc)] + args
 
 
-def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, **env):
-    """The script (train_gpt2.py unless given) in a subprocess, under torchrun when nproc > 1: the CompletedProcess."""
-    return subprocess.run(script_command(args, nproc, script), cwd=cwd, env=script_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, torchrun=False, **env):
+    """The script (train_gpt2.py unless given) in a subprocess, in nproc processes (script_command): the
+    CompletedProcess."""
+    return subprocess.run(script_command(args, nproc, script, torchrun), cwd=cwd, env=script_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1):
@@ -117,7 +123,7 @@ def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1):
     probe = subprocess.run(unshare + [mount_it], capture_output=True, text=True) if shutil.which("unshare") else None
     if probe is None or probe.returncode != 0:
         pytest.skip(f"no private tmpfs mount here ({probe.stderr.strip() if probe else 'no unshare command'})")
-    command = " ".join(shlex.quote(part) for part in script_command(args, nproc))
+    command = " ".join(shlex.quote(part) for part in script_command(args, nproc))  # its ranks forked: see ranks.py
     listing = f"ls -A {shlex.quote(str(mount))} | tr '\\n' ' '"
     shell = f"{mount_it} && {{ {command}; code=$?; echo; {listing}; exit $code; }}"
     return subprocess.run(unshare + [shell], cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=timeout)

@@ -285,7 +285,7 @@ def test_failed_download_stops_both_ranks_with_one_line(shards, tmp_path, capsys
         s.bind(("127.0.0.1", 0))
         closed_url = f"http://127.0.0.1:{s.getsockname()[1]}"
     result = run_script(eval_only(checkpoint, shards, log_dir, "--cache-dir", tmp_path / "cache"), cwd=tmp_path,
-                        nproc=2, timeout=120, HELLASWAG_URL=closed_url)
+                        nproc=2, timeout=120, torchrun=True, HELLASWAG_URL=closed_url)  # torchrun's report too
     assert result.returncode != 0
     # torchrun's own report of the failure follows the ranks' output; it has a traceback of torchrun's, not ours
     ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]

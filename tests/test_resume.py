@@ -268,8 +268,8 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     run = tmp_path / "run"
     args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
     with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen(script_command(args, nproc=2), cwd=tmp_path, env=script_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(script_command(args, nproc=2, torchrun=True), cwd=tmp_path, env=script_env(),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_step(proc, run, 3)
         workers = worker_pids(proc.pid)
