@@ -64,7 +64,7 @@ COMPILE_MODE_RUNGS = [  # --compile-modes: minutes of autotuning each, so not in
 # last, on top of all the rest: the modern recipe's model and optimizers, what a step of it costs
 MODERN_RUNG = Rung("modern recipe", dict(recipe="modern"), lecture=False)
 
-TINY = dict(n_layer=2, n_head=2, n_embd=64, batch_size=8, lecture_batch_size=4, seq_len=32, warmup_steps=1,
+TINY = dict(n_layer=2, n_head=2, n_embd=32, batch_size=8, lecture_batch_size=4, seq_len=32, warmup_steps=1,
             timed_steps=2)
 DEFAULTS = dict(batch_size=64, lecture_batch_size=16, seq_len=1024, warmup_steps=3, timed_steps=10)
 

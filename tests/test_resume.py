@@ -48,13 +48,26 @@ def assert_optimizers_equal(a, b, exact=True, atol=1e-5):
         assert_tensors_equal(x["state"], y["state"], exact, atol)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A 60-step run with checkpoints every 4 steps, run whole once for the tests that kill it: (its flags, but for
+    --log-dir; its log dir)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    args = TINY + ["--data", write_shards(root / "data"), "--max-steps", "60", "--checkpoint-every", "4",
+                   "--warmup-steps", "2", "--max-lr", "1e-2"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the runs it is compared with have it (conftest's one_thread is not in force yet)
+    try:
+        train_gpt2.main([str(a) for a in args + ["--log-dir", root / "ref"]])
+    finally:
+        torch.set_num_threads(threads)
+    return args, root / "ref"
+
+
 @pytest.mark.parametrize("kill_at", [5, 11])  # soon after the first checkpoint (step 4), and just before the third
-def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys, kill_at):
-    args = TINY + ["--data", shards, "--max-steps", "60", "--checkpoint-every", "4", "--warmup-steps", "2",
-                   "--max-lr", "1e-2"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    code, _, err = run_main(args + ["--log-dir", ref], capsys)  # the uninterrupted run
-    assert code == 0, err
+def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path, capsys, kill_at):
+    args, ref = uninterrupted
+    run = tmp_path / "run"
 
     # stdout is a one-page pipe nobody reads: the run blocks in print() after ~40 steps, so it cannot reach its end
     # before the SIGKILL lands, however late this process gets to send it
@@ -74,15 +87,15 @@ def test_sigkill_then_resume_is_bitwise_identical(shards, tmp_path, capsys, kill
     assert kill_at <= last < 59, (kill_at, last)
     assert not os.path.exists(checkpoint_path(run, 60))
 
-    resumed = run_script(args + ["--log-dir", run], cwd=tmp_path)  # the very same command
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    code, out, err = run_main(args + ["--log-dir", run], capsys)  # the very same command
+    assert code == 0, err
     full_log = open(run / "log.jsonl").read()
     assert full_log.startswith(killed_log)  # appended, never truncated
     events = [r for r in read_log(run) if r.get("event") == "resume"]
     assert len(events) == 1
     start = events[0]["step"]
     assert start % 4 == 0 and 4 <= start <= last + 1, (start, last)
-    assert f"resuming from the checkpoint of step {start}" in resumed.stdout
+    assert f"resuming from the checkpoint of step {start}" in out
     after = [r for r in read_log(run)[len(killed_log.splitlines()):] if "train_loss" in r]
     assert [r["step"] for r in after] == list(range(start, 60))
     reference = train_records(read_log(ref))
