@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plumbing import BadFile, UsageError, default_cache_dir, download_once_per_node
+from plumbing import BadFile, UsageError, default_cache_dir, download_once_per_node, gpt2_tokenizer
 
 # the validation split is the one everybody reports (the test split has no labels)
 HELLASWAG_FILE = "hellaswag_val.jsonl"
@@ -87,6 +87,13 @@ def load_examples(path=None, cache_dir=None):
                            lambda p: parse_examples(p, HELLASWAG_VAL_EXAMPLES), "HellaSwag file",
                            f"pass --hellaswag-file PATH (a local copy of {HELLASWAG_FILE})")
     return read_examples(cached_path, HELLASWAG_VAL_EXAMPLES, "delete it to download it again")
+
+
+def load(path, cache_dir, block_size):
+    """The validation examples, from path or downloaded into cache_dir (load_examples; "" for either: the default),
+    tokenized once (prepare)."""
+    return prepare(load_examples(path or None, cache_dir or None), gpt2_tokenizer(), block_size)
+
 
 # -----------------------------------------------------------------------------
 # tokenize once, into fixed-shape tensors

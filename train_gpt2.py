@@ -96,7 +96,8 @@ class TrainConfig:
     muon_lr: float = setting(0.02, "--recipe modern: Muon's learning rate, for the blocks' matrices")
     embed_lr: float = setting(0.2, "--recipe modern: Adam's learning rate for the token embedding")
     head_lr: float = setting(0.004, "--recipe modern: Adam's learning rate for the output layer")
-    cooldown_frac: float = setting(0.4, "--recipe modern: the last part of the run, where the rate falls linearly")
+    cooldown_frac: float = setting(0.4, "--recipe modern: the last fraction of the run, over which the learning rate "
+                                        "falls linearly to --min-lr-ratio of its peak")
     logit_softcap: float = setting(15.0, "--recipe modern: logits are squashed smoothly into (-cap, cap)")
     grad_clip: float = setting(1.0, "clip the global gradient norm to this")
     seed: int = setting(1337, "seeds the weights, the shard order and the samples")
@@ -298,9 +299,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name, config=None, cache_dir=None):
-        """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl) from the Hugging Face hub, downloaded once
-        into the cache; or, if name is a directory, the GPT-2 in it (model.safetensors and config.json, as
-        --export-hf writes them). A config, if given, must have that model's shapes."""
+        """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl), downloaded once into the cache; or, if name
+        is a directory, the GPT-2 --export-hf wrote there. A config, if given, must have that model's shapes."""
         if os.path.isdir(name):
             path, config = os.path.join(name, "model.safetensors"), config or GPTConfig(**hf_export.read_shape(name))
             fix = "export it again"
@@ -582,9 +582,8 @@ def compile_model(model, cfg):
 
 
 def wrap_model(model, cfg, env):
-    """What trains and evaluates: the model compiled and, under torchrun, in DDP, which all-reduces the gradients
-    (its constructor gives every rank rank 0's weights); or with --fsdp, sharded in place first (fsdp.py), so the
-    optimizers must be made after this."""
+    """What trains and evaluates: the model compiled and, under torchrun, in DDP, which all-reduces the gradients; or
+    with --fsdp, sharded in place first (fsdp.py), so that the optimizers must be made after this."""
     if cfg.fsdp:
         return compile_model(fsdp.shard_model(model, cfg.dtype, env.device_type), cfg)
     compiled = compile_model(model, cfg)
@@ -596,8 +595,7 @@ def wrap_model(model, cfg, env):
 
 
 def gradient_sync(model, on):
-    """A context in which backward reduces the gradients over the ranks (on), or only adds them up on each rank:
-    DDP and FSDP reduce once per optimizer step, after the last micro-batch."""
+    """Whether backward reduces the gradients over the ranks (on) or only adds them up: once per step, at its end."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
         model.set_requires_gradient_sync(on)
     elif not on and isinstance(model, nn.parallel.DistributedDataParallel):
@@ -656,9 +654,8 @@ def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
 
 @torch.no_grad()
 def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
-    """Mean loss per token over the fixed validation set; rank r takes every world_size-th batch of B sequences.
-    Every rank runs as many batches, the last ones empty where the set runs out: under FSDP each forward pass gathers
-    weights from all ranks, so each needs all of them."""
+    """Mean loss per token over the fixed validation set; rank r takes every world_size-th batch of B sequences. Every
+    rank runs as many batches, the last ones empty: under FSDP each forward pass gathers weights from all ranks."""
     n_seq = (len(val) - 1) // T
     totals = torch.zeros(2, device=device)  # loss sum, token count
     for first in range(rank * B, math.ceil(n_seq / (world_size * B)) * world_size * B, world_size * B):
@@ -677,7 +674,7 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
 
 
 # Control characters a model samples (escape, carriage return, bell, backspace) would garble the terminal: each is
-# shown as its Unicode symbol (␛, ␍, ␇, ␈) instead. Line breaks and tabs stay as they are.
+# shown as its Unicode symbol (␛, ␍, ␇, ␈) instead; line breaks and tabs stay
 CONTROL_SYMBOLS = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
 
 
@@ -790,19 +787,15 @@ def resolve_config(cfg, given, env):
 
 
 def set_up(cfg, given, env):
-    """The run: the data, the model (random, OpenAI's, or its checkpoint's) on its device, compiled and wrapped, and
-    the optimizers, all restored from the run's checkpoint if it has one. None if that checkpoint is the end of the
-    run, evaluated: then there is nothing left to do."""
+    """The run: the data, the model (random, OpenAI's, or its checkpoint's), compiled and wrapped, the optimizers, all
+    restored from the run's checkpoint if it has one; None if that checkpoint is the run's end, evaluated."""
     ckpt, ckpt_path = checkpoints.find_resume_checkpoint(cfg, env.rank, env.world_size)
     if cfg.eval_only and ckpt is not None:  # the model as it was trained, whatever the flags' recipe
         settings.take_model_settings(cfg, given, ckpt["model_config"], ckpt_path)
         settings.check_recipe(cfg, given, RECIPES)
     set_up_device(cfg, env)
     stream, val = load_data(cfg)
-    hellaswag_data = None
-    if cfg.hellaswag_every > 0:
-        examples = hellaswag.load_examples(cfg.hellaswag_file or None, cfg.cache_dir or None)
-        hellaswag_data = hellaswag.prepare(examples, plumbing.gpt2_tokenizer(), cfg.block_size)
+    hellaswag_data = hellaswag.load(cfg.hellaswag_file, cfg.cache_dir, cfg.block_size) if cfg.hellaswag_every else None
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
     compiled = wrap_model(model, cfg, env)
     run = Run(cfg, env, stream, val, hellaswag_data, model, compiled,
