@@ -43,7 +43,16 @@ import requests
 import tiktoken
 from tqdm import tqdm
 
-from plumbing import EOT, SPLIT_WORD, UsageError, directory_lock, gpt2_tokenizer, no_room, write_atomically
+from plumbing import (
+    EOT,
+    SHARD_SUFFIXES,
+    SPLIT_WORD,
+    UsageError,
+    directory_lock,
+    gpt2_tokenizer,
+    no_room,
+    write_atomically,
+)
 
 JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
 DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks
@@ -427,7 +436,7 @@ def open_manifest(args, config, stop):
     for name in os.listdir(args.output):
         if ours and ours.fullmatch(name):
             os.remove(os.path.join(args.output, name))  # made again below
-        elif name.endswith((".npy", ".bin")) and SPLIT_WORD.search(name):
+        elif name.endswith(SHARD_SUFFIXES) and SPLIT_WORD.search(name):
             raise UsageError(f"{args.output} holds shards without a manifest.json (made by another tool?); "
                              "choose another --output or move them away")
     manifest = {

@@ -110,6 +110,7 @@ def failing_together():
 # Shard files: how the trainer finds and opens what fineweb.py writes
 
 BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
+SHARD_SUFFIXES = (".npy", ".bin")  # the formats open_shard reads: a new one is a suffix here and a branch there
 
 
 def files_in(directory, pattern):
@@ -146,7 +147,8 @@ def shard_paths(directory):
     """The train and val shards of a directory, by the split word in their names."""
     splits = {"train": [], "val": []}
     try:
-        paths = files_in(directory, r"[^.].*\.(npy|bin)")  # not hidden files, such as macOS's ._x_train.npy
+        suffixes = "|".join(re.escape(suffix) for suffix in SHARD_SUFFIXES)
+        paths = files_in(directory, rf"[^.].*({suffixes})")  # not hidden files, such as macOS's ._x_train.npy
     except OSError as e:
         raise UsageError(f"--data {directory}: cannot list it ({e.strerror})")
     for path in paths:

@@ -431,7 +431,7 @@ def load_data(cfg):
     if os.path.isdir(cfg.data):
         names, val_paths = plumbing.shard_paths(cfg.data)
         train_shards, val_shards = [plumbing.open_shard(p) for p in names], [plumbing.open_shard(p) for p in val_paths]
-    elif cfg.data.endswith((".npy", ".bin")):
+    elif cfg.data.endswith(plumbing.SHARD_SUFFIXES):
         raise UsageError(f"--data {cfg.data} is a single shard; pass the directory that holds the train and val shards")
     else:
         text_train, text_val = read_text(cfg.data)
