@@ -131,13 +131,15 @@ def apply_presets(cfg, given, chosen, model_sizes):
     return changes
 
 
-def say_changes(changes, width=120):
-    """The lines that name each setting a preset changed from the file's value, a setting never split over two."""
+def say_changes(changes, model, sizes, width=120):
+    """The lines that name each setting a preset changed from the file's value, a setting never split over two.
+    sizes: those of --model (its name), which a file's 0 stands for."""
     lines = []
     for name in dict.fromkeys(change[0] for change in changes):
         lines.append(f"preset {name} sets, over the file's values:")
         for preset, key, before, value in changes:
-            item = f"{flag(key)} {shown(value)} (file: {shown(before)})"
+            implied = f", meaning --model {model}'s {sizes[key]}" if key in sizes and before == 0 else ""
+            item = f"{flag(key)} {shown(value)} (file: {shown(before)}{implied})"
             if preset != name:
                 continue
             if len(lines[-1]) + len(item) + 2 > width:
@@ -280,7 +282,7 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
         if getattr(cfg, key) == 0:
             setattr(cfg, key, value)
     if master:
-        for line in say_changes(changes):
+        for line in say_changes(changes, cfg.model, model_sizes[cfg.model]):
             print(line)
     if cfg.compile is None:
         cfg.compile = env.device_type == "cuda"

@@ -61,6 +61,14 @@ def test_the_shakespeare_preset_names_each_edit_it_replaces(edited, tmp_path, ca
     assert "--n-layer 8" not in out and "--max-steps 900" not in out and "--n-embd 128 (file: 64)" in out
 
 
+def test_a_file_value_of_0_is_named_with_the_size_it_stands_for(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the file as it ships: --n-layer 0, taken from --model gpt2
+    _, out = resolve(train_gpt2, [], capsys)
+    assert "--n-layer 8 (file: 0, meaning --model gpt2's 12)" in out
+    assert "--n-embd 128 (file: 0, meaning --model gpt2's 768)" in out
+    assert "--block-size 256 (file: 1024)" in out
+
+
 def test_the_modern_recipes_presets_name_each_edit_they_replace(edited, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg, out = resolve(edited, ["--recipe", "modern", "--data", str(tmp_path)], capsys)  # FineWeb: fewer steps
