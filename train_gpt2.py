@@ -46,6 +46,10 @@ from plumbing import EOT, GPT2_VOCAB, UsageError
 if dist.is_available():  # builds without torch.distributed have none
     import torch.distributed.nn  # noqa: F401
 
+# what benchmarks/ may use of this file (tests/test_structure.py checks it): every other name may change freely
+__all__ = ["TrainConfig", "parse_args", "resolve_config", "MODEL_SIZES", "PADDED_VOCAB", "GPTConfig", "GPT", "model_of",
+           "make_model", "make_optimizers", "set_lr", "set_up_distributed", "tear_down_distributed", "set_up_device",
+           "autocast_context", "compile_model", "train_step", "evaluate_val"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
 
