@@ -451,140 +451,196 @@ def open_manifest(args, config, stop):
     save_manifest(args, manifest)
     return manifest
 
+class ShardWriter:
+    """The token stream cut into shards, and the manifest's record of where it stands: a resumed run goes on from
+    there and writes the same bytes."""
+
+    def __init__(self, args, manifest):
+        self.args, self.manifest = args, manifest
+        self.state, self.shards = manifest["next"], manifest["shards"]
+        self.shard = np.empty(args.shard_size, dtype=np.uint16)
+        self.fill = 0
+        if self.state["carry"]:
+            carry = np.load(os.path.join(args.output, self.state["carry"]))
+            self.shard[:len(carry)] = carry
+            self.fill = len(carry)
+        self.tokens = self.tokens_at_start = self.state["tokens"]
+        self.documents = self.state["documents"]
+
+    def checkpoint(self, file, unit, skip):
+        """Record where the stream goes on, as the manifest's "next" says, with the partial shard as the carry: the
+        manifest names a new carry only once it is whole, and the old one goes only once no manifest names it."""
+        state, carry = self.state, self.shard[:self.fill]
+        old_carry = state["carry"]
+        state.update(file=file, unit=unit, skip=skip, carry=None, tokens=self.tokens, documents=self.documents)
+        if len(carry):
+            state["carry"] = f".carry_{file:06d}.npy"
+            write_whole(os.path.join(self.args.output, state["carry"]), lambda f: np.save(f, carry))
+        save_manifest(self.args, self.manifest)
+        if old_carry and old_carry != state["carry"]:
+            os.remove(os.path.join(self.args.output, old_carry))
+
+    def write_shard(self):
+        name, tokens = shard_name(self.args.prefix, len(self.shards)), self.shard[:self.fill]
+        write_whole(os.path.join(self.args.output, name), lambda f: np.save(f, tokens))
+        self.shards.append({"name": name, "tokens": len(tokens)})
+        self.fill = 0
+
+    def append(self, unit_tokens, consumed, file, unit, bar):
+        """Add a unit's tokens from `consumed` on, up to --max-tokens; each full shard is written and recorded."""
+        args = self.args
+        while consumed < len(unit_tokens) and self.tokens != args.max_tokens:
+            take = min(args.shard_size - self.fill, len(unit_tokens) - consumed)
+            if args.max_tokens is not None:
+                take = min(take, args.max_tokens - self.tokens)
+            self.shard[self.fill:self.fill + take] = unit_tokens[consumed:consumed + take]
+            self.documents += int(np.count_nonzero(self.shard[self.fill:self.fill + take] == EOT))
+            self.fill, consumed, self.tokens = self.fill + take, consumed + take, self.tokens + take
+            bar.update(take)
+            if self.fill == args.shard_size:
+                self.write_shard()
+                self.checkpoint(file, unit, consumed)
+
 # -----------------------------------------------------------------------------
 
-def prepare(args):
+def check_tiktoken():
     version = getattr(tiktoken, "__version__", "0.0")
     if tuple(int(part) for part in version.split(".")[:2]) < (0, 11):
         # before 0.11, encode_to_numpy turned "<|endoftext|>" in a text into the special token
         raise UsageError(f"tiktoken {version} is too old; pip install 'tiktoken>=0.11'")
-    hub = not args.input
-    downloads_dir = os.path.join(args.output, "downloads")
+
+def shard_config(args):
+    """The flags that shape the shards, which a resumed run must repeat."""
     # --input first: between a hub directory and a local one, that is the flag to name
     config = {"--input": [os.path.abspath(p) for p in args.input] if args.input else None}
-    if hub:
+    if not args.input:
         config.update({"--dataset": args.dataset, "--subset": args.subset})
     config.update({"--text-field": args.text_field, "--shard-size": args.shard_size,
                    "--prefix": args.prefix, "--max-tokens": args.max_tokens})
-    stop = threading.Event()
-    manifest = open_manifest(args, config, stop)
-    sources, shards, state = manifest["sources"], manifest["shards"], manifest["next"]
-    if manifest["done"]:
-        print(f"{args.output} is already complete: {state['documents']:,} documents, {state['tokens']:,} tokens "
-              f"in {len(shards)} shards; nothing to do")
-        return
+    return config
 
-    delete_downloads = hub and not args.keep_downloads
+def deletes_downloads(args):
+    return not args.input and not args.keep_downloads
+
+def remove_leftovers(args, manifest):
     # leftovers of a killed run (the lock says none is running): temp files, a superseded carry
+    state = manifest["next"]
     for name in os.listdir(args.output):
         if name.startswith(TEMP_PREFIX) or (name.startswith(".carry_") and name != state["carry"]):
             os.remove(os.path.join(args.output, name))
-    if delete_downloads:
-        for source in sources[:state["file"]]:
-            finished = os.path.join(downloads_dir, os.path.basename(source["path"]))
+    if deletes_downloads(args):
+        for source in manifest["sources"][:state["file"]]:
+            finished = os.path.join(args.output, "downloads", os.path.basename(source["path"]))
             if os.path.exists(finished):
                 os.remove(finished)
-    shard = np.empty(args.shard_size, dtype=np.uint16)
-    fill = 0
-    if state["carry"]:
-        carry = np.load(os.path.join(args.output, state["carry"]))
-        shard[:len(carry)] = carry
-        fill = len(carry)
-    tokens = tokens_at_start = state["tokens"]
-    documents = state["documents"]
-    start_file, start_unit, start_skip = state["file"], state["unit"], state["skip"]
+
+def units_in_order(args, sources, start_file, start_unit, downloads, pending):
+    """(file, unit, fraction of the file, job) for each unit, then (file, None, 0, path) at the end of the file;
+    None while a hub file is still downloading and units are in flight."""
+    for i in range(start_file, len(sources)):
+        first_unit = start_unit if i == start_file else 0
+        if downloads:
+            # the units in flight are finished before waiting for a download: the end of the previous file
+            # deletes its parquet and asks for the next download
+            while pending and not downloads.ready(i):
+                yield None
+            path = downloads.path(i)
+        else:
+            path = sources[i]["path"]
+        for unit, job, fraction in file_units(path, first_unit, args.text_field):
+            yield i, unit, fraction, job
+        yield i, None, 0, path  # end of file i
+
+def submit_units(units, pending, pool, window):
+    """Fill the window of units in flight; returns the error of a failed download, to raise once they are done."""
+    while len(pending) < window:
+        try:
+            item = next(units, None)
+        except (UsageError, OSError) as e:
+            return e  # a download failed: finish the units in flight first, so they are kept
+        if item is None:  # no more inputs, or the next one is still downloading
+            return None
+        i, unit, fraction, job = item
+        pending.append((i, unit, fraction, job if unit is None else pool.submit(tokenize_unit, job)))
+    return None
+
+def tokenize(args, writer, pool, downloads, bar):
+    sources = writer.manifest["sources"]
+    start_file, start_unit, start_skip = writer.state["file"], writer.state["unit"], writer.state["skip"]
+    total_bytes = sum(s["size"] for s in sources[start_file:])
+    bytes_read = tokens_read = 0
+    pending = deque()
+    units, failure = units_in_order(args, sources, start_file, start_unit, downloads, pending), None
+    while True:
+        # units are tokenized in parallel, in a bounded window, and consumed in order
+        if failure is None:
+            failure = submit_units(units, pending, pool, 2 * args.workers)
+        if not pending:
+            break
+        i, unit, fraction, result = pending.popleft()
+        if unit is None:  # a source file is finished
+            if deletes_downloads(args):
+                writer.checkpoint(i + 1, 0, 0)  # its tokens are safe, the file can go
+                os.remove(result)
+            if downloads:
+                downloads.ask(i + 2)  # only now: at most two parquet files on disk
+            continue
+        unit_tokens = result.result()
+        skip = start_skip if (i, unit) == (start_file, start_unit) else 0
+        bytes_read += fraction * sources[i]["size"]
+        tokens_read += len(unit_tokens) - skip
+        writer.append(unit_tokens, skip, i, unit, bar)
+        if writer.tokens == args.max_tokens:
+            break
+        estimate = writer.tokens + tokens_read / max(bytes_read, 1) * (total_bytes - bytes_read)
+        bar.total = int(min(estimate, args.max_tokens or estimate))
+    if failure is not None:
+        raise failure
+
+def finish(args, writer, start):
+    if writer.tokens == writer.documents:
+        raise UsageError("no text found in the inputs (no documents, or only empty ones); check them and --text-field")
+    if writer.fill:
+        writer.write_shard()
+    writer.manifest["done"] = True
+    writer.checkpoint(len(writer.manifest["sources"]), 0, 0)
+    if deletes_downloads(args):  # what --max-tokens left unread
+        shutil.rmtree(os.path.join(args.output, "downloads"))
+    elapsed = time.perf_counter() - start
+    tokens, shards = writer.tokens, writer.shards
+    print(f"done: {writer.documents:,} documents, {tokens:,} tokens in {len(shards)} shards "
+          f"(1 val + {len(shards) - 1} train) in {args.output}; {elapsed:.1f} s, "
+          f"{(tokens - writer.tokens_at_start) / elapsed:,.0f} tokens/s")
+    if len(shards) == 1:
+        print(f"warning: only a validation shard was written; lower --shard-size (now {args.shard_size:,}) "
+              "to get train shards")
+
+def prepare(args):
+    check_tiktoken()
+    stop = threading.Event()
+    manifest = open_manifest(args, shard_config(args), stop)
+    sources, state = manifest["sources"], manifest["next"]
+    if manifest["done"]:
+        print(f"{args.output} is already complete: {state['documents']:,} documents, {state['tokens']:,} tokens "
+              f"in {len(manifest['shards'])} shards; nothing to do")
+        return
+    remove_leftovers(args, manifest)
+    writer = ShardWriter(args, manifest)
+    hub, tokens = not args.input, writer.tokens
     print(f"{'resuming' if tokens else 'preparing'} {len(sources)} {'hub' if hub else 'local'} files "
           f"({sum(s['size'] for s in sources) / 1e9:.2f} GB) -> {args.output}, {args.shard_size:,} tokens per shard, "
           f"{args.workers} workers" + (f", {tokens:,} tokens already done" if tokens else ""))
-
-    def checkpoint(file, unit, skip, carry):
-        old_carry = state["carry"]
-        state.update(file=file, unit=unit, skip=skip, carry=None, tokens=tokens, documents=documents)
-        if len(carry):
-            state["carry"] = f".carry_{file:06d}.npy"
-            write_whole(os.path.join(args.output, state["carry"]), lambda f: np.save(f, carry))
-        save_manifest(args, manifest)
-        if old_carry and old_carry != state["carry"]:
-            os.remove(os.path.join(args.output, old_carry))
-
-    def write_shard(tokens_in_shard):
-        name = shard_name(args.prefix, len(shards))
-        write_whole(os.path.join(args.output, name), lambda f: np.save(f, tokens_in_shard))
-        shards.append({"name": name, "tokens": len(tokens_in_shard)})
-
     pool = start_workers(args.workers)
+    downloads = None
     if hub:
         downloads = Downloads(sources, args, stop)
-        downloads.ask(start_file)
-        downloads.ask(start_file + 1)  # the next file downloads while this one is tokenized
-
-    def jobs():
-        for i in range(start_file, len(sources)):
-            first_unit = start_unit if i == start_file else 0
-            if hub:
-                # the units in flight are finished before waiting for a download: the end of the previous file
-                # deletes its parquet and asks for the next download
-                while pending and not downloads.ready(i):
-                    yield None
-                path = downloads.path(i)
-            else:
-                path = sources[i]["path"]
-            for unit, job, fraction in file_units(path, first_unit, args.text_field):
-                yield i, unit, fraction, job
-            yield i, None, 0, path  # end of file i
-
-    total_bytes = sum(s["size"] for s in sources[start_file:])
-    bytes_read = tokens_read = 0
+        downloads.ask(state["file"])
+        downloads.ask(state["file"] + 1)  # the next file downloads while this one is tokenized
     start = time.perf_counter()
     bar = tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, mininterval=1,
                desc="tokenizing", dynamic_ncols=True)
     try:
-        pending, job_stream, failure = deque(), jobs(), None
-        while True:
-            # units are tokenized in parallel, in a bounded window, and consumed in order
-            while failure is None and len(pending) < 2 * args.workers:
-                try:
-                    item = next(job_stream, None)
-                except (UsageError, OSError) as e:
-                    failure = e  # a download failed: finish the units in flight first, so they are kept
-                    break
-                if item is None:  # no more inputs, or the next one is still downloading
-                    break
-                i, unit, fraction, job = item
-                pending.append((i, unit, fraction, job if unit is None else pool.submit(tokenize_unit, job)))
-            if not pending:
-                break
-            i, unit, fraction, result = pending.popleft()
-            if unit is None:  # a source file is finished
-                if delete_downloads:
-                    checkpoint(i + 1, 0, 0, shard[:fill])  # its tokens are safe, the file can go
-                    os.remove(result)
-                if hub:
-                    downloads.ask(i + 2)  # only now: at most two parquet files on disk
-                continue
-            unit_tokens = result.result()
-            skip = start_skip if (i, unit) == (start_file, start_unit) else 0
-            consumed = skip
-            bytes_read += fraction * sources[i]["size"]
-            tokens_read += len(unit_tokens) - skip
-            while consumed < len(unit_tokens) and tokens != args.max_tokens:
-                take = min(args.shard_size - fill, len(unit_tokens) - consumed)
-                if args.max_tokens is not None:
-                    take = min(take, args.max_tokens - tokens)
-                shard[fill:fill + take] = unit_tokens[consumed:consumed + take]
-                documents += int(np.count_nonzero(shard[fill:fill + take] == EOT))
-                fill, consumed, tokens = fill + take, consumed + take, tokens + take
-                bar.update(take)
-                if fill == args.shard_size:
-                    write_shard(shard)
-                    fill = 0
-                    checkpoint(i, unit, consumed, shard[:0])
-            if tokens == args.max_tokens:
-                break
-            estimate = tokens + tokens_read / max(bytes_read, 1) * (total_bytes - bytes_read)
-            bar.total = int(min(estimate, args.max_tokens or estimate))
-        if failure is not None:
-            raise failure
+        tokenize(args, writer, pool, downloads, bar)
     except BrokenProcessPool:
         raise UsageError("a tokenizer worker died (killed, most likely for lack of memory); run the same command "
                          "again to resume, with fewer --workers if memory is short") from None
@@ -592,25 +648,9 @@ def prepare(args):
         stop.set()  # ends the download in flight, unless it is stalled
         bar.close()
         stop_workers(pool)
-    if hub:
+    if downloads:
         downloads.close()
-
-    if tokens == documents:
-        raise UsageError("no text found in the inputs (no documents, or only empty ones); check them and --text-field")
-    if fill:
-        write_shard(shard[:fill])
-    state.update(tokens=tokens, documents=documents)
-    manifest["done"] = True
-    checkpoint(len(sources), 0, 0, shard[:0])
-    if delete_downloads:  # what --max-tokens left unread
-        shutil.rmtree(downloads_dir)
-    elapsed = time.perf_counter() - start
-    print(f"done: {documents:,} documents, {tokens:,} tokens in {len(shards)} shards "
-          f"(1 val + {len(shards) - 1} train) in {args.output}; {elapsed:.1f} s, "
-          f"{(tokens - tokens_at_start) / elapsed:,.0f} tokens/s")
-    if len(shards) == 1:
-        print(f"warning: only a validation shard was written; lower --shard-size (now {args.shard_size:,}) "
-              "to get train shards")
+    finish(args, writer, start)
 
 # -----------------------------------------------------------------------------
 
