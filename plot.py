@@ -354,6 +354,11 @@ def chosen_x_axes(x, runs):
     return x_axes
 
 
+def default_out(log_dirs):
+    """Where the picture goes without --out: beside the run's log, or for several runs, compare.png here."""
+    return os.path.join(log_dirs[0], "curves.png") if len(log_dirs) == 1 else "compare.png"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Plot the loss and HellaSwag curves of train_gpt2.py runs.")
     parser.add_argument("log_dirs", nargs="*", default=["log"], metavar="LOG_DIR",
@@ -370,7 +375,7 @@ def main(argv=None):
     try:
         runs = read_runs(args.log_dirs, args.recipe)
         x_axes = chosen_x_axes(args.x, runs)
-        out_path = args.out or (os.path.join(args.log_dirs[0], "curves.png") if len(runs) == 1 else "compare.png")
+        out_path = args.out or default_out(args.log_dirs)
         out_dir = os.path.dirname(out_path) or "."
         fig = plot_runs(runs, x_axes)
         # whoever is looking at the picture never sees half of it, nor a temp file left over
