@@ -13,7 +13,6 @@ model_config -> a new model).
 import contextlib
 import os
 import signal
-import time
 from dataclasses import asdict
 
 import torch
@@ -66,7 +65,7 @@ def contents(run, rng_per_rank):
         "step": run.step, "evaluated": run.evaluated, "val_loss": run.val_loss, "val_step": run.val_step,
         "stream": run.stream.state_dict(), "rng": rng_per_rank,
         "train_config": asdict(run.cfg), "wandb_id": run.log.wandb_id,
-        "trained_seconds": run.trained_seconds + time.perf_counter() - run.launch_start,  # of all its launches
+        "trained_seconds": run.seconds_trained(),  # of all its launches
     }
 
 

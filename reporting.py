@@ -43,7 +43,7 @@ def log_step(run, result, lr, dt):
     now = time.perf_counter()
     record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size,
               "train_loss": result.loss if result.finite else None, "lr": lr, "grad_norm": result.grad_norm,
-              "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec, "elapsed_s": run.trained_seconds + now - run.launch_start}
+              "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec, "elapsed_s": run.seconds_trained()}
     line = (f"step {step:5d}/{cfg.max_steps} | loss {result.loss:.6f} | lr {lr:.4e} | norm {result.grad_norm:.4f} | "
             f"{dt * 1000:.1f} ms | {tok_per_sec:,.0f} tok/s")
     mfu = model_flops_utilization(run.model, cfg.seq_len, tok_per_sec, env)
@@ -114,13 +114,12 @@ def start(run, accumulation_steps):
           f"{cfg.batch_size} x {cfg.seq_len} x {accumulation_steps} accumulation steps x {env.world_size} process(es)")
 
 
-
 @contextlib.contextmanager
 def wandb(run):
-    """Logs the launch's start record (start_record), then, with --wandb-project, rank 0 logs log.jsonl's records to
-    a W&B run as well, while inside; then ends it,
-    failed if an error is on its way out. A resumed run continues the W&B run of its checkpoint; --eval-only gets one
-    of its own (restore leaves it no id), as the training's may still be going on."""
+    """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well while inside, from the launch's
+    first (start_record, logged here: W&B gets it too), then ends it, failed if an error is on its way out. A resumed
+    run continues the W&B run of its checkpoint; --eval-only gets one of its own (restore leaves it no id), as the
+    training's may still be going on."""
     cfg = run.cfg
     try:
         if cfg.wandb_project:
@@ -149,7 +148,6 @@ def finish(run, stopped_by_signal):
     cfg = run.cfg
     if not run.master:
         return
-    launch = time.perf_counter() - run.launch_start
     last = plumbing.latest_checkpoint(cfg.log_dir)
     if run.nonfinite_since is not None:
         print(f"{'stopped by signal' if stopped_by_signal else 'done'} at step {run.step}, not saved: the steps since "
@@ -163,9 +161,9 @@ def finish(run, stopped_by_signal):
               f"{cfg.log_dir})")
     else:
         hint = f"; for more samples: python train_gpt2.py --sample {last}" if last else ""
-        this_launch = f" ({duration(launch)} in this launch)" if run.resumed_from else ""
-        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for "
-              f"{duration(run.trained_seconds + launch)}{this_launch}{hint}")
+        launch = f" ({duration(time.perf_counter() - run.launch_start)} in this launch)" if run.resumed_from else ""
+        print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {duration(run.seconds_trained())}"
+              f"{launch}{hint}")
 
 
 # -----------------------------------------------------------------------------

@@ -138,10 +138,10 @@ def say_changes(changes, model, sizes, width=120):
     for name in dict.fromkeys(change[0] for change in changes):
         lines.append(f"preset {name} sets, over the file's values:")
         for preset, key, before, value in changes:
-            implied = f", meaning --model {model}'s {sizes[key]}" if key in sizes and before == 0 else ""
-            item = f"{flag(key)} {shown(value)} (file: {shown(before)}{implied})"
             if preset != name:
                 continue
+            implied = f", meaning --model {model}'s {sizes[key]}" if key in sizes and before == 0 else ""
+            item = f"{flag(key)} {shown(value)} (file: {shown(before)}{implied})"
             if len(lines[-1]) + len(item) + 2 > width:
                 lines.append("   ")
             lines[-1] += f" {item},"

@@ -779,6 +779,9 @@ class Run:
     def master(self):
         return self.env.rank == 0  # only rank 0 prints and writes files
 
+    def seconds_trained(self):  # across its launches: the earlier ones' and this one's so far
+        return self.trained_seconds + time.perf_counter() - self.launch_start
+
 
 def accumulation_steps(cfg, world_size):
     """Micro-batches per optimizer step, in each process."""
