@@ -62,7 +62,8 @@ def contents(run, rng_per_rank):
     return {
         "format": FORMAT, "sharded": run.cfg.fsdp, **whole, "model_config": asdict(run.model.config),
         "scaler": run.scaler.state_dict(),
-        "step": run.step, "evaluated": run.evaluated, "val_loss": run.val_loss, "val_step": run.val_step,
+        "step": run.step, "micro_batch": run.micro_batch, "evaluated": run.evaluated, "val_loss": run.val_loss,
+        "val_step": run.val_step,
         "stream": run.stream.state_dict(), "rng": rng_per_rank,
         "train_config": asdict(run.cfg), "wandb_id": run.log.wandb_id,
         "trained_seconds": run.seconds_trained(),  # of all its launches
@@ -311,6 +312,8 @@ def restore(run, ckpt, path):
     check_same_model(ckpt, run.model, path)
     load_weights(run.model, ckpt, path)
     run.step, run.resumed_from = ckpt["step"], path
+    run.micro_batch = ckpt.get("micro_batch", 0)  # the one it trained with (not kept before it was chosen): the
+    # micro-batch is chosen again for this launch, which may be on another machine
     run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
     # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
     run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)

@@ -149,6 +149,12 @@ def ending_losses(model, tokens, mask):
     return sum_loss, num_tokens
 
 
+def examples_per_batch(prepared, tokens):
+    """As many examples per forward pass as fit in tokens (a training micro-batch's, which fits), up to
+    EXAMPLES_PER_BATCH."""
+    return max(1, min(EXAMPLES_PER_BATCH, tokens // (4 * prepared["tokens"].size(-1))))
+
+
 def evaluate(model, prepared, device, autocast_ctx, rank=0, world_size=1, examples_per_batch=EXAMPLES_PER_BATCH):
     """
     HellaSwag accuracy of model on the prepared examples: returns (acc_norm, acc, n).

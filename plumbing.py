@@ -697,11 +697,15 @@ def download_once_per_node(url, path, check, what, hint, headers=None):
 # The CPU heap
 
 
-def keep_freed_memory():
+def keep_freed_memory(keep):
     """On Linux, glibc gives every freed block over 32 MB back to the OS, and the next step faults its pages back in,
-    zeroed: on a CPU, GPT-2's 50257-wide logits made that 40% of a small model's step. Freed memory stays in the
-    heap."""
+    zeroed: on a CPU, GPT-2's 50257-wide logits made that 40% of a small model's step. keep: freed memory stays in the
+    heap. Not keep, where memory is tight: every block over 1 MiB is mapped on its own and given back once freed, so
+    that no free block in the heap counts against the memory left (glibc's default keeps up to 32 MB ones)."""
     libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
     if hasattr(libc, "mallopt"):
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: no block gets an mmap of its own, big ones come from the heap too
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: the heap's free top goes back to the OS only past 1 GiB
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+        libc.mallopt(M_MMAP_MAX, 0 if keep else 1 << 16)  # keep: no block gets an mmap of its own
+        if not keep:
+            libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30 if keep else 1 << 20)  # the heap's free top goes back past this

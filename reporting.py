@@ -89,8 +89,9 @@ def what_runs(run):
     return f"{start} for {cfg.max_steps} steps"
 
 
-def start(run, accumulation_steps):
-    """Readies the log directory (a fresh start moves an old run aside) and says what is being run."""
+def start(run, micro_batch_said):
+    """Readies the log directory (a fresh start moves an old run aside) and says what is being run, and how its
+    micro-batch was chosen (micro_batch_said: microbatch.largest_that_fits's line, if any)."""
     cfg, env = run.cfg, run.env
     if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
         dist.barrier()
@@ -111,7 +112,10 @@ def start(run, accumulation_steps):
           f"{recipe} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {compiled}")
     train_tokens = sum(len(shard) for shard in run.stream.shards)
     print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
-          f"{cfg.batch_size} x {cfg.seq_len} x {accumulation_steps} accumulation steps x {env.world_size} process(es)")
+          f"{run.micro_batch} x {cfg.seq_len} x {run.accumulation_steps} accumulation steps x {env.world_size} "
+          f"process(es)")
+    if micro_batch_said:
+        print(micro_batch_said)
 
 
 @contextlib.contextmanager
@@ -138,7 +142,7 @@ def start_record(run):
     past its checkpoint are dropped, as they are trained again."""
     cfg, env = run.cfg, run.env
     return {"step": run.step, "event": "resume" if run.resumed_from else "start", "recipe": cfg.recipe,
-            "max_steps": cfg.max_steps, "total_batch_size": cfg.total_batch_size,
+            "max_steps": cfg.max_steps, "total_batch_size": cfg.total_batch_size, "micro_batch": run.micro_batch,
             "n_params": sum(p.numel() for p in run.model.parameters()), "world_size": env.world_size,
             "device": torch.cuda.get_device_name() if env.device_type == "cuda" else env.device_type}
 

@@ -34,6 +34,7 @@ import commands
 import fsdp
 import hellaswag
 import hf_export
+import microbatch
 import modern
 import plumbing
 import reporting
@@ -48,7 +49,7 @@ if dist.is_available():  # builds without torch.distributed have none
 
 # what benchmarks/ may use of this file (tests/test_structure.py checks it): every other name may change freely
 __all__ = ["TrainConfig", "parse_args", "resolve_config", "MODEL_SIZES", "PADDED_VOCAB", "GPTConfig", "GPT", "model_of",
-           "make_model", "make_optimizers", "set_lr", "set_up_distributed", "tear_down_distributed", "set_up_device",
+           "make_model", "make_optimizers", "set_lr", "set_up_distributed", "tear_down_distributed", "set_tf32",
            "autocast_context", "compile_model", "train_step", "evaluate_val"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
@@ -88,7 +89,9 @@ class TrainConfig:
                           "logit soft-cap, Muon, a constant rate then a cool-down (modern.py)", ["gpt2", "modern"])
     init_from: str = setting("scratch", "start from random weights or from OpenAI's", ["scratch", *MODEL_SIZES])
     # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
-    batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process")
+    batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process, halved until a step fits")
+    fit_batch_size: bool = setting(True, "try a step of --batch-size first, halving it until one fits in memory "
+                                   "(microbatch.py); off: train it as given")
     seq_len: int = setting(1024, "tokens per sequence")
     total_batch_size: int = setting(524288, "tokens per optimizer step, over all processes (2**19, GPT-3 small's 0.5M)")
     # optimization
@@ -551,13 +554,6 @@ def set_tf32(enabled):
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-def set_up_device(cfg, env):
-    """The process-wide settings a run's speed depends on: TF32 matmuls, and on a CPU, how freed memory is kept."""
-    set_tf32(cfg.dtype != "fp32")
-    if env.device_type == "cpu":
-        plumbing.keep_freed_memory()  # the README's Speed section has what it buys
-
-
 def autocast_context(device_type, dtype):
     """Matmuls in bf16/fp16 with float32 master weights; a no-op for fp32 and tf32."""
     if dtype in ("bf16", "fp16"):
@@ -682,9 +678,10 @@ def evaluate_val(model, val, B, T, device, autocast_ctx, rank, world_size):
 CONTROL_SYMBOLS = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
 
 
-def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, show=True):
-    """Prints --num-samples continuations of --prompt as text, line breaks and all, each under a header line (if
-    show: the other ranks sample too, as under FSDP each lends its slices of the weights, but print nothing)."""
+def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=True):
+    """Prints --num-samples continuations of --prompt as text, line breaks and all, each under a header line, sampling
+    at most rows at a time (if show: the other ranks sample too, as under FSDP each lends its slices of the weights,
+    but print nothing)."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
     lines = []
     if max(prompt) >= model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
@@ -699,8 +696,9 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, show=True):
             lines.append("(the output layer is all zeros, as the modern recipe starts it: every token is as likely, "
                          "and top-k sampling keeps the first ids: punctuation, digits, capitals)")
         generator = torch.Generator(device=device).manual_seed(seed)
-        with autocast_ctx:
-            samples = generate(model, prompt, cfg.num_samples, cfg.max_new_tokens, generator)
+        with autocast_ctx:  # a micro-batch of rows fits in training, so its samples fit too
+            samples = [tokens for first in range(0, cfg.num_samples, rows) for tokens in
+                       generate(model, prompt, min(rows, cfg.num_samples - first), cfg.max_new_tokens, generator)]
         for i, tokens in enumerate(samples):
             lines += [f"--- sample {i + 1}/{len(samples)} (step {step}) ---",
                       enc.decode(tokens).translate(CONTROL_SYMBOLS)]
@@ -722,16 +720,17 @@ def evaluate(run):
     cfg, env, step = run.cfg, run.env, run.step
     val_due, hellaswag_due = evaluations_due(run)
     if val_due:
-        run.val_loss = evaluate_val(run.compiled, run.val, cfg.batch_size, cfg.seq_len, env.device, run.autocast_ctx,
+        run.val_loss = evaluate_val(run.compiled, run.val, run.micro_batch, cfg.seq_len, env.device, run.autocast_ctx,
                                     env.rank, env.world_size)
         run.val_step = step
         reporting.log_evaluation(run, {"val_loss": run.val_loss}, f"val loss {run.val_loss:.4f}")
         if cfg.num_samples > 0:  # eager, so that growing lengths never recompile
             print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
-                          show=run.master)
+                          run.micro_batch, show=run.master)
     if hellaswag_due:
-        acc_norm, acc, n = hellaswag.evaluate(run.compiled, run.hellaswag_data, env.device, run.autocast_ctx,
-                                              env.rank, env.world_size)
+        per_batch = hellaswag.examples_per_batch(run.hellaswag_data, run.micro_batch * cfg.seq_len)
+        acc_norm, acc, n = hellaswag.evaluate(run.compiled, run.hellaswag_data, env.device, run.autocast_ctx, env.rank,
+                                              env.world_size, per_batch)
         reporting.log_evaluation(run, {"hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc},
                                  f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
 
@@ -765,6 +764,7 @@ class Run:
     scaler: torch.amp.GradScaler
     autocast_ctx: object
     log: plumbing.RunLog
+    micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py)
     step: int = 0  # optimizer steps taken
     evaluated: bool = False  # the evaluations due at step are done
     val_loss: Optional[float] = None  # the latest
@@ -779,13 +779,12 @@ class Run:
     def master(self):
         return self.env.rank == 0  # only rank 0 prints and writes files
 
+    @property
+    def accumulation_steps(self):  # micro-batches per optimizer step, in each process
+        return self.cfg.total_batch_size // (self.micro_batch * self.cfg.seq_len * self.env.world_size)
+
     def seconds_trained(self):  # across its launches: the earlier ones' and this one's so far
         return self.trained_seconds + time.perf_counter() - self.launch_start
-
-
-def accumulation_steps(cfg, world_size):
-    """Micro-batches per optimizer step, in each process."""
-    return cfg.total_batch_size // (cfg.batch_size * cfg.seq_len * world_size)
 
 
 def resolve_config(cfg, given, env):
@@ -800,7 +799,7 @@ def set_up(cfg, given, env):
     if cfg.eval_only and ckpt is not None:  # the model as it was trained, whatever the flags' recipe
         settings.take_model_settings(cfg, given, ckpt["model_config"], ckpt_path)
         settings.check_recipe(cfg, given, RECIPES)
-    set_up_device(cfg, env)
+    set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
     hellaswag_data = hellaswag.load(cfg.hellaswag_file, cfg.cache_dir, cfg.block_size) if cfg.hellaswag_every else None
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
@@ -813,7 +812,8 @@ def set_up(cfg, given, env):
         checkpoints.restore(run, ckpt, ckpt_path)
         if checkpoints.finished(run):
             return None
-    reporting.start(run, accumulation_steps(cfg, env.world_size))
+    run.micro_batch, said = microbatch.largest_that_fits(run, gradient_sync)  # before any file of the run moves
+    reporting.start(run, said)
     return run
 
 
@@ -838,8 +838,8 @@ def train(run):
             checkpoints.save(run)
             save_due = False
         t1 = time.perf_counter()
-        batches = run.stream.next_step(cfg.batch_size, cfg.seq_len, accumulation_steps(cfg, env.world_size), env.rank,
-                                       env.world_size, cfg.vocab_size)
+        batches = run.stream.next_step(run.micro_batch, cfg.seq_len, run.accumulation_steps, env.rank, env.world_size,
+                                       cfg.vocab_size)
         set_lr(run.optimizers, run.step, cfg)
         result = train_step(run.compiled, run.optimizers, run.scaler, batches, run.autocast_ctx, cfg.grad_clip)
         if env.device_type == "cuda":
@@ -889,11 +889,16 @@ def main(argv=None):
             env = set_up_distributed(cfg.device)
             model, step = commands.model_to_sample(cfg, env, model_of)
             autocast_ctx = autocast_context(env.device_type, settings.resolve_dtype(cfg.dtype, env.device_type))
-            print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step)
+            print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step,
+                          cfg.batch_size)
         else:
             start(cfg, given)
     except UsageError as e:
         error = str(e)  # not e: its traceback holds the (DDP) model, which must be freed before its process group
+    except Exception as e:
+        if not microbatch.is_out_of_memory(e):
+            raise
+        error = microbatch.out_of_memory_later(e, cfg)
     finally:
         tear_down_distributed()
         for sig, handler in signal_handlers.items():  # a run catches them; give them back to an importing caller

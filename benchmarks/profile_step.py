@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import plumbing  # noqa: E402
 import train_gpt2  # noqa: E402
 from plumbing import GPT2_VOCAB, UsageError  # noqa: E402
 from train_gpt2 import autocast_context, make_optimizers  # noqa: E402
@@ -49,7 +50,9 @@ def main(argv=None):
     except UsageError as e:
         sys.exit(f"error: {e}")
     device, device_type = env.device, env.device_type
-    train_gpt2.set_up_device(cfg, env)
+    train_gpt2.set_tf32(cfg.dtype != "fp32")
+    if device_type == "cpu":
+        plumbing.keep_freed_memory(True)  # as train_gpt2.py does on a CPU whose micro-batch fits
     model = train_gpt2.make_model(cfg, device)  # as train() builds it
     compiled = train_gpt2.compile_model(model, cfg)
     optimizers = make_optimizers(model, cfg, device_type)

@@ -153,7 +153,7 @@ def recipe_config(args, recipe, seed, vocab_size):
 def main():
     args = parse_args()
     if args.device == "cpu":
-        plumbing.keep_freed_memory()  # as train_gpt2.py does on a CPU
+        plumbing.keep_freed_memory(True)  # as train_gpt2.py does on a CPU
     train, val, vocab_size = standard_library_tokens()
     n_val = min(args.val_tokens, len(val) - 1) // args.seq_len * args.seq_len
     val = val[: n_val + 1]

@@ -131,7 +131,8 @@ def run_rung(settings, B, args, data_dir, log_dir):
     command = [
         sys.executable, TRAINER, "--data", data_dir, "--log-dir", log_dir, "--no-resume", "--device", args.device,
         "--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd", str(args.n_embd),
-        "--batch-size", str(B), "--seq-len", str(T), "--block-size", str(T), "--total-batch-size", str(B * T),
+        "--batch-size", str(B), "--no-fit-batch-size",  # B itself, or the row says it does not fit
+        "--seq-len", str(T), "--block-size", str(T), "--total-batch-size", str(B * T),
         # one step more than is read: the run is stopped before its final evaluation and checkpoint
         "--max-steps", str(n_steps + 1),
         "--eval-every", "0", "--val-tokens", str(T), "--hellaswag-every", "0", "--num-samples", "0",

@@ -80,7 +80,7 @@ def test_samples_say_in_one_line_when_the_prompt_outgrows_the_block(prompt_lengt
     prompt = list(range(3, 3 + prompt_length))
     cfg = TrainConfig(prompt=" ".join(map(str, prompt)), num_samples=2, max_new_tokens=5)
     capsys.readouterr()
-    train_gpt2.print_samples(model, cfg, IdsAsText(), "cpu", contextlib.nullcontext(), 0, 7)
+    train_gpt2.print_samples(model, cfg, IdsAsText(), "cpu", contextlib.nullcontext(), 0, 7, rows=2)
     out, err = capsys.readouterr()
     assert err == ""
     before_samples = out[: out.index("--- sample 1/2 (step 7) ---")].splitlines()

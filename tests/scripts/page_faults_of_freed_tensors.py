@@ -1,5 +1,5 @@
 """Prints, as JSON, [the page faults of 5 tensors of 100 MB, each written in full and freed (as a step's logits are),
-by default; the same once plumbing.keep_freed_memory() keeps freed memory in the heap]:
+by default; the same once plumbing.keep_freed_memory(True) keeps freed memory in the heap]:
 
     python tests/scripts/page_faults_of_freed_tensors.py"""
 import ctypes
@@ -28,6 +28,6 @@ def page_faults():
 
 
 default = page_faults()
-plumbing.keep_freed_memory()
+plumbing.keep_freed_memory(True)
 page_faults()  # the heap grows to hold one
 print(json.dumps([default, page_faults()]))

@@ -1,0 +1,173 @@
+"""
+The micro-batch a run trains with, for train_gpt2.py: the largest, up to --batch-size, whose training step fits in
+the device's memory. Before the first step, a forward and backward pass of B sequences is tried on every rank, with
+room kept for the optimizers' state that the first step allocates; B is halved (to the next divisor of the batch) until
+every rank's try fits. The ranks try with no gradient reduced, then vote, so that one rank's out-of-memory error never
+leaves the others waiting in a collective. The accumulation steps rise to match: the optimizer step takes the same
+--total-batch-size tokens (train_gpt2.TokenStream cuts any micro-batch out of the same stream), on the same schedule.
+
+Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. It never
+imports train_gpt2: the run and the step's pieces are handed over.
+"""
+
+import errno
+import gc
+import os
+import re
+import resource
+import time
+
+import torch
+
+import plumbing
+from plumbing import UsageError
+
+GIB = 2**30
+
+
+def is_out_of_memory(error):
+    """Whether error (or an error it was raised from) is an allocator's refusal: CUDA's torch.OutOfMemoryError, the
+    CPU's and MPS's RuntimeError, Python's MemoryError (numpy's too), the kernel's ENOMEM."""
+    while error is not None:
+        if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or getattr(error, "errno", None) == errno.ENOMEM:
+            return True
+        if isinstance(error, RuntimeError) and re.search(r"can't allocate memory|out of memory", str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def memory_in_words(device):
+    """How much memory this process may use on device, in words: '23.6 GiB of cuda:0', '6.0 GiB (ulimit -v)'."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+        return f"{fraction * total / GIB:.1f} GiB of {device}"
+    if device.type == "mps":
+        return f"{torch.mps.recommended_max_memory() / GIB:.1f} GiB of mps"
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"{limit / GIB:.1f} GiB of address space (ulimit -v)"
+    return f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GIB:.1f} GiB of RAM"
+
+
+def next_smaller(batch_size, sequences_per_step):
+    """The largest micro-batch at most half of batch_size that cuts a rank's sequences_per_step exactly."""
+    return max(b for b in range(1, batch_size // 2 + 1) if sequences_per_step % b == 0)
+
+
+def optimizer_room(optimizers):
+    """The bytes a training step holds past its forward and backward passes: the optimizers' state, which their first
+    step allocates (two moments the size of each parameter, as Adam keeps; Muon keeps one), and one more copy of the
+    weights for the update's temporaries (foreach Adam's square roots) and the fragments they leave."""
+    params = [(p, not optimizer.state.get(p)) for optimizer in optimizers for group in optimizer.param_groups
+              for p in group["params"]]
+    return sum((3 if state_to_come else 1) * p.numel() * p.element_size() for p, state_to_come in params)
+
+
+def try_step(run, batch_size, gradient_sync):
+    """Two training steps' forward and backward passes of batch_size sequences, the second with the optimizers' room
+    held, allocated after the first backward pass as their step allocates it (for --eval-only, a forward pass). No
+    gradient is reduced over the ranks (gradient_sync: train_gpt2's)."""
+    cfg, env = run.cfg, run.env
+    tokens = torch.zeros((batch_size, cfg.seq_len), dtype=torch.long, device=env.device)  # (B, T)
+    if cfg.eval_only:
+        with torch.no_grad(), run.autocast_ctx:
+            run.compiled(tokens, tokens)
+        return
+    room = None
+    for _ in range(2):
+        with gradient_sync(run.compiled, on=env.world_size == 1):
+            with run.autocast_ctx:
+                _, loss = run.compiled(tokens, tokens)
+            loss.backward()
+        del loss
+        if room is None:
+            room = torch.empty(optimizer_room(run.optimizers), dtype=torch.uint8, device=env.device)
+        for p in run.model.parameters():
+            p.grad = None  # as the next step's zero_grad leaves them
+
+
+def step_fits(run, batch_size, gradient_sync):
+    """Whether try_step fits on this rank: only an out-of-memory error gives False. Its gradients are thrown away, and
+    after a failure, what it held: its traceback's frames, and the graphs compiled for its shape."""
+    try:
+        try_step(run, batch_size, gradient_sync)
+        fits = True
+    except Exception as e:  # any allocator's error: see is_out_of_memory
+        if not is_out_of_memory(e):
+            raise
+        fits = False
+    for p in run.model.parameters():
+        p.grad = None  # a failed pass's
+    if not fits and run.cfg.compile:
+        torch._dynamo.reset()
+        gc.collect()  # a traceback's frames are cycles
+        if run.env.device_type == "cuda":
+            torch.cuda.empty_cache()
+    return fits
+
+
+def largest_that_fits(run, gradient_sync):
+    """The micro-batch to train with, and a line that says how it was chosen (None when it is --batch-size, as
+    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does. Raises
+    UsageError if not even one sequence fits."""
+    on_cpu = run.env.device_type == "cpu"
+    if on_cpu:  # the tries' freed blocks given back, not kept in the heap, where they would count against the next
+        plumbing.keep_freed_memory(False)
+    batch_size, too_large, said = search(run, gradient_sync)
+    if on_cpu and not too_large:  # kept for speed, where memory is not tight
+        plumbing.keep_freed_memory(True)
+    if run.micro_batch not in (0, batch_size):  # the resumed checkpoint's
+        said.append(f"the run trained with micro-batch {run.micro_batch} before, {batch_size} now: the same tokens "
+                    f"and schedule, their gradients summed in other parts (equal up to rounding)")
+    return batch_size, "\n".join(said) or None
+
+
+def search(run, gradient_sync):
+    """The micro-batch (--batch-size, or less), those tried that did not fit, and the lines that say so."""
+    cfg, env = run.cfg, run.env
+    if not cfg.fit_batch_size:
+        return cfg.batch_size, [], []
+    if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
+        # would leave the others waiting, so the micro-batch given is trained as it is
+        return cfg.batch_size, [], [f"micro-batch {cfg.batch_size}, as given: under --fsdp on several processes it is "
+                                    f"not tried first (if a step does not fit, pass a smaller --batch-size)"]
+    sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
+    batch_size, too_large, t0 = cfg.batch_size, [], time.perf_counter()
+    while plumbing.any_rank(not step_fits(run, batch_size, gradient_sync), env.device):
+        too_large.append(batch_size)
+        if batch_size == 1:
+            raise UsageError(nothing_fits(cfg, env))
+        batch_size = next_smaller(batch_size, sequences_per_step)
+    if not too_large:
+        return batch_size, [], []
+    tried = ", ".join(map(str, too_large[:-1])) + (" and " if len(too_large) > 1 else "") + str(too_large[-1])
+    where = memory_in_words(env.device) + ("" if env.world_size == 1 else " on some rank")
+    return batch_size, too_large, [f"micro-batch {batch_size}, as {tried} did not fit in {where}: found in "
+                                   f"{time.perf_counter() - t0:.1f} s; --batch-size {batch_size} starts there"]
+
+
+def nothing_fits(cfg, env):
+    """What to do when not even one sequence's step fits, in words."""
+    shard = "" if cfg.fsdp or env.device_type != "cuda" else ", shard it over several GPUs with --fsdp"
+    chunked = "" if cfg.loss == "chunked" else ", --loss chunked (never all the logits at once)"
+    return (f"out of memory: not even a micro-batch of 1 sequence of {cfg.seq_len} tokens fits a training step of "
+            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {memory_in_words(env.device)}; train a smaller "
+            f"model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}")
+
+
+def out_of_memory_later(error, cfg):
+    """The line that an out-of-memory error past the micro-batch's choice ends the process with: in a training step
+    that the allocator's fragments no longer fit, an evaluation, samples, a command."""
+    device = f"cuda:{torch.cuda.current_device()}" if isinstance(error, torch.cuda.OutOfMemoryError) else (
+        "mps" if "MPS" in str(error) else "cpu")
+    reason = plumbing.first_line(error)
+    what = f"out of memory in {memory_in_words(device)}" + (f" ({reason})" if reason else "")
+    if cfg.sample or cfg.export_hf:
+        return f"{what}; pass a smaller --num-samples" if cfg.sample else what
+    latest = plumbing.latest_checkpoint(cfg.log_dir)
+    kept = f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
+    return (f"{what}; {kept}; run the same command again (it chooses its micro-batch again), or pass a smaller "
+            f"--batch-size")

@@ -1,0 +1,18 @@
+"""Runs train_gpt2.main(ARGS) in a process whose address space is limited (RLIMIT_AS, what `ulimit -v` and
+`prlimit --as` set: a real limit, which every allocator meets as on a small machine) to what it uses once the trainer
+is imported plus HEADROOM MiB: only on rank LIMITED_RANK, or on every rank if that is -1.
+
+    python tests/scripts/limited_memory.py REPO LIMITED_RANK HEADROOM ARGS..."""
+import os
+import resource
+import sys
+
+sys.path.insert(0, sys.argv[1])
+import train_gpt2  # noqa: E402
+
+limited_rank, headroom = int(sys.argv[2]), int(sys.argv[3]) << 20
+if limited_rank in (-1, int(os.environ.get("RANK", "0"))):
+    with open("/proc/self/statm") as f:  # its first field: the pages of address space in use
+        in_use = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + headroom, resource.RLIM_INFINITY))
+train_gpt2.main(sys.argv[4:])

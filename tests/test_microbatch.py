@@ -1,0 +1,129 @@
+"""The micro-batch that fits (microbatch.py), under a real memory limit: the trainer runs in a child process whose
+address space is limited (RLIMIT_AS, tests/scripts/limited_memory.py), as on a small machine. A --batch-size whose step
+does not fit trains with a smaller micro-batch that the run names, on the same tokens and schedule; the ranks of a run
+agree on the smallest; an out-of-memory error later, or when nothing fits, is one line, and no file is lost."""
+import os
+import re
+
+import pytest
+import torch
+
+import microbatch
+from helpers import (
+    REPO,
+    TINY,
+    check_usage_error,
+    checkpoint_path,
+    load_ckpt,
+    read_log,
+    run_main,
+    run_script,
+    train_records,
+    val_records,
+)
+
+LIMITED = os.path.join(REPO, "tests", "scripts", "limited_memory.py")
+# GPT-2's whole vocabulary on a tiny model: a step's memory is mostly the logits and their gradient, 6.4 MB a sequence
+# of 32 tokens each, so 32 sequences need most of a GiB and 8 a fifth of it
+WIDE = TINY + ["--vocab-size", "50257", "--batch-size", "32", "--total-batch-size", "1024", "--val-tokens", "256",
+               "--warmup-steps", "1"]
+HEADROOM = 350  # MiB past what importing the trainer takes: a step of 8 of these sequences fits, one of 16 does not
+MICRO_BATCH_LINE = r"^micro-batch (\d+), as 32(?:, \d+)*(?: and \d+)? did not fit in [\d.]+ GiB of address space"
+
+
+def run_limited(args, cwd, headroom=HEADROOM, nproc=1, limited_rank=-1):
+    # one malloc arena: glibc reserves 64 MiB of address space for each thread's own (gloo's threads would have one
+    # each), which this limit would count as if it were memory
+    return run_script([REPO, limited_rank, headroom, *args], cwd=cwd, nproc=nproc, script=LIMITED,
+                      MALLOC_ARENA_MAX="1")
+
+
+def test_next_smaller_cuts_the_step_exactly():
+    assert microbatch.next_smaller(64, 64) == 32
+    assert microbatch.next_smaller(12, 48) == 6
+    assert microbatch.next_smaller(6, 48) == 3
+    assert microbatch.next_smaller(3, 48) == 1
+    assert microbatch.next_smaller(10, 30) == 5  # not 4: 30 sequences are no whole number of micro-batches of 4
+
+
+def test_what_runs_out_of_memory():
+    def raised(error, cause):
+        try:
+            raise error from cause
+        except Exception as e:
+            return e
+
+    assert microbatch.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert microbatch.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."))
+    assert microbatch.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.2 GB)"))
+    assert microbatch.is_out_of_memory(raised(RuntimeError("compiled graph failed"), MemoryError()))
+    assert microbatch.is_out_of_memory(OSError(12, "Cannot allocate memory"))
+    assert not microbatch.is_out_of_memory(RuntimeError("shape '[4, 32]' is invalid for input of size 100"))
+    assert not microbatch.is_out_of_memory(OSError(28, "No space left on device"))
+
+
+def test_a_batch_that_does_not_fit_trains_smaller_on_the_same_tokens(shards, tmp_path, capsys):
+    """A step where memory is plenty; then, under the limit, --batch-size 32 forced (--no-fit-batch-size) runs out of
+    memory in its first step: one line, the checkpoint kept. The same command without the flag finds a smaller
+    micro-batch, names it, and trains to the end; its losses are those of a run given that micro-batch from the
+    start, to float rounding (another cut of the same tokens)."""
+    log = tmp_path / "log"
+    args = WIDE + ["--data", shards, "--log-dir", log, "--max-steps", "2"]
+    code, out, err = run_main(args + ["--max-steps", "1", "--batch-size", "8"], capsys)
+    assert code == 0, err
+
+    forced = run_limited(args + ["--no-fit-batch-size"], tmp_path)
+    check_usage_error(forced.returncode, forced.stdout, forced.stderr, "out of memory in",
+                      f"the latest checkpoint, {checkpoint_path(log, 1)}, is kept", "run the same command again")
+    assert sorted(os.listdir(log)) == [".lock", "ckpt_000001.pt", "log.jsonl"]
+
+    fitted = run_limited(args, tmp_path)
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    chosen = int(re.search(MICRO_BATCH_LINE, fitted.stdout, re.M).group(1))
+    assert chosen < 32 and f"batch 1,024 tokens = {chosen} x 32 x {32 // chosen} accumulation steps" in fitted.stdout
+    assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [8, 32, chosen]  # each launch's start record
+    assert load_ckpt(checkpoint_path(log, 2))["micro_batch"] == chosen
+
+    code, _, err = run_main(args + ["--batch-size", chosen, "--log-dir", tmp_path / "given"], capsys)
+    assert code == 0, err
+    given, limited = read_log(tmp_path / "given"), read_log(log)
+    assert {step: r["train_loss"] for step, r in train_records(limited).items()} == \
+        pytest.approx({step: r["train_loss"] for step, r in train_records(given).items()}, rel=1e-5)
+    assert val_records(limited)[2]["val_loss"] == pytest.approx(val_records(given)[2]["val_loss"], rel=1e-5)
+
+
+def test_the_ranks_train_with_the_micro_batch_that_fits_on_every_one(shards, tmp_path, capsys):
+    """Two processes (gloo), only rank 1 limited: the micro-batch that fits there is the one both train with (another
+    would cut the global batch otherwise, and the ranks' gradient reductions would not pair up). The losses are those
+    of one process at the micro-batch given."""
+    args = WIDE + ["--data", shards, "--max-steps", "1", "--batch-size", "16"]  # 16 sequences a step on each rank
+    two = run_limited(args + ["--log-dir", tmp_path / "two"], tmp_path, nproc=2, limited_rank=1)
+    assert two.returncode == 0, two.stderr[-3000:]
+    line = re.search(r"^micro-batch (\d+), as 16(?:, \d+)*(?: and \d+)? did not fit in .* on some rank", two.stdout,
+                     re.M)
+    chosen = int(line.group(1))
+    assert chosen < 16 and f"{chosen} x 32 x {16 // chosen} accumulation steps x 2 process(es)" in two.stdout
+    code, _, err = run_main(args + ["--log-dir", tmp_path / "one"], capsys)
+    assert code == 0, err
+    one = {step: r["train_loss"] for step, r in train_records(read_log(tmp_path / "one")).items()}
+    assert {step: r["train_loss"] for step, r in train_records(read_log(tmp_path / "two")).items()} == \
+        pytest.approx(one, rel=1e-5)
+    assert val_records(read_log(tmp_path / "two"))[1]["val_loss"] == \
+        pytest.approx(val_records(read_log(tmp_path / "one"))[1]["val_loss"], rel=1e-5)
+
+
+def test_nothing_fits_is_one_line_and_moves_no_file(shards, tmp_path):
+    """Not even one sequence's step fits (the optimizers' state of a wider model does not): one line that names the
+    memory and what to change, exit 2, and the earlier run that a fresh start would have moved aside is where it was."""
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "log.jsonl").write_text('{"step": 0, "val_loss": 10.9}\n')
+    (log / "notes.txt").write_text("mine")
+    args = WIDE + ["--n-embd", "256", "--data", shards, "--log-dir", log, "--max-steps", "1", "--no-resume"]
+    result = run_limited(args, tmp_path, headroom=250)
+    check_usage_error(result.returncode, result.stdout, result.stderr,
+                      "out of memory: not even a micro-batch of 1 sequence of 32 tokens fits a training step of this "
+                      "2-layer, width-256 model in", "GiB of address space (ulimit -v); train a smaller model",
+                      "a shorter --seq-len", "--loss chunked")
+    assert sorted(os.listdir(log)) == [".lock", "log.jsonl", "notes.txt"]
+    assert (log / "log.jsonl").read_text() == '{"step": 0, "val_loss": 10.9}\n'
