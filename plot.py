@@ -65,11 +65,11 @@ def read_log(path, name="run"):
     """
     curves = {series: {} for series in SERIES}
     gpt2, bad_lines, recipe = {}, 0, None
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # decoded line by line: bytes that are not UTF-8 damage their line only
         for line in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # e.g. the last line of a run killed mid-write
+                record = json.loads(line.decode("utf-8"))
+            except ValueError:  # not JSON (the last line of a run killed mid-write), or not UTF-8 (a damaged block)
                 bad_lines += 1
                 continue
             if not isinstance(record, dict):

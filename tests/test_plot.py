@@ -51,6 +51,20 @@ def test_plot_writes_a_png(tmp_path):
     assert sorted(os.listdir(log_dir)) == ["curves.png", "log.jsonl"]  # no temp file left behind
 
 
+def test_a_line_that_is_not_utf8_is_skipped_as_damaged_lines_are(tmp_path, capsys):
+    """A damaged disk block or a stray binary write leaves bytes that are not UTF-8 in log.jsonl: plot.py died on
+    the UnicodeDecodeError. Such a line is skipped and counted with the lines that are not JSON."""
+    write_log(tmp_path, run_log(range(2)))
+    with open(tmp_path / "log.jsonl", "ab") as f:
+        f.write(b'{"step": 2, "tokens": 3072, "train_loss": 9.0}\xff\xfe\x00\n')
+        f.write(b'\xc3\n')  # half a two-byte character
+        f.write(json.dumps({"step": 3, "tokens": 4096, "train_loss": 8.0}).encode() + b"\n")
+    (run,) = plot.read_runs([str(tmp_path)], None)
+    warning = f"warning: skipped 2 line(s) of {tmp_path / 'log.jsonl'} that are not log records\n"
+    assert capsys.readouterr().out == warning
+    assert sorted(run.curves["train_loss"]) == [0, 1, 3]  # the lines after them are read
+
+
 def test_last_line_per_step_wins_and_a_resume_drops_later_steps(tmp_path):
     records = run_log(range(6))
     records.append({"step": 2, "event": "resume"})  # from the checkpoint of step 2: steps 3..5 are redone
