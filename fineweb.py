@@ -341,18 +341,34 @@ class Downloads:
         self.asked.put(None)
         self.thread.join()
 
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+def files_under(directory):
+    """The .txt, .jsonl and .parquet files under directory, sorted, and apart those that are hidden, their name or
+    a folder's starting with a dot (Jupyter's .ipynb_checkpoints/, macOS's ._a.txt): paths relative to it."""
+    found, hidden = [], []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            if name.endswith(INPUT_SUFFIXES):
+                relative = os.path.relpath(os.path.join(root, name), directory)
+                (hidden if any(part.startswith(".") for part in relative.split(os.sep)) else found).append(relative)
+    return sorted(found), sorted(hidden)
+
 def local_sources(paths):
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                           if name.endswith((".txt", ".jsonl", ".parquet")))
+            found, hidden = files_under(path)
+            if hidden:  # copies of the data, mostly, which the trainer would never read as shards either
+                print(f"--input {path}: skipped {len(hidden)} hidden file{'s' if len(hidden) > 1 else ''}, whose "
+                      f"name or folder's starts with a dot (e.g. {hidden[0]}), as train_gpt2.py skips hidden shards")
             if not found:
-                raise UsageError(f"--input {path}: no .txt, .jsonl or .parquet files in that directory")
-            files += found
+                raise UsageError(f"--input {path}: no .txt, .jsonl or .parquet files in that directory"
+                                 + (" but hidden ones, which are skipped" if hidden else ""))
+            files += [os.path.join(path, relative) for relative in found]
         elif not os.path.isfile(path):
             raise UsageError(f"--input {path}: no such file")
-        elif not path.endswith((".txt", ".jsonl", ".parquet")):
+        elif not path.endswith(INPUT_SUFFIXES):
             raise UsageError(f"--input {path}: unsupported type; use .txt (one document), .jsonl or .parquet")
         else:
             files.append(path)

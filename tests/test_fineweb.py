@@ -541,6 +541,26 @@ def test_local_txt_jsonl_parquet_independent_of_workers(tmp_path):
         assert shards_in(output) == expected
 
 
+def test_hidden_files_and_folders_of_an_input_directory_are_skipped(tmp_path):
+    """Jupyter's .ipynb_checkpoints/ holds copies of the notebooks' files, and macOS's ._a.txt is a's metadata:
+    tokenized, they duplicated the data (or stopped the run, not being text). Hidden names are skipped, as the
+    trainer skips hidden shards, and counted."""
+    books = tmp_path / "books"
+    (books / ".ipynb_checkpoints").mkdir(parents=True)
+    (books / "poems").mkdir()
+    (books / "a.txt").write_text("The first book.")
+    (books / "poems" / "b.txt").write_text("The second book.")
+    (books / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("The first book.")
+    (books / "._a.txt").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")  # AppleDouble
+    (books / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")  # not a type it reads: nothing to say
+    result = run_fineweb("--input", books, "--output", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert shards_in(tmp_path / "out") == expected_shards(["The first book.", "The second book."], 10**8, "out")
+    assert [line for line in result.stdout.splitlines() if "skipped" in line] == [
+        f"--input {books}: skipped 2 hidden files, whose name or folder's starts with a dot (e.g. ._a.txt), as "
+        "train_gpt2.py skips hidden shards"]
+
+
 def test_max_tokens_stops_early(tmp_path):
     inputs, docs = write_local_inputs(tmp_path)
     output = tmp_path / "trial"
