@@ -413,7 +413,9 @@ def read_manifest(path, output):
         with open(path) as f:
             manifest = json.load(f)
         state = manifest["next"]
-        well_formed = (isinstance(manifest["config"]["--prefix"], str) and isinstance(manifest["shards"], list)
+        if isinstance(manifest["shards"], list):  # an older fineweb.py's, which listed each shard's name and tokens
+            manifest["shards"] = len(manifest["shards"])
+        well_formed = (isinstance(manifest["config"]["--prefix"], str) and isinstance(manifest["shards"], int)
                        and all(isinstance(s["path"], str) and isinstance(s["size"], int) for s in manifest["sources"])
                        and all(isinstance(state[k], int) for k in ("file", "unit", "skip", "tokens", "documents"))
                        and isinstance(state["carry"], (str, type(None))) and isinstance(manifest["done"], bool))
@@ -458,7 +460,9 @@ def open_manifest(args, config, stop):
     manifest = {
         "config": config,
         "sources": sources or list_hub_files(args, stop),
-        "shards": [],  # completed shards, in order: name and tokens
+        # how many shards are complete, each of --shard-size tokens (the last, at the end, of what is left): not
+        # their list, which made each rewrite of the manifest (one a shard) longer than the last
+        "shards": 0,
         # the token stream continues at unit `unit` of source `file`, skipping its first `skip` tokens,
         # after the tokens of the shards and of the `carry` file (a partial shard)
         "next": {"file": 0, "unit": 0, "skip": 0, "carry": None, "tokens": 0, "documents": 0},
@@ -473,7 +477,7 @@ class ShardWriter:
 
     def __init__(self, args, manifest):
         self.args, self.manifest = args, manifest
-        self.state, self.shards = manifest["next"], manifest["shards"]
+        self.state = manifest["next"]
         self.shard = np.empty(args.shard_size, dtype=np.uint16)
         self.fill = 0
         if self.state["carry"]:
@@ -497,9 +501,9 @@ class ShardWriter:
             os.remove(os.path.join(self.args.output, old_carry))
 
     def write_shard(self):
-        name, tokens = shard_name(self.args.prefix, len(self.shards)), self.shard[:self.fill]
+        name, tokens = shard_name(self.args.prefix, self.manifest["shards"]), self.shard[:self.fill]
         write_whole(os.path.join(self.args.output, name), lambda f: np.save(f, tokens))
-        self.shards.append({"name": name, "tokens": len(tokens)})
+        self.manifest["shards"] += 1
         self.fill = 0
 
     def append(self, unit_tokens, consumed, file, unit, bar):
@@ -623,11 +627,11 @@ def finish(args, writer, start):
     if deletes_downloads(args):  # what --max-tokens left unread
         shutil.rmtree(os.path.join(args.output, "downloads"))
     elapsed = time.perf_counter() - start
-    tokens, shards = writer.tokens, writer.shards
-    print(f"done: {writer.documents:,} documents, {tokens:,} tokens in {len(shards)} shards "
-          f"(1 val + {len(shards) - 1} train) in {args.output}; {elapsed:.1f} s, "
+    tokens, shards = writer.tokens, writer.manifest["shards"]
+    print(f"done: {writer.documents:,} documents, {tokens:,} tokens in {shards} shards "
+          f"(1 val + {shards - 1} train) in {args.output}; {elapsed:.1f} s, "
           f"{(tokens - writer.tokens_at_start) / elapsed:,.0f} tokens/s")
-    if len(shards) == 1:
+    if shards == 1:
         print(f"warning: only a validation shard was written; lower --shard-size (now {args.shard_size:,}) "
               "to get train shards")
 
@@ -638,7 +642,7 @@ def prepare(args):
     sources, state = manifest["sources"], manifest["next"]
     if manifest["done"]:
         print(f"{args.output} is already complete: {state['documents']:,} documents, {state['tokens']:,} tokens "
-              f"in {len(manifest['shards'])} shards; nothing to do")
+              f"in {manifest['shards']} shards; nothing to do")
         return
     remove_leftovers(args, manifest)
     writer = ShardWriter(args, manifest)
