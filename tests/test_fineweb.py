@@ -76,11 +76,14 @@ def fineweb_after(setup, *args):
     code = f"import runpy, sys; {setup}; sys.argv[0] = {FINEWEB!r}; runpy.run_path({FINEWEB!r}, run_name='__main__')"
     return [sys.executable, "-c", code, *map(str, args)]
 
-def start_fineweb(*args):
+def start_fineweb(*args, stdout=subprocess.PIPE):
     """python fineweb.py ARGS, started with Ctrl-C's SIGINT raising KeyboardInterrupt as in a terminal: a shell's
-    background job (CI's, maybe) ignores SIGINT, and this child would inherit that and shrug the test's SIGINT off."""
-    command = fineweb_after("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)", *args)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
+    background job (CI's, maybe) ignores SIGINT, and this child would inherit that and shrug the test's SIGINT off;
+    and SIGHUP as a terminal's, which nohup would have ignored."""
+    setup = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); " \
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL)"
+    return subprocess.Popen(fineweb_after(setup, *args), stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            env=environment())
 
 def wait_until(condition, process, seconds=30):
     """Poll condition while the started run goes on; it must come true within seconds."""
@@ -486,10 +489,73 @@ def test_a_listing_that_is_not_json_fails_at_once(hub, tmp_path):
     assert len(hub.log) == 1  # the same page again would not help
 
 
-def test_unreachable_network_names_mirrors(tmp_path):
-    result = run_fineweb("--endpoint", "http://127.0.0.1:9", "--output", tmp_path / "edu", "--retries", 1,
-                         "--retry-delay", 0.01)
-    assert_error(result, "http://127.0.0.1:9", "HF_ENDPOINT")
+OFFLINE = "http://127.0.0.1:9"  # nothing listens there: each connection is refused, as with no network
+
+
+def test_offline_it_says_what_it_waits_for_and_leaves_no_directory(tmp_path):
+    """Offline, `python fineweb.py` printed nothing while it retried (ten retries, doubling: about 5 minutes). It
+    says what it asks for before the first try, and each retry with the wait in all; and when it gives up, the
+    directory it made is gone: the trainer would take it for shards."""
+    result = run_fineweb("--endpoint", OFFLINE, "--output", tmp_path / "edu", "--retries", 2, "--retry-delay", 0.25)
+    assert_error(result, f"giving up on {OFFLINE} after 2 retries (Connection refused)", "HF_ENDPOINT")
+    waits = "giving up after 2 retries, 0.75 s of waiting in all (--retries, --retry-delay)"
+    assert result.stdout.splitlines() == [
+        f"asking {OFFLINE} for the files of {DATASET}/{SUBSET} (each try waits up to 30 s to connect)",
+        f"{OFFLINE}: Connection refused; retry 1 of 2 in 0.25 s; {waits}",
+        f"{OFFLINE}: Connection refused; retry 2 of 2 in 0.5 s; {waits}"]
+    assert not (tmp_path / "edu").exists()
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGHUP])
+def test_a_run_stopped_while_it_waits_leaves_no_directory(hub, tmp_path, signal_number):
+    """`kill` or a closed terminal ended it where it stood, leaving OUTPUT/.lock: a directory at the trainer's
+    default --data, which then stopped falling back to tiny Shakespeare. They end it as Ctrl-C does."""
+    hub.status = 503
+    output, printed = tmp_path / "edu", tmp_path / "printed"
+    with open(printed, "w") as stdout:
+        process = start_fineweb(*hub_args(hub, output, "--retry-delay", 60), stdout=stdout)
+    try:
+        wait_until(lambda: "retry 1 of 10 in 1 min;" in printed.read_text(), process)
+        process.send_signal(signal_number)
+        result = finish(process, timeout=15)
+    finally:
+        process.kill()
+    assert result.returncode == 128 + signal_number, result.stderr
+    assert "Traceback" not in result.stderr and "run the same command again to resume" in result.stderr
+    assert not output.exists()
+
+
+def test_a_download_stopped_keeps_its_bytes_and_the_trainer_tells_it_from_shards(hub, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Stopped before the first byte of the first download, a run leaves nothing; after some, it keeps them (they
+    resume), and `python train_gpt2.py` finds no shards in edu_fineweb10B/: it trains on tiny Shakespeare, saying
+    what is there and what to do."""
+    path = hub.add("000_00000.parquet", HUB_DOCS[0])
+    output = tmp_path / "edu_fineweb10B"
+    part = output / "downloads" / "000_00000.parquet.part"
+    for held_at in (0, 65536):  # 65536: one whole chunk of the download, written to the .part file
+        release = threading.Event()
+        hub.hold = {path: (held_at, release)}
+        process = start_fineweb(*hub_args(hub, output))
+        try:
+            wait_until(lambda: part.exists() and part.stat().st_size == held_at, process)  # noqa: B023 (now)
+            process.send_signal(signal.SIGTERM)
+            result = finish(process, timeout=15)
+        finally:
+            release.set()
+            process.kill()
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr
+        assert output.exists() == bool(held_at)
+    assert sorted(os.listdir(output)) == [".lock", "downloads", "manifest.json"]
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args([]), train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
+    assert cfg.data == os.path.join(REPO, "input.txt")
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "no FineWeb shards in edu_fineweb10B/ (only .lock, downloads, manifest.json, left by an unfinished `python "
+        "fineweb.py`: rerun it to finish them, or delete edu_fineweb10B/): training a small model on tiny "
+        "Shakespeare instead")
 
 
 @pytest.mark.parametrize("status", [401, 403])
@@ -662,7 +728,7 @@ def test_disk_full_leaves_no_partial_shard(tmp_path):
     result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000,
                          preexec_fn=small_disk)
     assert_error(result, "disk full", "run the same command again")
-    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "manifest.json"]
+    assert not (tmp_path / "out").exists()  # it made the directory and nothing of value in it: no shard, no partial
 
     result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000)
     assert result.returncode == 0, result.stderr
