@@ -57,6 +57,9 @@ from plumbing import (
 JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
 DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# `kill` and a closed terminal, which end the run as Ctrl-C does (not SIGHUP where there is none: Windows)
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+CONNECT_TIMEOUT, READ_TIMEOUT = 30, 60  # seconds a request waits for a connection, then for each read
 
 # -----------------------------------------------------------------------------
 # tokenization, in worker processes: each job is one unit of a source file
@@ -65,6 +68,8 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 def init_worker(parent_pid):
     global encoding, open_parquet
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    for signum in STOP_SIGNALS:  # as forked, the main process's handler: stop_workers' SIGTERM must end a worker
+        signal.signal(signum, signal.SIG_DFL)
     if sys.platform == "linux":  # a `kill -9` of the main process takes the workers with it, not left to finish alone
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent_pid:  # it died before prctl
@@ -79,17 +84,21 @@ def start_workers(count):
     # would be the fork server, not this process: fork where PR_SET_PDEATHSIG ties them to it, spawn elsewhere
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     pool = ProcessPoolExecutor(count, mp_context=context, initializer=init_worker, initargs=(os.getpid(),))
-    # a Ctrl-C while the pool forks its workers lands in an at-fork hook, which swallows the KeyboardInterrupt
-    # ("Exception ignored in: _releaseLock") and the run goes on: hold it until the pool is whole
+    # a Ctrl-C (or SIGTERM) while the pool forks its workers lands in an at-fork hook, which swallows the
+    # KeyboardInterrupt ("Exception ignored in: _releaseLock") and the run goes on: hold it until the pool is whole
     deferred = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: deferred.append(signum))
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, *STOP_SIGNALS)}
+    handlers = {signum: handler for signum, handler in handlers.items() if callable(handler)}  # not those ignored
+    for signum in handlers:
+        signal.signal(signum, lambda signum, frame: deferred.append(signum))
     try:
         pool.submit(int)  # with fork, the first task starts every worker
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     if deferred:
         stop_workers(pool)
-        raise KeyboardInterrupt
+        handlers[deferred[0]](deferred[0], None)  # raises as the signal would have
     return pool
 
 def stop_workers(pool):
@@ -201,7 +210,8 @@ def hub_headers():
 
 def http_get(session, url, args, headers=None):
     """GET url; 5xx/429 and network failures raise requests exceptions (retried), others UsageError."""
-    response = session.get(url, headers={**hub_headers(), **(headers or {})}, stream=True, timeout=(30, 60))
+    response = session.get(url, headers={**hub_headers(), **(headers or {})}, stream=True,
+                           timeout=(CONNECT_TIMEOUT, READ_TIMEOUT))
     status = response.status_code
     if status < 400 or status == 416:
         return response
@@ -215,15 +225,36 @@ def http_get(session, url, args, headers=None):
         raise UsageError(f"{url} not found (HTTP 404); check --dataset and --subset")
     raise UsageError(f"{url} answered HTTP {status}")
 
-def backoff(failures, error, args, stop):
+def in_words(error):
+    """Why a request failed, in a few words: requests' own message runs over a line ("HTTPConnectionPool(host=...):
+    Max retries exceeded with url: ... (Caused by NewConnectionError(...: [Errno 111] Connection refused'))")."""
+    reason = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", str(error))
+    if reason:
+        return reason.group(1).strip()
+    return "timed out" if isinstance(error, requests.Timeout) else str(error)
+
+def retry_wait(args, retry):
+    return min(args.retry_delay * 2 ** (retry - 1), 60)
+
+def duration(seconds):
+    return f"{seconds:.3g} s" if seconds < 60 else f"{seconds / 60:.3g} min"
+
+def backoff(failures, error, asked, args, stop):
+    """Waits before retry number `failures` of a request for `asked`, saying so; past --retries, raises UsageError."""
     if failures > args.retries:
-        raise UsageError(f"giving up on {args.endpoint} after {args.retries} retries ({error}); check the network or "
-                         "proxy, or point HF_ENDPOINT (or --endpoint) at a mirror, e.g. https://hf-mirror.com")
-    stop.wait(min(args.retry_delay * 2 ** (failures - 1), 60))
+        raise UsageError(f"giving up on {args.endpoint} after {args.retries} retries ({in_words(error)}); check the "
+                         "network or proxy, or point HF_ENDPOINT (or --endpoint) at a mirror, e.g. https://hf-mirror.com")
+    wait, waits = retry_wait(args, failures), sum(retry_wait(args, n) for n in range(1, args.retries + 1))
+    tqdm.write(f"{asked}: {in_words(error)}; retry {failures} of {args.retries} in {duration(wait)}; giving up after "
+               f"{args.retries} retries, {duration(waits)} of waiting in all (--retries, --retry-delay)")
+    stop.wait(wait)
 
 def list_hub_files(args, stop):
     url = f"{args.endpoint}/api/datasets/{args.dataset}/tree/main/{args.subset}"
     session, files, failures = requests.Session(), [], 0
+    # first, for a network that drops packets: the first try alone can take that long
+    print(f"asking {args.endpoint} for the files of {args.dataset}/{args.subset} (each try waits up to "
+          f"{CONNECT_TIMEOUT} s to connect)")
     while url:
         try:
             with http_get(session, url, args) as response:
@@ -237,7 +268,7 @@ def list_hub_files(args, stop):
                              "is --endpoint (or HF_ENDPOINT) a Hugging Face hub or mirror?")
         except requests.RequestException as e:
             failures += 1
-            backoff(failures, e, args, stop)
+            backoff(failures, e, args.endpoint, args, stop)
             continue
         url = next_url
     if not files:
@@ -287,7 +318,7 @@ def download(source, args, stop):
                                                            f"of {source['size']:,}")
             except requests.RequestException as e:
                 failures += 1
-                backoff(failures, e, args, stop)
+                backoff(failures, e, source["path"], args, stop)
         if stop.is_set():
             return None
         if intact(part, source):
@@ -341,18 +372,34 @@ class Downloads:
         self.asked.put(None)
         self.thread.join()
 
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+def files_under(directory):
+    """The .txt, .jsonl and .parquet files under directory, sorted, and apart those that are hidden, their name or
+    a folder's starting with a dot (Jupyter's .ipynb_checkpoints/, macOS's ._a.txt): paths relative to it."""
+    found, hidden = [], []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            if name.endswith(INPUT_SUFFIXES):
+                relative = os.path.relpath(os.path.join(root, name), directory)
+                (hidden if any(part.startswith(".") for part in relative.split(os.sep)) else found).append(relative)
+    return sorted(found), sorted(hidden)
+
 def local_sources(paths):
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                           if name.endswith((".txt", ".jsonl", ".parquet")))
+            found, hidden = files_under(path)
+            if hidden:  # copies of the data, mostly, which the trainer would never read as shards either
+                print(f"--input {path}: skipped {len(hidden)} hidden file{'s' if len(hidden) > 1 else ''}, whose "
+                      f"name or folder's starts with a dot (e.g. {hidden[0]}), as train_gpt2.py skips hidden shards")
             if not found:
-                raise UsageError(f"--input {path}: no .txt, .jsonl or .parquet files in that directory")
-            files += found
+                raise UsageError(f"--input {path}: no .txt, .jsonl or .parquet files in that directory"
+                                 + (" but hidden ones, which are skipped" if hidden else ""))
+            files += [os.path.join(path, relative) for relative in found]
         elif not os.path.isfile(path):
             raise UsageError(f"--input {path}: no such file")
-        elif not path.endswith((".txt", ".jsonl", ".parquet")):
+        elif not path.endswith(INPUT_SUFFIXES):
             raise UsageError(f"--input {path}: unsupported type; use .txt (one document), .jsonl or .parquet")
         else:
             files.append(path)
@@ -397,7 +444,9 @@ def read_manifest(path, output):
         with open(path) as f:
             manifest = json.load(f)
         state = manifest["next"]
-        well_formed = (isinstance(manifest["config"]["--prefix"], str) and isinstance(manifest["shards"], list)
+        if isinstance(manifest["shards"], list):  # an older fineweb.py's, which listed each shard's name and tokens
+            manifest["shards"] = len(manifest["shards"])
+        well_formed = (isinstance(manifest["config"]["--prefix"], str) and isinstance(manifest["shards"], int)
                        and all(isinstance(s["path"], str) and isinstance(s["size"], int) for s in manifest["sources"])
                        and all(isinstance(state[k], int) for k in ("file", "unit", "skip", "tokens", "documents"))
                        and isinstance(state["carry"], (str, type(None))) and isinstance(manifest["done"], bool))
@@ -442,7 +491,9 @@ def open_manifest(args, config, stop):
     manifest = {
         "config": config,
         "sources": sources or list_hub_files(args, stop),
-        "shards": [],  # completed shards, in order: name and tokens
+        # how many shards are complete, each of --shard-size tokens (the last, at the end, of what is left): not
+        # their list, which made each rewrite of the manifest (one a shard) longer than the last
+        "shards": 0,
         # the token stream continues at unit `unit` of source `file`, skipping its first `skip` tokens,
         # after the tokens of the shards and of the `carry` file (a partial shard)
         "next": {"file": 0, "unit": 0, "skip": 0, "carry": None, "tokens": 0, "documents": 0},
@@ -457,7 +508,7 @@ class ShardWriter:
 
     def __init__(self, args, manifest):
         self.args, self.manifest = args, manifest
-        self.state, self.shards = manifest["next"], manifest["shards"]
+        self.state = manifest["next"]
         self.shard = np.empty(args.shard_size, dtype=np.uint16)
         self.fill = 0
         if self.state["carry"]:
@@ -481,9 +532,9 @@ class ShardWriter:
             os.remove(os.path.join(self.args.output, old_carry))
 
     def write_shard(self):
-        name, tokens = shard_name(self.args.prefix, len(self.shards)), self.shard[:self.fill]
+        name, tokens = shard_name(self.args.prefix, self.manifest["shards"]), self.shard[:self.fill]
         write_whole(os.path.join(self.args.output, name), lambda f: np.save(f, tokens))
-        self.shards.append({"name": name, "tokens": len(tokens)})
+        self.manifest["shards"] += 1
         self.fill = 0
 
     def append(self, unit_tokens, consumed, file, unit, bar):
@@ -607,11 +658,11 @@ def finish(args, writer, start):
     if deletes_downloads(args):  # what --max-tokens left unread
         shutil.rmtree(os.path.join(args.output, "downloads"))
     elapsed = time.perf_counter() - start
-    tokens, shards = writer.tokens, writer.shards
-    print(f"done: {writer.documents:,} documents, {tokens:,} tokens in {len(shards)} shards "
-          f"(1 val + {len(shards) - 1} train) in {args.output}; {elapsed:.1f} s, "
+    tokens, shards = writer.tokens, writer.manifest["shards"]
+    print(f"done: {writer.documents:,} documents, {tokens:,} tokens in {shards} shards "
+          f"(1 val + {shards - 1} train) in {args.output}; {elapsed:.1f} s, "
           f"{(tokens - writer.tokens_at_start) / elapsed:,.0f} tokens/s")
-    if len(shards) == 1:
+    if shards == 1:
         print(f"warning: only a validation shard was written; lower --shard-size (now {args.shard_size:,}) "
               "to get train shards")
 
@@ -622,7 +673,7 @@ def prepare(args):
     sources, state = manifest["sources"], manifest["next"]
     if manifest["done"]:
         print(f"{args.output} is already complete: {state['documents']:,} documents, {state['tokens']:,} tokens "
-              f"in {len(manifest['shards'])} shards; nothing to do")
+              f"in {manifest['shards']} shards; nothing to do")
         return
     remove_leftovers(args, manifest)
     writer = ShardWriter(args, manifest)
@@ -705,16 +756,47 @@ def parse_args(argv=None):
             sys.exit(f"error: {flag} must be at least {least}")
     return args
 
+def remove_if_nothing_made(output):
+    """Empties an output directory this run made if all it holds is a manifest (of no tokens: there are no shards)
+    and downloads/ with no byte downloaded: the lock's clean-up then removes it. Left behind, it would stand at the
+    trainer's default --data, looking like shards."""
+    downloads = os.path.join(output, "downloads")
+    try:
+        partial = os.listdir(downloads) if os.path.isdir(downloads) else []
+        if not set(os.listdir(output)) <= {".lock", "manifest.json", "downloads"} or any(
+                os.path.getsize(os.path.join(downloads, name)) for name in partial):
+            return
+        shutil.rmtree(downloads, ignore_errors=True)
+        os.remove(os.path.join(output, "manifest.json"))
+    except OSError:  # no manifest, or a download that ended meanwhile (its thread does not wait for this one)
+        pass
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the same clean-up runs."""
+
+def stop_on_signal(signum, frame):
+    raise Stopped(signum)
+
+def stop_on_signals():
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) == signal.SIG_DFL:  # one ignored (nohup's SIGHUP) stays ignored
+            signal.signal(signum, stop_on_signal)
+
 def main(argv=None):
     args = parse_args(argv)
+    made = not os.path.exists(args.output)
     try:
         with output_lock(args.output):
-            prepare(args)
+            try:
+                prepare(args)
+            finally:
+                if made:
+                    remove_if_nothing_made(args.output)
     except UsageError as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("\ninterrupted; run the same command again to resume", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + e.args[0] if isinstance(e, Stopped) else 130)
     except OSError as e:
         reason = no_room(e)  # of a write outside write_whole: a download's
         if reason:
@@ -722,4 +804,6 @@ def main(argv=None):
         sys.exit(f"error: {e}")
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # each line as it is said, into a log file too
+    stop_on_signals()
     main()

@@ -7,10 +7,11 @@ Plots train_gpt2.py runs next to OpenAI's GPT-2 124M:
     options: --out PATH, --x step,tokens,time (the columns), --recipe NAME (once per LOG_DIR, for logs that lack it)
 
 Top row: train loss (faint: each step's; solid: its running mean) and val loss. Bottom row: HellaSwag acc_norm.
-Columns: against steps, against the tokens the evaluated weights had trained on, and, when the log records it
-("elapsed_s"), against the training time they had taken. The loss axis tops out below the first steps' losses (~11 at
-init), so that the rest of the run is not squeezed into the bottom of the panel: ▲ marks the val points above it,
-and a note lists what it leaves out.
+Columns: against steps, with the tokens the evaluated weights had trained on along the top (a run of constant batch
+is the same curve against either); against tokens, in a column of its own where runs compared train different
+batches; and, when the log records it ("elapsed_s"), against the training time they had taken. The loss axis tops
+out below the first steps' losses (~11 at init), so that the rest of the run is not squeezed into the bottom of the
+panel: ▲ marks the val points above it, and a note lists what it leaves out.
 Reference lines: GPT-2 124M's val loss and HellaSwag acc_norm as measured by an `--eval-only --init-from gpt2` run
 logged into the same log.jsonl, else the published HellaSwag acc_norm of GPT-2 124M (0.2945); and GPT-3 124M's (0.337).
 """
@@ -65,11 +66,11 @@ def read_log(path, name="run"):
     """
     curves = {series: {} for series in SERIES}
     gpt2, bad_lines, recipe = {}, 0, None
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # decoded line by line: bytes that are not UTF-8 damage their line only
         for line in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # e.g. the last line of a run killed mid-write
+                record = json.loads(line.decode("utf-8"))
+            except ValueError:  # not JSON (the last line of a run killed mid-write), or not UTF-8 (a damaged block)
                 bad_lines += 1
                 continue
             if not isinstance(record, dict):
@@ -194,6 +195,13 @@ def time_unit(seconds):
     return next(((size, name) for size, name in ((3600, "h"), (60, "min")) if seconds >= 2 * size), (1, "s"))
 
 
+def batches(runs):
+    """The tokens a step that the runs' points say (tokens = step * batch): one batch for runs that all train the
+    same, whose tokens axis is then their step axis scaled; none if no point has tokens past step 0."""
+    return {tokens / step for run in runs for curve in CURVES for step, (tokens, _) in run.curves[curve].items()
+            if step and tokens is not None}
+
+
 def display_name(run):
     return run.name + (f" (recipe {run.recipe})" if run.recipe else "")
 
@@ -267,20 +275,28 @@ def draw_hellaswag(ax, runs, x_axis, gpt2, seconds_per_unit):
                label=f"OpenAI GPT-3 124M, published ({GPT3_124M_HELLASWAG})")
 
 
-def plot_runs(runs, x_axes=("step", "tokens")):
+def plot_runs(runs, x_axes=("step",)):
     """
-    The figure: a loss row, a HellaSwag row when a run has HellaSwag points, and a column per x axis. Runs compared
-    share the panels (and so their axes), each in its colour, and one legend below them. GPT-2's measured values
-    come from the first log that has them.
+    The figure: a loss row, a HellaSwag row when a run has HellaSwag points, and a column per x axis; the tokens
+    along the top of the step column where the runs all train one batch. Runs compared share the panels (and so
+    their axes), each in its colour, and one legend below them. GPT-2's measured values come from the first log
+    that has them.
     """
     rows = 2 if any(run.curves["hellaswag_acc_norm"] for run in runs) else 1  # the CPU default has no HellaSwag
-    fig, axes = plt.subplots(rows, len(x_axes), figsize=(7 * len(x_axes), 4.5 * rows), sharex="col", sharey="row",
-                             squeeze=False, layout="constrained")
+    # one column is wider than a column of several: the legend below spans it
+    fig, axes = plt.subplots(rows, len(x_axes), figsize=(max(7 * len(x_axes), 10), 4.5 * rows), sharex="col",
+                             sharey="row", squeeze=False, layout="constrained")
     gpt2 = {curve: value for run in reversed(runs) for curve, value in run.gpt2.items()}
     limits = loss_axis_limits([run.curves for run in runs], gpt2.get("val_loss"))
     top = None if limits is None else limits[1]
     unit = time_unit(max((s for run in runs for _, s in run.curves.get("elapsed_s", {}).values()), default=0))
+    found = batches(runs)
+    batch = found.pop() if len(found) == 1 else None  # None: no tokens axis over the steps
     for column, x_axis in enumerate(x_axes):
+        if x_axis == "step" and batch:  # along the top of the figure
+            tokens_axis = axes[0][column].secondary_xaxis("top", functions=(lambda s: s * batch, lambda t: t / batch))
+            tokens_axis.set_xlabel("tokens")
+            tokens_axis.xaxis.set_major_formatter(lambda x, _: tokens_label(x))
         draw_losses(axes[0][column], runs, x_axis, gpt2, top, unit[0] if x_axis == "time" else 1)
         if rows == 2:
             draw_hellaswag(axes[1][column], runs, x_axis, gpt2, unit[0] if x_axis == "time" else 1)
@@ -298,7 +314,7 @@ def plot_runs(runs, x_axes=("step", "tokens")):
     handles = {}  # one legend for every panel: the first column holds every curve
     for ax in [row[0] for row in axes]:
         handles.update((line.get_label(), line) for line in ax.get_lines() if not line.get_label().startswith("_"))
-    columns = legend_columns(runs, list(handles))
+    columns = legend_columns(runs, list(handles), 4 if len(x_axes) > 1 else 3)  # as many as the width holds
     blank = matplotlib.lines.Line2D([], [], alpha=0)
     labels = [label for column in columns for label in column]
     fig.legend([handles.get(label, blank) for label in labels], labels, loc="outside lower center",
@@ -307,11 +323,12 @@ def plot_runs(runs, x_axes=("step", "tokens")):
     return fig
 
 
-def legend_columns(runs, labels):
-    """The legend's columns of labels: one run's, up to 4 columns; several runs', a column per run and one for the
-    reference lines, padded with blank labels so that each column holds one run (the legend fills column by column)."""
+def legend_columns(runs, labels, most=4):
+    """The legend's columns of labels: one run's, up to `most` columns; several runs', a column per run and one for
+    the reference lines, padded with blank labels so that each column holds one run (the legend fills column by
+    column)."""
     if len(runs) == 1:
-        columns = min(len(labels), 4)
+        columns = min(len(labels), most)
         depth = -(-len(labels) // columns)
         return [labels[i * depth:(i + 1) * depth] for i in range(columns)]
     columns = [[label for label in labels if label.startswith(f"{display_name(run)}: ")] for run in runs]
@@ -342,10 +359,11 @@ def read_runs(log_dirs, recipes):
 
 
 def chosen_x_axes(x, runs):
-    """The columns' x axes: --x's, else step and tokens, and time when a log records it."""
+    """The columns' x axes: --x's, else step (tokens along its top), tokens where the runs' batches differ, and time
+    when a log records it."""
     timed = [run for run in runs if run.curves["elapsed_s"]]
     if x is None:
-        return ("step", "tokens") + ("time",) * bool(timed)
+        return ("step",) + ("tokens",) * (len(batches(runs)) > 1) + ("time",) * bool(timed)
     x_axes = tuple(x.split(","))
     if not x_axes or not set(x_axes) <= set(X_AXES):
         raise UsageError(f"--x {x}: a comma-separated list of {', '.join(X_AXES)}")
@@ -364,8 +382,9 @@ def main(argv=None):
     parser.add_argument("log_dirs", nargs="*", default=["log"], metavar="LOG_DIR",
                         help="a run's --log-dir, holding log.jsonl (default: log); several: drawn on the same axes")
     parser.add_argument("--out", help="the PNG to write (default: LOG_DIR/curves.png; for several runs, compare.png)")
-    parser.add_argument("--x", help="the columns: some of step,tokens,time (default: step,tokens, and time when a "
-                                    "log has the training times)")
+    parser.add_argument("--x", help="the columns: some of step,tokens,time (default: step, with tokens along its top "
+                                    "or, where runs' batches differ, in a column of their own, and time when a log "
+                                    "has the training times)")
     parser.add_argument("--recipe", action="append", help="the recipe of a run whose log does not name it (gpt2, "
                                                           "modern): once per LOG_DIR, in their order")
     args = parser.parse_args(argv)

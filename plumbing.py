@@ -164,6 +164,17 @@ def shard_paths(directory):
     return splits["train"], splits["val"]
 
 
+def unfinished_preparation(directory):
+    """The names in directory when they are all of what fineweb.py writes there before its first shard (hidden
+    files, such as its .lock, manifest.json and downloads/): [] for none. None for a directory holding anything
+    else, or for no directory."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return None
+    return names if all(name.startswith(".") or name in ("manifest.json", "downloads") for name in names) else None
+
+
 # -----------------------------------------------------------------------------
 # Files written whole, and the writes that run out of room
 

@@ -266,12 +266,19 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
     if cfg.eval_only and cfg.resume == "none":
         raise UsageError("--eval-only evaluates a checkpoint (the latest in --log-dir, or --resume PATH's) or OpenAI's "
                          "weights (--init-from), and --no-resume asks for none; drop --no-resume")
-    shards_found = "data" in given or os.path.exists(cfg.data)
+    # the default --data holding only what a stopped `python fineweb.py` left is as good as missing
+    leftovers = None if "data" in given else plumbing.unfinished_preparation(cfg.data)
+    shards_found = "data" in given or (os.path.exists(cfg.data) and leftovers is None)
     if not shards_found and master:
         doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
                  else f"fine-tuning OpenAI's {cfg.init_from}")
-        print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): {doing} on tiny Shakespeare "
-              f"instead")
+        advice = "make them with `python fineweb.py`"
+        if leftovers:
+            advice = (f"only {', '.join(leftovers)}, left by an unfinished `python fineweb.py`: rerun it to finish "
+                      f"them, or delete {cfg.data}/")
+        elif leftovers == []:
+            advice = f"it is empty: {advice}, or delete {cfg.data}/"
+        print(f"no FineWeb shards in {cfg.data}/ ({advice}): {doing} on tiny Shakespeare instead")
     check_recipe(cfg, given, recipes)
     changes = apply_presets(cfg, given, presets_for(cfg, given, shards_found, recipes, model_sizes, presets),
                             model_sizes)

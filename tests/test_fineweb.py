@@ -76,11 +76,14 @@ def fineweb_after(setup, *args):
     code = f"import runpy, sys; {setup}; sys.argv[0] = {FINEWEB!r}; runpy.run_path({FINEWEB!r}, run_name='__main__')"
     return [sys.executable, "-c", code, *map(str, args)]
 
-def start_fineweb(*args):
+def start_fineweb(*args, stdout=subprocess.PIPE):
     """python fineweb.py ARGS, started with Ctrl-C's SIGINT raising KeyboardInterrupt as in a terminal: a shell's
-    background job (CI's, maybe) ignores SIGINT, and this child would inherit that and shrug the test's SIGINT off."""
-    command = fineweb_after("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)", *args)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
+    background job (CI's, maybe) ignores SIGINT, and this child would inherit that and shrug the test's SIGINT off;
+    and SIGHUP as a terminal's, which nohup would have ignored."""
+    setup = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); " \
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL)"
+    return subprocess.Popen(fineweb_after(setup, *args), stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            env=environment())
 
 def wait_until(condition, process, seconds=30):
     """Poll condition while the started run goes on; it must come true within seconds."""
@@ -253,7 +256,7 @@ def test_hub_pipeline_matches_tiktoken_per_document(hub, tmp_path):
     assert list(expected)[:2] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
     manifest = json.loads((output / "manifest.json").read_text())
     assert [(s["path"], s["sha256"]) for s in manifest["sources"]] == [(p, sha256(hub.files[p])) for p in paths]
-    assert [s["tokens"] for s in manifest["shards"]][:-1] == [5000] * (len(expected) - 1) and manifest["done"]
+    assert manifest["shards"] == len(expected) and manifest["done"]
     assert not (output / "downloads").exists()  # each parquet is deleted once tokenized
     assert f"{len(expected)} shards" in result.stdout and "documents" in result.stdout
 
@@ -349,7 +352,7 @@ def test_killed_and_interrupted_runs_resume_to_identical_shards(hub, tmp_path):
 
     def shards_done():
         try:
-            return len(json.loads(manifest.read_text())["shards"])
+            return json.loads(manifest.read_text())["shards"]
         except (OSError, ValueError):
             return 0
 
@@ -486,10 +489,73 @@ def test_a_listing_that_is_not_json_fails_at_once(hub, tmp_path):
     assert len(hub.log) == 1  # the same page again would not help
 
 
-def test_unreachable_network_names_mirrors(tmp_path):
-    result = run_fineweb("--endpoint", "http://127.0.0.1:9", "--output", tmp_path / "edu", "--retries", 1,
-                         "--retry-delay", 0.01)
-    assert_error(result, "http://127.0.0.1:9", "HF_ENDPOINT")
+OFFLINE = "http://127.0.0.1:9"  # nothing listens there: each connection is refused, as with no network
+
+
+def test_offline_it_says_what_it_waits_for_and_leaves_no_directory(tmp_path):
+    """Offline, `python fineweb.py` printed nothing while it retried (ten retries, doubling: about 5 minutes). It
+    says what it asks for before the first try, and each retry with the wait in all; and when it gives up, the
+    directory it made is gone: the trainer would take it for shards."""
+    result = run_fineweb("--endpoint", OFFLINE, "--output", tmp_path / "edu", "--retries", 2, "--retry-delay", 0.25)
+    assert_error(result, f"giving up on {OFFLINE} after 2 retries (Connection refused)", "HF_ENDPOINT")
+    waits = "giving up after 2 retries, 0.75 s of waiting in all (--retries, --retry-delay)"
+    assert result.stdout.splitlines() == [
+        f"asking {OFFLINE} for the files of {DATASET}/{SUBSET} (each try waits up to 30 s to connect)",
+        f"{OFFLINE}: Connection refused; retry 1 of 2 in 0.25 s; {waits}",
+        f"{OFFLINE}: Connection refused; retry 2 of 2 in 0.5 s; {waits}"]
+    assert not (tmp_path / "edu").exists()
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGHUP])
+def test_a_run_stopped_while_it_waits_leaves_no_directory(hub, tmp_path, signal_number):
+    """`kill` or a closed terminal ended it where it stood, leaving OUTPUT/.lock: a directory at the trainer's
+    default --data, which then stopped falling back to tiny Shakespeare. They end it as Ctrl-C does."""
+    hub.status = 503
+    output, printed = tmp_path / "edu", tmp_path / "printed"
+    with open(printed, "w") as stdout:
+        process = start_fineweb(*hub_args(hub, output, "--retry-delay", 60), stdout=stdout)
+    try:
+        wait_until(lambda: "retry 1 of 10 in 1 min;" in printed.read_text(), process)
+        process.send_signal(signal_number)
+        result = finish(process, timeout=15)
+    finally:
+        process.kill()
+    assert result.returncode == 128 + signal_number, result.stderr
+    assert "Traceback" not in result.stderr and "run the same command again to resume" in result.stderr
+    assert not output.exists()
+
+
+def test_a_download_stopped_keeps_its_bytes_and_the_trainer_tells_it_from_shards(hub, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Stopped before the first byte of the first download, a run leaves nothing; after some, it keeps them (they
+    resume), and `python train_gpt2.py` finds no shards in edu_fineweb10B/: it trains on tiny Shakespeare, saying
+    what is there and what to do."""
+    path = hub.add("000_00000.parquet", HUB_DOCS[0])
+    output = tmp_path / "edu_fineweb10B"
+    part = output / "downloads" / "000_00000.parquet.part"
+    for held_at in (0, 65536):  # 65536: one whole chunk of the download, written to the .part file
+        release = threading.Event()
+        hub.hold = {path: (held_at, release)}
+        process = start_fineweb(*hub_args(hub, output))
+        try:
+            wait_until(lambda: part.exists() and part.stat().st_size == held_at, process)  # noqa: B023 (now)
+            process.send_signal(signal.SIGTERM)
+            result = finish(process, timeout=15)
+        finally:
+            release.set()
+            process.kill()
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr
+        assert output.exists() == bool(held_at)
+    assert sorted(os.listdir(output)) == [".lock", "downloads", "manifest.json"]
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args([]), train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
+    assert cfg.data == os.path.join(REPO, "input.txt")
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "no FineWeb shards in edu_fineweb10B/ (only .lock, downloads, manifest.json, left by an unfinished `python "
+        "fineweb.py`: rerun it to finish them, or delete edu_fineweb10B/): training a small model on tiny "
+        "Shakespeare instead")
 
 
 @pytest.mark.parametrize("status", [401, 403])
@@ -539,6 +605,26 @@ def test_local_txt_jsonl_parquet_independent_of_workers(tmp_path):
                              "--workers", workers)
         assert result.returncode == 0, result.stderr
         assert shards_in(output) == expected
+
+
+def test_hidden_files_and_folders_of_an_input_directory_are_skipped(tmp_path):
+    """Jupyter's .ipynb_checkpoints/ holds copies of the notebooks' files, and macOS's ._a.txt is a's metadata:
+    tokenized, they duplicated the data (or stopped the run, not being text). Hidden names are skipped, as the
+    trainer skips hidden shards, and counted."""
+    books = tmp_path / "books"
+    (books / ".ipynb_checkpoints").mkdir(parents=True)
+    (books / "poems").mkdir()
+    (books / "a.txt").write_text("The first book.")
+    (books / "poems" / "b.txt").write_text("The second book.")
+    (books / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("The first book.")
+    (books / "._a.txt").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")  # AppleDouble
+    (books / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")  # not a type it reads: nothing to say
+    result = run_fineweb("--input", books, "--output", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert shards_in(tmp_path / "out") == expected_shards(["The first book.", "The second book."], 10**8, "out")
+    assert [line for line in result.stdout.splitlines() if "skipped" in line] == [
+        f"--input {books}: skipped 2 hidden files, whose name or folder's starts with a dot (e.g. ._a.txt), as "
+        "train_gpt2.py skips hidden shards"]
 
 
 def test_max_tokens_stops_early(tmp_path):
@@ -642,7 +728,7 @@ def test_disk_full_leaves_no_partial_shard(tmp_path):
     result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000,
                          preexec_fn=small_disk)
     assert_error(result, "disk full", "run the same command again")
-    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "manifest.json"]
+    assert not (tmp_path / "out").exists()  # it made the directory and nothing of value in it: no shard, no partial
 
     result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000)
     assert result.returncode == 0, result.stderr
@@ -655,7 +741,7 @@ def test_a_run_stopped_before_recording_its_first_shard_resumes(tmp_path):
     assert run_fineweb(*args).returncode == 0
     # what a kill or a full disk leaves between renaming the first shard into place and recording it
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    manifest["shards"], manifest["done"] = [], False
+    manifest["shards"], manifest["done"] = 0, False
     manifest["next"].update(file=0, unit=0, skip=0, carry=None, tokens=0, documents=0)
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     for name in shards_in(tmp_path / "out"):
@@ -665,6 +751,42 @@ def test_a_run_stopped_before_recording_its_first_shard_resumes(tmp_path):
     result = run_fineweb(*args)
     assert result.returncode == 0, result.stderr
     assert shards_in(tmp_path / "out") == expected_shards([(tmp_path / "a.txt").read_text()], 10_000, "out")
+
+
+def test_the_manifest_does_not_grow_with_the_shards(tmp_path):
+    """The manifest is rewritten (and synced) after every shard: it listed every shard, so each rewrite was longer
+    than the last and a run of small shards took time quadratic in their number (--shard-size 10: 15,155 tokens in
+    28 s). It records how many there are: the same few hundred bytes for 3 shards or 201."""
+    text = "hello world " * 1000  # 2,001 tokens
+    (tmp_path / "a.txt").write_text(text)
+    manifests = {}
+    for shard_size in (10, 1000):
+        output = tmp_path / f"by{shard_size}"
+        result = run_fineweb("--input", tmp_path / "a.txt", "--output", output, "--shard-size", shard_size)
+        assert result.returncode == 0, result.stderr
+        assert shards_in(output) == expected_shards([text], shard_size, output.name)
+        manifests[shard_size] = (output / "manifest.json").read_text()
+    assert json.loads(manifests[10])["shards"] == 201 and json.loads(manifests[1000])["shards"] == 3
+    assert abs(len(manifests[10]) - len(manifests[1000])) <= 4  # "10" and "201" against "1000" and "3"
+
+
+def test_a_manifest_that_lists_its_shards_is_read(tmp_path):
+    """One written by an older fineweb.py, which listed each shard's name and tokens, resumes: as their number."""
+    text = "plenty of words to fill a shard " * 2000
+    (tmp_path / "a.txt").write_text(text)
+    args = ["--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 5000]
+    assert run_fineweb(*args, "--max-tokens", 12_000).returncode == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    names = ["out_val_000000.npy", "out_train_000001.npy", "out_train_000002.npy"]
+    manifest["shards"] = [{"name": name, "tokens": 5000} for name in names[:2]]  # the third: the final, partial one
+    manifest["done"], manifest["config"]["--max-tokens"] = False, None
+    manifest["next"].update(file=0, unit=0, skip=10_000, carry=None, tokens=10_000, documents=1)
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    os.remove(tmp_path / "out" / names[2])
+    result = run_fineweb(*args)
+    assert result.returncode == 0, result.stderr
+    assert "10,000 tokens already done" in result.stdout
+    assert shards_in(tmp_path / "out") == expected_shards([text], 5000, "out")
 
 
 def test_shakespeare_shards_for_the_trainer(tmp_path):

@@ -47,8 +47,22 @@ def test_plot_writes_a_png(tmp_path):
     assert "GPT-2 val_loss 3.2900, GPT-2 hellaswag_acc_norm 0.2955" in result.stdout
     png = (log_dir / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
-    assert struct.unpack(">II", png[16:24]) == (1400, 900)  # width, height: 14 x 9 inches at 100 dpi
+    assert struct.unpack(">II", png[16:24]) == (1000, 900)  # width, height: 10 x 9 inches at 100 dpi, one column
     assert sorted(os.listdir(log_dir)) == ["curves.png", "log.jsonl"]  # no temp file left behind
+
+
+def test_a_line_that_is_not_utf8_is_skipped_as_damaged_lines_are(tmp_path, capsys):
+    """A damaged disk block or a stray binary write leaves bytes that are not UTF-8 in log.jsonl: plot.py died on
+    the UnicodeDecodeError. Such a line is skipped and counted with the lines that are not JSON."""
+    write_log(tmp_path, run_log(range(2)))
+    with open(tmp_path / "log.jsonl", "ab") as f:
+        f.write(b'{"step": 2, "tokens": 3072, "train_loss": 9.0}\xff\xfe\x00\n')
+        f.write(b'\xc3\n')  # half a two-byte character
+        f.write(json.dumps({"step": 3, "tokens": 4096, "train_loss": 8.0}).encode() + b"\n")
+    (run,) = plot.read_runs([str(tmp_path)], None)
+    warning = f"warning: skipped 2 line(s) of {tmp_path / 'log.jsonl'} that are not log records\n"
+    assert capsys.readouterr().out == warning
+    assert sorted(run.curves["train_loss"]) == [0, 1, 3]  # the lines after them are read
 
 
 def test_last_line_per_step_wins_and_a_resume_drops_later_steps(tmp_path):
@@ -92,7 +106,7 @@ def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
         curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")[:3]
         assert gpt2 == expected
         fig = plot.plot_runs([plot.Run(curves, gpt2)])
-        hellaswag_lines = {line.get_label(): line.get_ydata()[0] for line in fig.axes[2].get_lines()}
+        hellaswag_lines = {line.get_label(): line.get_ydata()[0] for line in fig.axes[1].get_lines()}
         assert hellaswag_lines[label] == gpt2.get("hellaswag_acc_norm", 0.2945)
         assert hellaswag_lines["OpenAI GPT-3 124M, published (0.337)"] == 0.337
         plot.plt.close(fig)
@@ -113,13 +127,14 @@ def test_loss_axis_leaves_out_the_first_steps(steps, loss, reference):
     assert bottom < loss(steps - 1) < top and (reference is None or bottom < reference < top)
     if plot.plt is not None:
         fig = plot.plot_runs([plot.Run(curves, {} if reference is None else {"val_loss": reference})])
-        assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim() == (bottom, top)
+        assert fig.axes[0].get_ylim() == (bottom, top)
         plot.plt.close(fig)
 
 
 def drawn(fig, label):
     """The (x, y) points of the line labelled so in the step panels (loss row, HellaSwag row)."""
-    line = next(line for ax in fig.axes[::2] for line in ax.get_lines() if line.get_label() == label)
+    line = next(line for ax in fig.axes if ax.get_xlabel() == "step" for line in ax.get_lines()
+                if line.get_label() == label)
     return list(zip(line.get_xdata(), line.get_ydata()))
 
 
@@ -150,7 +165,8 @@ def test_non_finite_values_are_skipped_and_the_finite_points_drawn(tmp_path):
     assert drawn(fig, "train loss") == [(0, 11.0), (1, 10.0), (3, 8.0), (4, 7.0), (5, 6.0), (6, 4.5)]
     assert drawn(fig, "val loss") == [(0, 10.0), (4, 6.0)]
     assert drawn(fig, "HellaSwag acc_norm") == [(0, 0.25), (2, 0.27), (4, 0.29), (6, 0.31)]
-    assert all(map(math.isfinite, fig.axes[0].get_ylim() + fig.axes[1].get_xlim()))
+    fig.canvas.draw()
+    assert all(map(math.isfinite, fig.axes[0].get_ylim() + fig.axes[0].child_axes[0].get_xlim()))  # tokens: on top
     plot.plt.close(fig)
 
 
@@ -225,7 +241,7 @@ def test_no_argument_reads_log_the_trainers_default(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(sys, "argv", ["plot.py"])
     plot.main()
     assert capsys.readouterr().out.startswith(f"wrote {os.path.join('log', 'curves.png')} (4 train_loss, 2 val_loss")
-    assert png_size(tmp_path / "log" / "curves.png") == (1400, 900)
+    assert png_size(tmp_path / "log" / "curves.png") == (1000, 900)
 
 
 def shakespeare_curves(seed=0):
@@ -249,10 +265,10 @@ def test_points_above_the_loss_axis_are_marked_and_listed():
     assert val_above == [(0, 10.84)] and len(train_above) > 20  # in view: 6.11 at step 150 and all after
     assert fig.axes[0].get_title(loc="left") == (f"▲ above the axis: val loss 10.84 at step 0, train loss at "
                                                  f"{len(train_above)} steps (up to {max(train_above):.2f})")
-    for ax, x in zip(fig.axes, [0, 0]):  # the step and the tokens panel
-        marks = [line for line in ax.get_lines() if line.get_marker() == "^"]
-        assert len(marks) == 1 and not marks[0].get_clip_on()  # drawn over the edge, not clipped away
-        assert list(marks[0].get_xdata()) == [x] and list(marks[0].get_ydata()) == [top]
+    (ax,) = fig.axes  # the loss against steps, and tokens along its top
+    marks = [line for line in ax.get_lines() if line.get_marker() == "^"]
+    assert len(marks) == 1 and not marks[0].get_clip_on()  # drawn over the edge, not clipped away
+    assert list(marks[0].get_xdata()) == [0] and list(marks[0].get_ydata()) == [top]
     plot.plt.close(fig)
 
     curves["val_loss"].pop(0)  # nothing above the axis: no note, no mark
@@ -292,8 +308,10 @@ def test_tokens_read_as_people_say_them():
     for count, said in [(0, "0"), (512, "512"), (200000, "200K"), (921600, "922K"), (999999, "1M"),
                         (1.5e6, "1.5M"), (19073 * 524288, "10B"), (2.5e9, "2.5B"), (3e12, "3T")]:
         assert plot.tokens_label(count) == said
-    fig = plot.plot_runs([plot.Run(shakespeare_curves(), {})])
-    tokens_axis, (left, right) = fig.axes[1].xaxis, fig.axes[1].get_xlim()
+    fig = plot.plot_runs([plot.Run(shakespeare_curves(), {})], ("step",))
+    fig.canvas.draw()  # where the tokens axis over the steps takes its limits
+    secondary = fig.axes[0].child_axes[0]
+    tokens_axis, (left, right) = secondary.xaxis, secondary.get_xlim()
     ticks = [tokens_axis.get_major_formatter()(x, 0) for x in tokens_axis.get_majorticklocs() if left <= x <= right]
     assert ticks == ["0", "200K", "400K", "600K", "800K"]
     plot.plt.close(fig)
@@ -326,6 +344,34 @@ def test_train_loss_is_drawn_with_its_running_mean():
     plot.plt.close(fig)
 
 
+def test_tokens_run_along_the_top_of_the_step_panel(tmp_path):
+    """Against steps and against tokens, a run of constant batch drew the same curve twice, in two columns: one
+    panel, steps below and the tokens they stand for on an axis above, with the time panel beside it. Runs compared
+    that train different batches keep a tokens column of their own, and no tokens axis over their steps."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "small", timed_log(range(5)))  # 1024 tokens a step
+    runs = plot.read_runs([str(tmp_path / "small")], None)
+    assert plot.chosen_x_axes(None, runs) == ("step", "time")
+    fig = plot.plot_runs(runs, plot.chosen_x_axes(None, runs))
+    loss = fig.axes[0]
+    (tokens_axis,) = loss.child_axes
+    assert (loss.get_xlabel(), tokens_axis.get_xlabel(), fig.axes[1].get_xlabel()) == (
+        "step", "tokens", "training time (min)")
+    fig.canvas.draw()
+    assert tokens_axis.get_xlim() == pytest.approx([step * 1024 for step in loss.get_xlim()])
+    assert drawn(fig, "val loss") == [(0, 10.0), (2, 8.0), (4, 6.0)]
+    plot.plt.close(fig)
+
+    write_log(tmp_path / "big", [dict(record, tokens=2 * record["tokens"]) for record in run_log(range(5))])
+    runs = plot.read_runs([str(tmp_path / "small"), str(tmp_path / "big")], None)
+    assert plot.chosen_x_axes(None, runs) == ("step", "tokens", "time")
+    fig = plot.plot_runs(runs, plot.chosen_x_axes(None, runs))
+    assert not fig.axes[0].child_axes and fig.axes[1].get_xlabel() == "tokens"
+    big_val = next(line for line in fig.axes[1].get_lines() if line.get_label() == "big: val loss")
+    assert list(big_val.get_xdata()) == [0, 4096, 8192]
+    plot.plt.close(fig)
+
+
 def timed_log(steps=range(4), dt=40.0):
     """run_log with the training seconds each step line logs at its end: dt a step."""
     records = run_log(steps)
@@ -342,7 +388,7 @@ def test_time_axis_when_the_log_has_training_times(tmp_path):
     pytest.importorskip("matplotlib")
     write_log(tmp_path / "timed", timed_log(range(5), dt=40.0))  # 200 s: minutes
     runs = plot.read_runs([str(tmp_path / "timed")], None)
-    assert plot.chosen_x_axes(None, runs) == ("step", "tokens", "time")
+    assert plot.chosen_x_axes(None, runs) == ("step", "time")
     fig = plot.plot_runs(runs, ("step", "tokens", "time"))
     assert fig.axes[2].get_xlabel() == "training time (min)"
     minutes = [0, 40 / 60, 80 / 60, 120 / 60, 160 / 60]
@@ -356,7 +402,7 @@ def test_time_axis_when_the_log_has_training_times(tmp_path):
 
     write_log(tmp_path / "untimed", run_log())
     untimed = plot.read_runs([str(tmp_path / "untimed")], None)
-    assert plot.chosen_x_axes(None, untimed) == ("step", "tokens")
+    assert plot.chosen_x_axes(None, untimed) == ("step",)
     assert plot.chosen_x_axes("tokens,time", runs) == ("tokens", "time")
     for x, error in [("time", "--x time: no log has training times"), ("steps", "--x steps: a comma-separated")]:
         with pytest.raises(plot.UsageError, match=error):
@@ -374,7 +420,7 @@ def test_several_runs_share_the_axes_and_one_legend(tmp_path, monkeypatch, capsy
     plot.main()
     assert capsys.readouterr().out.startswith("wrote compare.png (gpt2: 5 train_loss, 3 val_loss, 3 hellaswag_acc_norm;"
                                               " modern: 5 train_loss")
-    assert png_size(tmp_path / "compare.png") == (2100, 900)
+    assert png_size(tmp_path / "compare.png") == (1400, 900)  # step (tokens along its top) and time
 
     runs = plot.read_runs(["gpt2", "modern"], ["gpt2", None])
     fig = plot.plot_runs(runs, ("step", "tokens"))

@@ -2,11 +2,12 @@
 preset that changes it for a kind of run (no shards, --recipe modern, --init-from) says so in the run's first lines,
 with how to keep the file's value. And --help lists what each preset changes."""
 import importlib.util
+import os
 
 import pytest
 
 import train_gpt2
-from helpers import SCRIPT
+from helpers import SCRIPT, write_shards
 
 # a user's edits to the defaults at the top of the file (each must match the file, or the test stops)
 EDITS = {
@@ -113,3 +114,36 @@ def test_help_lists_what_each_preset_changes(capsys):
                         ("--recipe modern's PRESETS['fineweb']", "--max-steps 3815 --warmup-steps 0"),
                         ("--recipe modern's PRESETS['shakespeare']", "--muon-lr 0.02 --embed-lr 0.3 --head-lr 0.004")]:
         assert name in presets and flags in presets, (name, flags)
+
+
+@pytest.mark.parametrize("leftovers", [[".lock"], [".lock", "downloads", "manifest.json"], []])
+def test_an_unfinished_preparation_is_no_shards(tmp_path, capsys, monkeypatch, leftovers):
+    """`python fineweb.py` stopped early (offline, say, or killed) leaves edu_fineweb10B/ with only its own files:
+    `python train_gpt2.py` refused it ("no train shards") until the user found and deleted it. It falls back to
+    tiny Shakespeare as if the directory were not there, and its first line says what is there and what to do."""
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "edu_fineweb10B"
+    output.mkdir()
+    for name in leftovers:
+        (output / name).mkdir() if name == "downloads" else (output / name).touch()
+    cfg, out = resolve(train_gpt2, [], capsys)
+    assert os.path.basename(cfg.data) == "input.txt" and "preset SHAKESPEARE sets" in out
+    found = (f"only {', '.join(leftovers)}, left by an unfinished `python fineweb.py`: rerun it to finish them"
+             if leftovers else "it is empty: make them with `python fineweb.py`")
+    assert out.splitlines()[0] == (f"no FineWeb shards in edu_fineweb10B/ ({found}, or delete edu_fineweb10B/): "
+                                   "training a small model on tiny Shakespeare instead")
+    cfg, out = resolve(train_gpt2, ["--data", "edu_fineweb10B"], capsys)  # named: the loader's refusal, as before
+    assert cfg.data == "edu_fineweb10B" and "SHAKESPEARE" not in out
+
+
+def test_a_directory_with_shards_or_other_files_is_data(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_shards(tmp_path / "edu_fineweb10B", train_lengths=(3000,))
+    (tmp_path / "edu_fineweb10B" / ".lock").touch()
+    cfg, out = resolve(train_gpt2, [], capsys)
+    assert cfg.data == "edu_fineweb10B" and "SHAKESPEARE" not in out
+    for name in os.listdir(tmp_path / "edu_fineweb10B"):
+        os.remove(tmp_path / "edu_fineweb10B" / name)
+    (tmp_path / "edu_fineweb10B" / "notes.txt").touch()  # not fineweb.py's: the loader says what is missing
+    cfg, out = resolve(train_gpt2, [], capsys)
+    assert cfg.data == "edu_fineweb10B" and "SHAKESPEARE" not in out
