@@ -332,7 +332,9 @@ def restore(run, ckpt, path):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    run.log.wandb_id = ckpt["wandb_id"]
+    # the same W&B run as the checkpoint's, unless this run branches it into another directory (plumbing's
+    # prepare_log_dir): W&B's step is the record's line in log.jsonl, which begins again there
+    run.log.wandb_id = ckpt["wandb_id"] if plumbing.is_log_dir_of(path, cfg.log_dir) else None
     run.trained_seconds = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was
 
 

@@ -658,3 +658,36 @@ def test_resuming_twice_from_one_checkpoint_keeps_each_abandoned_one(shards, tmp
     assert code == 0, err
     assert "ckpt_000008" + (".dcp" if fsdp else ".pt") + ".abandoned.1, " in out  # moved aside with the rest
     assert not [name for name in os.listdir(log_dir) if "abandoned" in name]
+
+
+def test_resuming_another_directorys_checkpoint_moves_the_run_in_log_dir_aside(shards, tmp_path, capsys):
+    """A run in X, another in Y, then X resumed from Y's checkpoint: X's checkpoints were pruned away and its
+    log.jsonl went on as if the two runs were one. The run in X is another run than the checkpoint's: it is moved
+    aside whole, as a fresh start moves it, and says so, and X's log begins with the resume. A checkpoint of X by
+    another path (a link) is X's own: resuming it goes on with X's run, as resuming any of its checkpoints does."""
+    x, y, link = tmp_path / "X", tmp_path / "Y", tmp_path / "link"
+    args = TINY + ["--data", shards, "--checkpoint-every", "2"]
+    assert run_main(args + ["--log-dir", x, "--max-steps", "6", "--keep-checkpoints", "5", "--seed", "7"],
+                    capsys)[0] == 0
+    x_log = open(x / "log.jsonl").read()
+    assert run_main(args + ["--log-dir", y, "--max-steps", "12"], capsys)[0] == 0
+    code, out, err = run_main(args + ["--log-dir", x, "--resume", checkpoint_path(y, 12), "--max-steps", "20",
+                                      "--keep-checkpoints", "2"], capsys)
+    assert code == 0, err
+    moved = re.search(r"resuming (\S+), a checkpoint of another directory: moved the old run's files \(.*\) from (\S+) "
+                      r"aside to (\S+)\n", out)
+    assert moved and moved.groups()[:2] == (checkpoint_path(y, 12), str(x)), out
+    aside = moved.group(3)
+    assert sorted(os.listdir(aside)) == ["ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt", "log.jsonl"]
+    assert open(os.path.join(aside, "log.jsonl")).read() == x_log
+    records = read_log(x)
+    assert records[0]["event"] == "resume" and records[0]["step"] == 12
+    assert sorted(train_records(records)) == list(range(12, 20))
+    assert checkpoint_names(x) == ["ckpt_000018.pt", "ckpt_000020.pt"]
+    assert checkpoint_names(y) == ["ckpt_000010.pt", "ckpt_000012.pt"]  # untouched
+    os.symlink(x, link)
+    code, out, err = run_main(args + ["--log-dir", x, "--resume", checkpoint_path(link, 18), "--max-steps", "19"],
+                              capsys)
+    assert code == 0, err
+    assert f"moved {checkpoint_path(x, 20)} aside to {checkpoint_path(x, 20)}.abandoned" in out
+    assert "another directory" not in out and read_log(x)[:len(records)] == records
