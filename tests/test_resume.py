@@ -2,6 +2,7 @@
 shapes, a different number of processes, checkpoints of another format, sampling from a checkpoint, --no-resume,
 --eval-only. (Non-finite steps: test_nonfinite.py.)"""
 import fcntl
+import math
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import plumbing
+import settings
 import train_gpt2
 from helpers import (
     TINY,
@@ -22,6 +24,7 @@ from helpers import (
     expect_usage_error,
     load_ckpt,
     logged_train_steps,
+    needs_muon,
     printed_samples,
     read_log,
     run_main,
@@ -691,3 +694,51 @@ def test_resuming_another_directorys_checkpoint_moves_the_run_in_log_dir_aside(s
     assert code == 0, err
     assert f"moved {checkpoint_path(x, 20)} aside to {checkpoint_path(x, 20)}.abandoned" in out
     assert "another directory" not in out and read_log(x)[:len(records)] == records
+
+
+def cosine_lr(step, warmup, max_steps, peak=6e-4, end=6e-5):
+    """GPT-2's rate after its warmup, written out: down from peak at the warmup's end to end at the last step."""
+    return end + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - 1 - warmup))) * (peak - end)
+
+
+def test_a_resumed_run_keeps_its_warmup_and_says_how_its_schedule_changes(shards, tmp_path, capsys):
+    """A run of 20 steps warms up for 2, a tenth of it, as the file's 715 do not fit. Resumed with a larger
+    --max-steps, it took the file's warmup again: cut to a tenth of the new length, or past 715 steps whole, its rate
+    falling back into a warmup. It keeps the run's 2, and one line says how the schedule changes and what the rate
+    does next; the rate then follows the run's warmup onto the cosine to the new end."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]
+    code, out, err = run_main(args + ["--max-steps", "20"], capsys)
+    assert code == 0 and "warming up for 2 steps instead" in out, err
+    code, out, err = run_main(args + ["--max-steps", "30"], capsys)
+    assert code == 0, err
+    assert "warming up" not in out
+    # the cosine from step 2 to step 29, a third of the way at step 20: 10% + 90% x (1 + cos(2 pi / 3)) / 2 = 32.5%
+    assert ("the schedule changes on resuming: --max-steps 30 (was 20), --warmup-steps 2 (as before); the learning "
+            "rate goes from 10% of its peak at step 19 to 32.5% at step 20, then to 10% at step 29\n") in out
+    lrs = {step: record["lr"] for step, record in train_records(read_log(log_dir)).items() if step >= 20}
+    assert lrs == pytest.approx({step: cosine_lr(step, 2, 30) for step in range(20, 30)}, rel=1e-6)
+    assert load_ckpt(checkpoint_path(log_dir, 30))["train_config"]["warmup_steps"] == 2
+    # the run's warmup, unless given, or too long for the run (its tenth then, as for a fresh start)
+    for max_steps, warmup, given, kept in ((800, 2, {}, 2), (500, 715, {}, 50), (800, 2, {"warmup_steps": 50}, 50)):
+        cfg = train_gpt2.TrainConfig(max_steps=max_steps, **given)
+        settings.fit_warmup(cfg, set(given), master=False, saved={"warmup_steps": warmup})
+        assert cfg.warmup_steps == kept, (max_steps, warmup, given)
+
+
+@needs_muon
+def test_a_resumed_modern_run_says_how_its_cool_down_moves(shards, tmp_path, capsys):
+    """The modern recipe's rate, cooled down at the end of a run of 4 steps, goes back up to its peak when the run is
+    resumed to 8, and cools down over the last 40% of those: one line says so."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--recipe", "modern"]
+    assert run_main(args + ["--max-steps", "4"], capsys)[0] == 0
+    code, out, err = run_main(args + ["--max-steps", "8"], capsys)
+    assert code == 0, err
+    assert ("the schedule changes on resuming: --max-steps 8 (was 4), --warmup-steps 0 (as before); the learning "
+            "rate goes from 10% of its peak at step 3 to 100% at step 4, then to 10% at step 7\n") in out
+    lrs = [record["lr"] for step, record in sorted(train_records(read_log(log_dir)).items())]
+    # Muon's 0.02, held, then down to 10% of it over the last 40% of the steps after the first (of 3, then of 7)
+    peak = 0.02
+    assert lrs == pytest.approx([peak, peak, 0.85 * peak, 0.1 * peak] +
+                                [peak * (0.1 + 0.9 * min(1, (7 - s) / 2.8)) for s in range(4, 8)])
