@@ -9,6 +9,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import plumbing
 import settings
 import train_gpt2
 from helpers import (
+    REPO,
+    SCRIPT,
     TINY,
     assert_tensors_equal,
     check_usage_error,
@@ -300,6 +303,33 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     assert f"stopped by signal at step {stop}" in out, out[-3000:]
     assert checkpoint_names(run) == [f"ckpt_{stop:06d}.pt"]
     assert tokens_consumed(load_ckpt(checkpoint_path(run, stop))["stream"], [3000, 2500], 1337) == stop * 256
+
+
+def test_sigint_to_the_torchrun_launcher_saves_then_torchrun_fails_as_the_readme_says(shards, tmp_path):
+    """Ctrl-C or SIGTERM to torchrun itself: it passes the signal on, the workers stop at one step and rank 0 saves,
+    then torchrun exits 1 with a SignalException traceback. The README said so of SIGTERM only; it names both, and
+    what to signal instead. (One worker: the launcher's handling is the same for any number.)"""
+    run = tmp_path / "run"
+    args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", SCRIPT, *args]
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen([str(word) for word in command], cwd=tmp_path, env=script_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_step(proc, run, 3)
+        os.kill(proc.pid, signal.SIGINT)  # torchrun's own process
+        assert proc.wait(60) == 1, open(tmp_path / "out.txt").read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = open(tmp_path / "out.txt").read()
+    stop = max(logged_train_steps(run)) + 1
+    assert f"stopped by signal at step {stop}, checkpoint saved" in out and "SignalException" in out, out[-3000:]
+    assert checkpoint_names(run) == [f"ckpt_{stop:06d}.pt"]
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    assert ("SIGTERM or SIGINT to torchrun itself" in readme and "exits 1 with a `SignalException` traceback" in readme
+            and "signal the workers instead (`pkill -TERM -P $PID`, or `-INT`)" in readme)
 
 
 def test_resume_from_an_older_checkpoint_then_auto_resume_continues_it(shards, tmp_path, capsys):
