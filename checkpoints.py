@@ -25,8 +25,10 @@ import settings
 from plumbing import UsageError, failing_together
 
 FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
-# the model settings of a checkpoint from before the modern recipe, which lacks them: it is a GPT-2 model
-BEFORE_MODERN = {"recipe": "gpt2", "logit_softcap": 15.0}
+# the model settings GPTConfig gained after this format's first checkpoints, each with the value an older checkpoint's
+# model had, for one that lacks them (a setting added later goes here too): these two came with the modern recipe, so
+# such a checkpoint holds a GPT-2 model, which reads no soft-cap (15.0 is GPTConfig's default, as the flags give it)
+MISSING_MODEL_SETTINGS = {"recipe": "gpt2", "logit_softcap": 15.0}
 
 
 @contextlib.contextmanager
@@ -159,7 +161,7 @@ def read_checkpoint(path):
                          f"format {FORMAT} only; use the train_gpt2.py that wrote it")
     if ckpt["sharded"]:
         fsdp.check_complete(path)
-    ckpt["model_config"] = {**BEFORE_MODERN, **ckpt["model_config"]}
+    ckpt["model_config"] = {**MISSING_MODEL_SETTINGS, **ckpt["model_config"]}
     return ckpt
 
 
