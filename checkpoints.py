@@ -14,17 +14,21 @@ import contextlib
 import os
 import signal
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 import fsdp
 import plumbing
+import settings
 from plumbing import UsageError, failing_together
 
 FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
-# the model settings of a checkpoint from before the modern recipe, which lacks them: it is a GPT-2 model
-BEFORE_MODERN = {"recipe": "gpt2", "logit_softcap": 15.0}
+# the model settings GPTConfig gained after this format's first checkpoints, each with the value an older checkpoint's
+# model had, for one that lacks them (a setting added later goes here too): these two came with the modern recipe, so
+# such a checkpoint holds a GPT-2 model, which reads no soft-cap (15.0 is GPTConfig's default, as the flags give it)
+MISSING_MODEL_SETTINGS = {"recipe": "gpt2", "logit_softcap": 15.0}
 
 
 @contextlib.contextmanager
@@ -158,7 +162,7 @@ def read_checkpoint(path):
                          f"format {FORMAT} only; use the train_gpt2.py that wrote it")
     if ckpt["sharded"]:
         fsdp.check_complete(path)
-    ckpt["model_config"] = {**BEFORE_MODERN, **ckpt["model_config"]}
+    ckpt["model_config"] = {**MISSING_MODEL_SETTINGS, **ckpt["model_config"]}
     return ckpt
 
 
@@ -305,9 +309,10 @@ def load_optimizers(optimizers, model, ckpt, path, sharded):
             group.update(flags)
 
 
-def restore(run, ckpt, path):
+def restore(run, ckpt, path, get_lr):
     """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizers,
-    the data position and the RNGs. Evaluating needs the weights alone, on any --data."""
+    the data position and the RNGs, saying how its schedule (the recipe's get_lr) changes, if it does. Evaluating
+    needs the weights alone, on any --data."""
     cfg = run.cfg
     check_same_model(ckpt, run.model, path)
     load_weights(run.model, ckpt, path)
@@ -325,6 +330,8 @@ def restore(run, ckpt, path):
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
     check_same_training(ckpt, cfg, run.stream, path)
+    if run.master:
+        say_schedule_change(ckpt["train_config"], cfg, run.step, get_lr)
     run.stream.load_state_dict(ckpt["stream"])
     load_optimizers(run.optimizers, run.model, ckpt, path, cfg.fsdp)
     release(ckpt)
@@ -335,8 +342,34 @@ def restore(run, ckpt, path):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    run.log.wandb_id = ckpt["wandb_id"]
+    # the same W&B run as the checkpoint's, unless this run branches it into another directory (plumbing's
+    # prepare_log_dir): W&B's step is the record's line in log.jsonl, which begins again there
+    run.log.wandb_id = ckpt["wandb_id"] if plumbing.is_log_dir_of(path, cfg.log_dir) else None
     run.trained_seconds = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was
+
+
+def say_schedule_change(saved, cfg, step, get_lr):
+    """One line, if the learning rate of the steps from step on differs from what the schedule of the checkpoint's
+    settings (saved) gives them, as with a larger --max-steps: the settings that make it, and what the rate does next,
+    as a share of each parameter group's peak (the recipes' get_lr scale with it)."""
+    before = SimpleNamespace(**{**asdict(cfg), **saved})  # a setting the checkpoint lacks is this run's
+
+    def share(s, schedule):
+        return f"{100 * get_lr(s, 1.0, schedule):.3g}%"
+
+    steps = range(step, cfg.max_steps)
+    if all(get_lr(s, 1.0, before) == get_lr(s, 1.0, cfg) for s in steps):
+        return
+    changes = []
+    for key in ("max_steps", "warmup_steps", "min_lr_ratio", "cooldown_frac"):
+        old, new = getattr(before, key), getattr(cfg, key)
+        if old != new or key in ("max_steps", "warmup_steps"):
+            changes.append(f"{settings.flag(key)} {new} ({'as before' if old == new else f'was {old}'})")
+    peak = max(steps, key=lambda s: get_lr(s, 1.0, cfg))
+    rise = f", up to {share(peak, cfg)} at step {peak}" if peak not in (step, steps[-1]) else ""
+    print(f"the schedule changes on resuming: {', '.join(changes)}; the learning rate goes from "
+          f"{share(step - 1, before)} of its peak at step {step - 1} to {share(step, cfg)} at step {step}{rise}, then "
+          f"to {share(steps[-1], cfg)} at step {steps[-1]}")
 
 
 def finished(run):

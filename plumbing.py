@@ -459,8 +459,9 @@ def unused_name(path):
     return name
 
 
-def move_old_run_aside(log_dir):
-    """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>."""
+def move_old_run_aside(log_dir, why="starting fresh"):
+    """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>, saying
+    why."""
     old = files_in(log_dir, "|".join(RUN_FILES))
     if not old:
         return
@@ -470,14 +471,27 @@ def move_old_run_aside(log_dir):
         with unread(path, wait=True):  # not a checkpoint that --eval-only, say, is loading
             os.rename(path, os.path.join(aside, os.path.basename(path)))
     names = ", ".join(os.path.basename(path) for path in old)
-    print(f"starting fresh: moved the old run's files ({names}) from {log_dir} aside to {aside}")
+    print(f"{why}: moved the old run's files ({names}) from {log_dir} aside to {aside}")
 
 
-def prepare_log_dir(log_dir, resumed_step):
-    """A fresh run (resumed_step None) moves an earlier run's files aside; a resumed run moves aside the checkpoints
-    newer than its own (abandoned, or unreadable), so that they are never resumed later."""
-    if resumed_step is None:
+def is_log_dir_of(path, log_dir):
+    """Whether log_dir is the directory of the checkpoint at path, by whatever path (a link, another mount)."""
+    try:
+        return os.path.samefile(os.path.dirname(os.path.normpath(path)) or ".", log_dir)
+    except OSError:
+        return False
+
+
+def prepare_log_dir(log_dir, resumed_from, resumed_step):
+    """A fresh run (resumed_from None) moves an earlier run's files aside, and so does a run resumed from another
+    directory's checkpoint: a run in log_dir is another one, which it must neither prune nor continue the log of. A
+    run resumed from a checkpoint of log_dir moves aside the checkpoints newer than its own (abandoned, or
+    unreadable), so that they are never resumed later."""
+    if resumed_from is None:
         move_old_run_aside(log_dir)
+        return
+    if not is_log_dir_of(resumed_from, log_dir):
+        move_old_run_aside(log_dir, f"resuming {resumed_from}, a checkpoint of another directory")
         return
     for stale in files_in(log_dir, PARTIAL):  # a save cut short by a crash
         remove(stale)

@@ -98,7 +98,7 @@ def start(run, micro_batch_said):
     with failing_together():
         if run.master and not cfg.eval_only:
             try:
-                plumbing.prepare_log_dir(cfg.log_dir, run.step if run.resumed_from else None)
+                plumbing.prepare_log_dir(cfg.log_dir, run.resumed_from, run.step)
             except OSError as e:
                 raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
                                  f"write to")

@@ -218,10 +218,16 @@ def check_recipe(cfg, given, recipes):
                              f"{'it' if len(other) == 1 else 'them'}, or pass --recipe {other_recipe}")
 
 
-def fit_warmup(cfg, given, master):
+def fit_warmup(cfg, given, master, saved=None):
     """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps
-    for FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about."""
-    if cfg.eval_only or cfg.max_steps == 0 or cfg.warmup_steps < cfg.max_steps:
+    for FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about. A resumed
+    run (saved: its checkpoint's settings) keeps its own warmup, not the file's again: raising --max-steps would put
+    its rate back into a warmup. Its new schedule is said once restored (checkpoints.say_schedule_change)."""
+    if cfg.eval_only:
+        return
+    if saved is not None and "warmup_steps" not in given:
+        cfg.warmup_steps = saved["warmup_steps"]
+    if cfg.max_steps == 0 or cfg.warmup_steps < cfg.max_steps:
         return
     if "warmup_steps" in given:
         if master:
@@ -229,8 +235,8 @@ def fit_warmup(cfg, given, master):
                   f"learning rate rises for the whole run and never decays")
         return
     warmup = cfg.max_steps // 10
-    if master:
-        print(f"--max-steps {cfg.max_steps} is shorter than the {cfg.warmup_steps} warmup steps: warming up for "
+    if master and saved is None:
+        print(f"--max-steps {cfg.max_steps} is no longer than the {cfg.warmup_steps} warmup steps: warming up for "
               f"{warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
     cfg.warmup_steps = warmup
 
@@ -302,5 +308,4 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
     check_config(cfg, env.world_size)
     if cfg.fsdp:
         fsdp_check(cfg)
-    fit_warmup(cfg, given, master)
     return cfg

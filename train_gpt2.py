@@ -796,6 +796,7 @@ def set_up(cfg, given, env):
     """The run: the data, the model (random, OpenAI's, or its checkpoint's), compiled and wrapped, the optimizers, all
     restored from the run's checkpoint if it has one; None if that checkpoint is the run's end, evaluated."""
     ckpt, ckpt_path = checkpoints.find_resume_checkpoint(cfg, env.rank, env.world_size)
+    settings.fit_warmup(cfg, given, env.rank == 0, None if ckpt is None else ckpt["train_config"])
     if cfg.eval_only and ckpt is not None:  # the model as it was trained, whatever the flags' recipe
         settings.take_model_settings(cfg, given, ckpt["model_config"], ckpt_path)
         settings.check_recipe(cfg, given, RECIPES)
@@ -809,7 +810,7 @@ def set_up(cfg, given, env):
               scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow
               autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=plumbing.RunLog(cfg.log_dir))
     if ckpt is not None:
-        checkpoints.restore(run, ckpt, ckpt_path)
+        checkpoints.restore(run, ckpt, ckpt_path, RECIPES[cfg.recipe].get_lr)
         if checkpoints.finished(run):
             return None
     run.micro_batch, said = microbatch.largest_that_fits(run, gradient_sync)  # before any file of the run moves

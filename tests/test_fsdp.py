@@ -198,7 +198,7 @@ def test_sharded_checkpoint_directories_are_pruned_and_recognised(tmp_path):
         (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
     assert plumbing.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt_000015.dcp")
     plumbing.prune_checkpoints(tmp_path, keep=2)
-    plumbing.prepare_log_dir(tmp_path, resumed_step=15)
+    plumbing.prepare_log_dir(tmp_path, str(tmp_path / "ckpt_000015.dcp"), 15)
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000010.dcp", "ckpt_000015.dcp"]
 
 

@@ -2,19 +2,24 @@
 shapes, a different number of processes, checkpoints of another format, sampling from a checkpoint, --no-resume,
 --eval-only. (Non-finite steps: test_nonfinite.py.)"""
 import fcntl
+import math
 import os
 import re
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 
 import pytest
 import torch
 
 import plumbing
+import settings
 import train_gpt2
 from helpers import (
+    REPO,
+    SCRIPT,
     TINY,
     assert_tensors_equal,
     check_usage_error,
@@ -22,6 +27,7 @@ from helpers import (
     expect_usage_error,
     load_ckpt,
     logged_train_steps,
+    needs_muon,
     printed_samples,
     read_log,
     run_main,
@@ -297,6 +303,33 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     assert f"stopped by signal at step {stop}" in out, out[-3000:]
     assert checkpoint_names(run) == [f"ckpt_{stop:06d}.pt"]
     assert tokens_consumed(load_ckpt(checkpoint_path(run, stop))["stream"], [3000, 2500], 1337) == stop * 256
+
+
+def test_sigint_to_the_torchrun_launcher_saves_then_torchrun_fails_as_the_readme_says(shards, tmp_path):
+    """Ctrl-C or SIGTERM to torchrun itself: it passes the signal on, the workers stop at one step and rank 0 saves,
+    then torchrun exits 1 with a SignalException traceback. The README said so of SIGTERM only; it names both, and
+    what to signal instead. (One worker: the launcher's handling is the same for any number.)"""
+    run = tmp_path / "run"
+    args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", SCRIPT, *args]
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen([str(word) for word in command], cwd=tmp_path, env=script_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_step(proc, run, 3)
+        os.kill(proc.pid, signal.SIGINT)  # torchrun's own process
+        assert proc.wait(60) == 1, open(tmp_path / "out.txt").read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = open(tmp_path / "out.txt").read()
+    stop = max(logged_train_steps(run)) + 1
+    assert f"stopped by signal at step {stop}, checkpoint saved" in out and "SignalException" in out, out[-3000:]
+    assert checkpoint_names(run) == [f"ckpt_{stop:06d}.pt"]
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    assert ("SIGTERM or SIGINT to torchrun itself" in readme and "exits 1 with a `SignalException` traceback" in readme
+            and "signal the workers instead (`pkill -TERM -P $PID`, or `-INT`)" in readme)
 
 
 def test_resume_from_an_older_checkpoint_then_auto_resume_continues_it(shards, tmp_path, capsys):
@@ -658,3 +691,84 @@ def test_resuming_twice_from_one_checkpoint_keeps_each_abandoned_one(shards, tmp
     assert code == 0, err
     assert "ckpt_000008" + (".dcp" if fsdp else ".pt") + ".abandoned.1, " in out  # moved aside with the rest
     assert not [name for name in os.listdir(log_dir) if "abandoned" in name]
+
+
+def test_resuming_another_directorys_checkpoint_moves_the_run_in_log_dir_aside(shards, tmp_path, capsys):
+    """A run in X, another in Y, then X resumed from Y's checkpoint: X's checkpoints were pruned away and its
+    log.jsonl went on as if the two runs were one. The run in X is another run than the checkpoint's: it is moved
+    aside whole, as a fresh start moves it, and says so, and X's log begins with the resume. A checkpoint of X by
+    another path (a link) is X's own: resuming it goes on with X's run, as resuming any of its checkpoints does."""
+    x, y, link = tmp_path / "X", tmp_path / "Y", tmp_path / "link"
+    args = TINY + ["--data", shards, "--checkpoint-every", "2"]
+    assert run_main(args + ["--log-dir", x, "--max-steps", "6", "--keep-checkpoints", "5", "--seed", "7"],
+                    capsys)[0] == 0
+    x_log = open(x / "log.jsonl").read()
+    assert run_main(args + ["--log-dir", y, "--max-steps", "12"], capsys)[0] == 0
+    code, out, err = run_main(args + ["--log-dir", x, "--resume", checkpoint_path(y, 12), "--max-steps", "20",
+                                      "--keep-checkpoints", "2"], capsys)
+    assert code == 0, err
+    moved = re.search(r"resuming (\S+), a checkpoint of another directory: moved the old run's files \(.*\) from (\S+) "
+                      r"aside to (\S+)\n", out)
+    assert moved and moved.groups()[:2] == (checkpoint_path(y, 12), str(x)), out
+    aside = moved.group(3)
+    assert sorted(os.listdir(aside)) == ["ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt", "log.jsonl"]
+    assert open(os.path.join(aside, "log.jsonl")).read() == x_log
+    records = read_log(x)
+    assert records[0]["event"] == "resume" and records[0]["step"] == 12
+    assert sorted(train_records(records)) == list(range(12, 20))
+    assert checkpoint_names(x) == ["ckpt_000018.pt", "ckpt_000020.pt"]
+    assert checkpoint_names(y) == ["ckpt_000010.pt", "ckpt_000012.pt"]  # untouched
+    os.symlink(x, link)
+    code, out, err = run_main(args + ["--log-dir", x, "--resume", checkpoint_path(link, 18), "--max-steps", "19"],
+                              capsys)
+    assert code == 0, err
+    assert f"moved {checkpoint_path(x, 20)} aside to {checkpoint_path(x, 20)}.abandoned" in out
+    assert "another directory" not in out and read_log(x)[:len(records)] == records
+
+
+def cosine_lr(step, warmup, max_steps, peak=6e-4, end=6e-5):
+    """GPT-2's rate after its warmup, written out: down from peak at the warmup's end to end at the last step."""
+    return end + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - 1 - warmup))) * (peak - end)
+
+
+def test_a_resumed_run_keeps_its_warmup_and_says_how_its_schedule_changes(shards, tmp_path, capsys):
+    """A run of 20 steps warms up for 2, a tenth of it, as the file's 715 do not fit. Resumed with a larger
+    --max-steps, it took the file's warmup again: cut to a tenth of the new length, or past 715 steps whole, its rate
+    falling back into a warmup. It keeps the run's 2, and one line says how the schedule changes and what the rate
+    does next; the rate then follows the run's warmup onto the cosine to the new end."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir]
+    code, out, err = run_main(args + ["--max-steps", "20"], capsys)
+    assert code == 0 and "warming up for 2 steps instead" in out, err
+    code, out, err = run_main(args + ["--max-steps", "30"], capsys)
+    assert code == 0, err
+    assert "warming up" not in out
+    # the cosine from step 2 to step 29, a third of the way at step 20: 10% + 90% x (1 + cos(2 pi / 3)) / 2 = 32.5%
+    assert ("the schedule changes on resuming: --max-steps 30 (was 20), --warmup-steps 2 (as before); the learning "
+            "rate goes from 10% of its peak at step 19 to 32.5% at step 20, then to 10% at step 29\n") in out
+    lrs = {step: record["lr"] for step, record in train_records(read_log(log_dir)).items() if step >= 20}
+    assert lrs == pytest.approx({step: cosine_lr(step, 2, 30) for step in range(20, 30)}, rel=1e-6)
+    assert load_ckpt(checkpoint_path(log_dir, 30))["train_config"]["warmup_steps"] == 2
+    # the run's warmup, unless given, or too long for the run (its tenth then, as for a fresh start)
+    for max_steps, warmup, given, kept in ((800, 2, {}, 2), (500, 715, {}, 50), (800, 2, {"warmup_steps": 50}, 50)):
+        cfg = train_gpt2.TrainConfig(max_steps=max_steps, **given)
+        settings.fit_warmup(cfg, set(given), master=False, saved={"warmup_steps": warmup})
+        assert cfg.warmup_steps == kept, (max_steps, warmup, given)
+
+
+@needs_muon
+def test_a_resumed_modern_run_says_how_its_cool_down_moves(shards, tmp_path, capsys):
+    """The modern recipe's rate, cooled down at the end of a run of 4 steps, goes back up to its peak when the run is
+    resumed to 8, and cools down over the last 40% of those: one line says so."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--recipe", "modern"]
+    assert run_main(args + ["--max-steps", "4"], capsys)[0] == 0
+    code, out, err = run_main(args + ["--max-steps", "8"], capsys)
+    assert code == 0, err
+    assert ("the schedule changes on resuming: --max-steps 8 (was 4), --warmup-steps 0 (as before); the learning "
+            "rate goes from 10% of its peak at step 3 to 100% at step 4, then to 10% at step 7\n") in out
+    lrs = [record["lr"] for step, record in sorted(train_records(read_log(log_dir)).items())]
+    # Muon's 0.02, held, then down to 10% of it over the last 40% of the steps after the first (of 3, then of 7)
+    peak = 0.02
+    assert lrs == pytest.approx([peak, peak, 0.85 * peak, 0.1 * peak] +
+                                [peak * (0.1 + 0.9 * min(1, (7 - s) / 2.8)) for s in range(4, 8)])

@@ -16,6 +16,7 @@ import torch
 
 import chunked_loss
 import modern
+import settings
 import train_gpt2
 from helpers import (
     REPO,
@@ -69,13 +70,16 @@ def test_a_run_shorter_than_the_warmup_gets_a_warmup_that_fits(shards, tmp_path,
     never decaying. Unless --warmup-steps was given, the warmup is cut to a tenth of the run, and a line says so."""
     code, out, err = run_main(TINY + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "10"], capsys)
     assert code == 0, err
-    assert "--max-steps 10 is shorter than the 715 warmup steps: warming up for 1 step instead" in out
+    assert "--max-steps 10 is no longer than the 715 warmup steps: warming up for 1 step instead" in out
     lrs = [r["lr"] for r in train_records(read_log(tmp_path / "log")).values()]
     # at the peak after 1 step, then down the cosine
     assert lrs[0] == pytest.approx(6e-4) and lrs[-1] == pytest.approx(6e-5)
-    env = cpu_env()
-    flags = ["--data", shards, "--max-steps", "10", "--warmup-steps", "20"]
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(flags), env)
+    cfg = TrainConfig(max_steps=50, warmup_steps=50)  # as long as the warmup: it said "shorter than" of it
+    settings.fit_warmup(cfg, set(), master=True)
+    assert cfg.warmup_steps == 5
+    assert "--max-steps 50 is no longer than the 50 warmup steps: warming up for 5 steps" in capsys.readouterr().out
+    cfg = TrainConfig(max_steps=10, warmup_steps=20)
+    settings.fit_warmup(cfg, {"warmup_steps"}, master=True)
     assert cfg.warmup_steps == 20  # the user's choice stands, with a warning
     assert "warning: --warmup-steps 20 is not shorter than --max-steps 10" in capsys.readouterr().out
 

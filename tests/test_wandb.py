@@ -151,6 +151,18 @@ def test_wandb_logs_what_log_jsonl_holds_and_a_resumed_run_continues_it(shards, 
     assert fresh["id"] != first["id"] and fresh["history"] == read_log(log_dir)
 
 
+def test_a_run_resumed_from_another_directorys_checkpoint_is_a_wandb_run_of_its_own(shards, tmp_path, capsys):
+    """Y's checkpoint resumed with --log-dir X branches Y's run into X: X's log.jsonl begins at the resume, and W&B's
+    step is the record's line in it, so continuing Y's W&B run would log steps that Y's already holds."""
+    args = TINY + ["--data", shards, "--wandb-project", "tiny"]
+    assert run_main(args + ["--log-dir", tmp_path / "Y", "--max-steps", "2"], capsys)[0] == 0
+    code, out, err = run_main(args + ["--log-dir", tmp_path / "X", "--max-steps", "3", "--resume",
+                                      checkpoint_path(tmp_path / "Y", 2)], capsys)
+    assert code == 0, err
+    (y,), (x,) = wandb_runs(tmp_path / "Y"), wandb_runs(tmp_path / "X")
+    assert x["id"] != y["id"] and x["history"] == read_log(tmp_path / "X") and x["wandb_steps"][0] == 0
+
+
 @needs_muon
 def test_a_modern_run_logs_its_recipe_and_muons_learning_rate(shards, tmp_path, capsys):
     log_dir = tmp_path / "log"
