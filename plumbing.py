@@ -121,6 +121,25 @@ def files_in(directory, pattern):
 
 def open_shard(path):
     """A shard's tokens as a read-only uint16 memory map: .npy (np.save) or .bin (llm.c's format)."""
+    try:
+        return read_shard(path)
+    except OSError as e:  # listed, but not to be opened
+        raise UsageError(f"{path}: cannot open this shard ({e.strerror}); {unopenable_fix(path, e)}") from None
+
+
+def unopenable_fix(path, error):
+    """What to do about a shard that open raised error for, in words."""
+    if os.path.isdir(path):
+        return "it is a directory named like a shard: move it out of the data directory"
+    if os.path.islink(path) and not os.path.exists(path):
+        return (f"it links to {os.readlink(path)}, which is gone (purged scratch storage?): restore the shards, or "
+                f"make them again with fineweb.py")
+    if isinstance(error, PermissionError):  # not os.access, which lets root read anything
+        return "this user may not read it: give read permission (chmod a+r), or run as its owner"
+    return "check the file, and the file system it is on"
+
+
+def read_shard(path):
     if path.endswith(".bin"):
         header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
         if len(header) < BIN_HEADER_INTS or header[0] != BIN_MAGIC or header[1] != BIN_VERSION:

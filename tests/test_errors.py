@@ -9,7 +9,16 @@ import torch
 import plumbing
 import settings
 import train_gpt2
-from helpers import TINY, check_usage_error, expect_usage_error, run_main, run_script, run_script_on_tmpfs, write_shards
+from helpers import (
+    TINY,
+    check_usage_error,
+    expect_usage_error,
+    file_permissions_enforced,
+    run_main,
+    run_script,
+    run_script_on_tmpfs,
+    write_shards,
+)
 
 
 def args(data, log_dir, *extra):
@@ -85,6 +94,27 @@ def test_bad_bin_shard(tmp_path, capsys, damage):
     open(path, "wb").write(bytes(raw))
     want = "header" if damage in ("magic", "version", "short header") else "truncated"
     expect_usage_error(args(d, tmp_path / "log"), capsys, path, want)
+
+
+@pytest.mark.parametrize("ext", ["npy", "bin"])
+@pytest.mark.parametrize("kind", ["dangling link", "directory", "unreadable"])
+def test_a_shard_that_cannot_be_opened(tmp_path, capsys, kind, ext):
+    """Listed, but not openable: a link into purged scratch storage, a directory named like a shard, a shard this user
+    may not read. Each was a traceback (FileNotFoundError, IsADirectoryError, PermissionError)."""
+    d = write_shards(tmp_path / "data", ext=ext)
+    path = os.path.join(d, f"x_train_000009.{ext}")
+    if kind == "dangling link":
+        os.symlink(tmp_path / "purged" / os.path.basename(path), path)
+        fragments = ["purged", "restore"]
+    elif kind == "directory":
+        os.mkdir(path)
+        fragments = ["a directory", "move it out of"]
+    else:
+        os.rename(os.path.join(d, f"synth_train_000000.{ext}"), path)
+        os.chmod(path, 0)
+        fragments = ["Permission denied", "chmod"]
+    with file_permissions_enforced():
+        expect_usage_error(args(d, tmp_path / "log"), capsys, path, *fragments)
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
