@@ -344,6 +344,7 @@ def directory_lock(directory, refusal, unwritable):
 # -----------------------------------------------------------------------------
 # The log directory: what a run writes there, and its checkpoint files
 
+LOG_FILE = "log.jsonl"  # the run's record (RunLog)
 CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckpt_<step>.pt, or --fsdp's directory
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
 # other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
@@ -450,9 +451,17 @@ def latest_checkpoint(log_dir, before_step=None):
 def lock_log_dir(log_dir, exclusive):
     """The log directory, locked for this run if exclusive: a second run in it would move the first's files aside, or
     resume from its live checkpoints, and prune them. --eval-only, which only appends its lines to log.jsonl, may run
-    beside the training it evaluates. Also checks now that the run can write there, not at its first log line."""
+    beside the training it evaluates. Also checks now that the run can write there, and append to its log.jsonl (in a
+    group's shared directory, another user's file may not be writable), not at its first log line."""
     refusal = (f"another run is using --log-dir {log_dir} ({{holder}}); wait for it to end or stop it, or pass another "
                f"--log-dir")
+    log = os.path.join(log_dir, LOG_FILE)
+    try:
+        if os.path.isfile(log):
+            open(log, "a").close()
+    except OSError as e:
+        raise UsageError(f"--log-dir {log_dir}: cannot append to {log} ({e.strerror}); make it writable for this user, "
+                         f"or pass another --log-dir") from None
     return directory_lock(log_dir, refusal if exclusive else None,
                           f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run may "
                           f"write to")
@@ -599,7 +608,7 @@ class RunLog:
     W&B run with --wandb-project."""
 
     def __init__(self, log_dir):
-        self.log_dir, self.path = log_dir, os.path.join(log_dir, "log.jsonl")
+        self.log_dir, self.path = log_dir, os.path.join(log_dir, LOG_FILE)
         self.wandb, self.wandb_step = None, 0
         self.wandb_id = None  # kept in the checkpoints: a resumed run continues the same W&B run
 

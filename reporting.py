@@ -20,11 +20,12 @@ from plumbing import UsageError, failing_together
 
 
 def report(run, record, line=None):
-    """Appends record to log.jsonl and the W&B run, and prints line, on rank 0."""
+    """Prints line, then appends record to log.jsonl and the W&B run, on rank 0: a result reaches the terminal even if
+    its record cannot be written (a full disk)."""
     if run.master:
-        run.log.write(record)
         if line:
             print(line, flush=True)
+        run.log.write(record)
 
 
 def log_evaluation(run, results, line):

@@ -1,6 +1,8 @@
 """Mistakes a user can make: each one is a single `error: ...` line on stderr naming the file or the flag,
 exit code 2, no traceback."""
 import os
+import re
+import resource
 
 import numpy as np
 import pytest
@@ -258,6 +260,34 @@ def test_a_log_dir_that_cannot_be_written_is_refused_at_start_up(shards, tmp_pat
     line = check_usage_error(code, out, err, "--log-dir", str(log_dir))
     assert "read-only" in line.lower() or "permission" in line.lower()
     assert "val loss" not in out and "data:" not in out
+
+
+def test_a_log_this_user_cannot_append_to_is_refused_at_start_up(shards, tmp_path, capsys):
+    """log.jsonl another user's, in a directory this user may write in (a group's shared one): the training that would
+    resume and append to it, and --eval-only, are refused before any work, as an unwritable directory is (they ended
+    in a PermissionError traceback, --eval-only's computed result never printed)."""
+    log_dir = tmp_path / "log"
+    assert run_main(args(shards, log_dir), capsys)[0] == 0
+    (log_dir / "log.jsonl").chmod(0o444)
+    with file_permissions_enforced():
+        for extra in (["--max-steps", "2"], ["--eval-only"]):
+            code, out, err = run_main(args(shards, log_dir, *extra), capsys)
+            check_usage_error(code, out, err, f"--log-dir {log_dir}", str(log_dir / "log.jsonl"), "Permission denied")
+            assert "data:" not in out and "val loss" not in out
+
+
+def test_an_evaluation_is_printed_even_if_its_log_line_cannot_be_written(shards, tmp_path, capsys):
+    """The result reaches the terminal first: a log.jsonl past the file-size limit (ulimit -f) stops the run after."""
+    log_dir = tmp_path / "log"
+    assert run_main(args(shards, log_dir), capsys)[0] == 0
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(log_dir / "log.jsonl"), limit[1]))
+    try:
+        code, out, err = run_main(args(shards, log_dir, "--eval-only"), capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    check_usage_error(code, out, err, "file-size limit", str(log_dir / "log.jsonl"))
+    assert re.search(r"^step +1 \| val loss \d+\.\d{4}$", out, re.M), out
 
 
 def test_compile_mode_without_compile(shards, tmp_path, capsys):
