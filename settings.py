@@ -8,6 +8,7 @@ shapes and a gentler rate; a recipe's own), but never a setting given as a flag,
 lines name every setting a preset changed, with the file's value it replaced.
 """
 
+import math
 import os
 import re
 from typing import Callable, NamedTuple
@@ -26,6 +27,10 @@ class Recipe(NamedTuple):
     presets: dict  # what it changes over train_gpt2.py's presets: {"fineweb": {...}, "shakespeare": {...}}
     settings: tuple  # the settings only it reads: refused with the other recipe
     check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
+
+    def rate_flags(self):
+        """The flags of its learning rates (its settings named *_lr): what to lower when a run diverges."""
+        return [flag(name) for name in self.settings if name.endswith("_lr")]
 
 
 def flag(name):
@@ -174,6 +179,8 @@ def check_paths(cfg, given):
 
 
 def check_config(cfg, world_size):
+    require(cfg, [name for name, value in vars(cfg).items() if isinstance(value, float)], math.isfinite,
+            "a finite number")  # --max-lr inf trained with lr nan, --logit-softcap inf gave NaN at every step
     require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len",
                   "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip",
                   "muon_lr", "embed_lr", "head_lr", "logit_softcap"),

@@ -614,7 +614,7 @@ def gradient_sync(model, on):
 class StepResult(NamedTuple):
     loss: float  # the mean over the whole batch of every rank
     grad_norm: float  # before clipping
-    finite: bool  # False for a non-finite loss or gradient norm: the optimizers did not step
+    finite: bool  # False for a non-finite loss or norm: no step; fp16's overflowed norm is True, its step skipped too
 
 
 def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
@@ -851,7 +851,7 @@ def train(run):
         elif run.nonfinite_since is None:
             run.nonfinite_since = run.step
         reporting.log_step(run, result, run.optimizers[0].param_groups[0]["lr"], time.perf_counter() - t1)
-        checkpoints.stop_if_diverging(run)
+        checkpoints.stop_if_diverging(run, RECIPES[cfg.recipe].rate_flags())
         run.step, run.evaluated = run.step + 1, False
         stopped = plumbing.any_rank(bool(stop_signal), env.device)  # a signal that came during the step
     stopped = stopped or evaluate_unless_stopped(run, stop_signal)  # the final evaluation

@@ -175,9 +175,17 @@ def test_cuda_asked_for_but_absent(shards, tmp_path, capsys):
     ("--n-layer", "-1"), ("--warmup-steps", "-5"), ("--max-lr", "0"), ("--max-lr", "nan"), ("--grad-clip", "-1"),
     ("--keep-checkpoints", "0"), ("--eval-every", "-1"), ("--val-tokens", "0"), ("--min-lr-ratio", "-0.5"),
     ("--min-lr-ratio", "2"), ("--weight-decay", "-0.1"), ("--seed", "-1"), ("--seed", str(2**32)),
+    ("--max-lr", "inf"), ("--grad-clip", "inf"), ("--weight-decay", "inf"), ("--min-lr-ratio", "inf"),
 ])
 def test_nonsense_values(shards, tmp_path, capsys, flag, value):
     expect_usage_error(args(shards, tmp_path / "log", flag, value), capsys, flag)
+
+
+@pytest.mark.parametrize("flag", ["--muon-lr", "--embed-lr", "--head-lr", "--logit-softcap", "--cooldown-frac"])
+def test_the_modern_recipes_settings_must_be_finite(shards, tmp_path, capsys, flag):
+    """--logit-softcap inf made every step NaN (inf / inf); an infinite rate trained with lr nan."""
+    expect_usage_error(args(shards, tmp_path / "log", "--recipe", "modern", flag, "inf"), capsys,
+                       f"{flag} must be a finite number, not inf")
 
 
 @pytest.mark.parametrize("name", settings.PATH_SETTINGS)
