@@ -441,7 +441,7 @@ def load_data(cfg):
         text_train, text_val = read_text(cfg.data)
         train_shards, names, val_shards = [text_train], [cfg.data], [text_val]
     train_tokens = sum(len(s) for s in train_shards)
-    if train_tokens < cfg.total_batch_size + 1:
+    if train_tokens < cfg.total_batch_size + 1 and not cfg.eval_only:  # an evaluation reads the validation split
         raise UsageError(f"--data {cfg.data}: {train_tokens} training tokens, fewer than one batch of "
                          f"--total-batch-size {cfg.total_batch_size}; use more text or a smaller batch")
     n_val = (min(cfg.val_tokens, sum(len(s) for s in val_shards) - 1) // cfg.seq_len) * cfg.seq_len

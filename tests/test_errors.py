@@ -148,6 +148,17 @@ def test_text_file_too_small_for_one_batch(tmp_path, capsys):
                        "--total-batch-size 256")
 
 
+def test_eval_only_needs_no_training_batch(tmp_path, capsys):
+    """An evaluation reads the validation split alone: a file too small for one training batch still evaluates."""
+    path = tmp_path / "small.txt"
+    path.write_text("To be, or not to be, that is the question. " * 40)  # 520 tokens: 468 to train on, 52 to validate
+    argv = args(path, tmp_path / "log", "--vocab-size", "50304", "--total-batch-size", "1024")
+    expect_usage_error(argv, capsys, "fewer than one batch of --total-batch-size 1024")
+    code, out, err = run_main(argv + ["--eval-only"], capsys)
+    assert code == 0, err
+    assert re.search(r"^step +0 \| val loss \d+\.\d{4}$", out, re.M), out
+
+
 def test_text_file_not_utf8(tmp_path, capsys):
     path = tmp_path / "binary.txt"
     path.write_bytes(b"\xff\xfe\x00\x81" * 100)
