@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import inspect
 import math
 import os
 import signal
@@ -593,9 +594,10 @@ def wrap_model(model, cfg, env):
     compiled = compile_model(model, cfg)
     if env.world_size == 1:
         return compiled
-    return nn.parallel.DistributedDataParallel(
-        compiled, device_ids=[env.local_rank] if env.device_type == "cuda" else None,
-        broadcast_buffers=False)  # the only buffer, the vocab mask, never changes: no broadcast every forward
+    # the buffers (vocab mask, rotary tables) never change: no broadcast every forward (torch 2.13 renamed the option)
+    ddp, option = nn.parallel.DistributedDataParallel, "forward_sync_buffers"  # the old name warns on every rank
+    option = option if option in inspect.signature(ddp).parameters else "broadcast_buffers"  # torch before 2.13
+    return ddp(compiled, device_ids=[env.local_rank] if env.device_type == "cuda" else None, **{option: False})
 
 
 def gradient_sync(model, on):
