@@ -888,10 +888,7 @@ def main(argv=None):
         if cfg.export_hf:
             commands.export_hf(cfg, sys.argv[1:] if argv is None else argv, model_of, GPT.from_pretrained)
         elif cfg.sample:
-            env = set_up_distributed(cfg.device)
-            model, step = commands.model_to_sample(cfg, env, model_of)
-            autocast_ctx = autocast_context(env.device_type, settings.resolve_dtype(cfg.dtype, env.device_type))
-            print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step)
+            commands.sample(cfg, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
         else:
             start(cfg, given)
     except UsageError as e:
