@@ -321,7 +321,11 @@ def directory_lock(directory, refusal, unwritable):
         os.remove(probe)
         lock_file = open(lock_path, "a+")
     except OSError as e:
-        raise UsageError(unwritable.format(reason=e.strerror)) from None
+        reason = e.strerror
+        in_the_way = [path for path in made if os.path.exists(path)]  # a file where a directory must be
+        if in_the_way:
+            reason = f"{'it' if in_the_way[-1] == made[0] else in_the_way[-1]} is a file, not a directory"
+        raise UsageError(unwritable.format(reason=reason)) from None
     with lock_file:
         try:
             if fcntl and refusal:

@@ -216,8 +216,12 @@ def test_seq_len_zero_without_shards(tmp_path, capsys, monkeypatch):
 
 
 def test_log_dir_that_is_a_file(shards, tmp_path, capsys):
+    """Said as such (it said "cannot write in it (File exists)"), and so is a file where a directory above it goes."""
     (tmp_path / "log").write_text("not a directory")
-    expect_usage_error(args(shards, tmp_path / "log"), capsys, "--log-dir", str(tmp_path / "log"))
+    expect_usage_error(args(shards, tmp_path / "log"), capsys, f"--log-dir {tmp_path / 'log'}: cannot write in it (it "
+                       f"is a file, not a directory)")
+    expect_usage_error(args(shards, tmp_path / "log" / "run"), capsys, f"--log-dir {tmp_path / 'log' / 'run'}: cannot "
+                       f"write in it ({tmp_path / 'log'} is a file, not a directory)")
 
 
 def test_more_processes_than_gpus(monkeypatch):
