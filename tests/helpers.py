@@ -1,6 +1,6 @@
 """Shared pieces of the tests: synthetic shards, a tiny model's flags, running main() in-process or the script in a
 subprocess (plain or under torchrun) and following it, reading log.jsonl, tiny models and the float64 loss they are
-checked against, and synthetic HellaSwag examples served as a download."""
+checked against, synthetic HellaSwag examples served as a download, and file permissions enforced on root too."""
 import contextlib
 import ctypes
 import json
