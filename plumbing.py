@@ -465,7 +465,7 @@ def lock_log_dir(log_dir, exclusive):
             open(log, "a").close()
     except OSError as e:
         raise UsageError(f"--log-dir {log_dir}: cannot append to {log} ({e.strerror}); make it writable for this user, "
-                         f"or pass another --log-dir") from None
+                         f"or pass another --log-dir (--resume PATH still reads a checkpoint of this one)") from None
     return directory_lock(log_dir, refusal if exclusive else None,
                           f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run may "
                           f"write to")
