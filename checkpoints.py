@@ -108,9 +108,10 @@ def prune(run):
         plumbing.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
 
 
-def stop_if_diverging(run):
-    """After --max-bad-steps non-finite steps in a row, stops the run, naming the checkpoint to go back to: the latest
-    from before them, as the weights that made them non-finite came later."""
+def stop_if_diverging(run, rate_flags):
+    """After --max-bad-steps non-finite steps in a row, stops the run, naming the recipe's learning rates (rate_flags)
+    and the checkpoint to go back to: the latest from before them, as the weights that made them non-finite came
+    later."""
     cfg = run.cfg
     in_a_row = 0 if run.nonfinite_since is None else run.step - run.nonfinite_since + 1
     if in_a_row >= cfg.max_bad_steps:
@@ -119,7 +120,8 @@ def stop_if_diverging(run):
         resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
                                            f"non-finite)" if later else "")) if good else "start again"
         raise UsageError(f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
-                         f"stopping. Lower --max-lr and {resume}")
+                         f"stopping. Lower the learning rate{'s' if len(rate_flags) > 1 else ''} "
+                         f"({', '.join(rate_flags)}) and {resume}")
 
 
 # -----------------------------------------------------------------------------

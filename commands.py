@@ -11,19 +11,30 @@ from dataclasses import asdict
 
 import checkpoints
 import hf_export
+import plumbing
 import settings
 from plumbing import UsageError
 
 
+def sample(cfg, env, model_of, autocast_context, print_samples):
+    """--sample PATH: prints samples from the checkpoint's model, and says which it is. Under torchrun every rank
+    samples, as print_samples asks of them, and rank 0 alone prints."""
+    model, step = model_to_sample(cfg, env, model_of)
+    autocast_ctx = autocast_context(env.device_type, settings.resolve_dtype(cfg.dtype, env.device_type))
+    print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step, cfg.batch_size,
+                  show=env.rank == 0)
+
+
 def model_to_sample(cfg, env, model_of):
-    """--sample PATH: the checkpoint's model on this process's device, and its step; says which it is."""
+    """The checkpoint of --sample PATH's model on this process's device, and its step; rank 0 says which it is."""
     settings.require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
     try:
         ckpt = checkpoints.load(cfg.sample)
     except ValueError as e:
         raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({e})")
     model = checkpoints.model_from_checkpoint(ckpt, cfg.sample, model_of).to(env.device)
-    print(f"checkpoint of step {ckpt['step']} ({checkpoints.val_loss_in_words(ckpt)}), prompt {cfg.prompt!r}")
+    if env.rank == 0:
+        print(f"checkpoint of step {ckpt['step']} ({checkpoints.val_loss_in_words(ckpt)}), prompt {cfg.prompt!r}")
     return model, ckpt["step"]
 
 

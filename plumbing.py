@@ -121,6 +121,25 @@ def files_in(directory, pattern):
 
 def open_shard(path):
     """A shard's tokens as a read-only uint16 memory map: .npy (np.save) or .bin (llm.c's format)."""
+    try:
+        return read_shard(path)
+    except OSError as e:  # listed, but not to be opened
+        raise UsageError(f"{path}: cannot open this shard ({e.strerror}); {unopenable_fix(path, e)}") from None
+
+
+def unopenable_fix(path, error):
+    """What to do about a shard that open raised error for, in words."""
+    if os.path.isdir(path):
+        return "it is a directory named like a shard: move it out of the data directory"
+    if os.path.islink(path) and not os.path.exists(path):
+        return (f"it links to {os.readlink(path)}, which is gone (purged scratch storage?): restore the shards, or "
+                f"make them again with fineweb.py")
+    if isinstance(error, PermissionError):  # not os.access, which lets root read anything
+        return "this user may not read it: give read permission (chmod a+r), or run as its owner"
+    return "check the file, and the file system it is on"
+
+
+def read_shard(path):
     if path.endswith(".bin"):
         header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
         if len(header) < BIN_HEADER_INTS or header[0] != BIN_MAGIC or header[1] != BIN_VERSION:
@@ -313,7 +332,11 @@ def directory_lock(directory, refusal, unwritable):
         os.remove(probe)
         lock_file = open(lock_path, "a+")
     except OSError as e:
-        raise UsageError(unwritable.format(reason=e.strerror)) from None
+        reason = e.strerror
+        in_the_way = [path for path in made if os.path.exists(path)]  # a file where a directory must be
+        if in_the_way:
+            reason = f"{'it' if in_the_way[-1] == made[0] else in_the_way[-1]} is a file, not a directory"
+        raise UsageError(unwritable.format(reason=reason)) from None
     with lock_file:
         try:
             if fcntl and refusal:
@@ -336,6 +359,7 @@ def directory_lock(directory, refusal, unwritable):
 # -----------------------------------------------------------------------------
 # The log directory: what a run writes there, and its checkpoint files
 
+LOG_FILE = "log.jsonl"  # the run's record (RunLog)
 CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckpt_<step>.pt, or --fsdp's directory
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
 # other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
@@ -442,9 +466,17 @@ def latest_checkpoint(log_dir, before_step=None):
 def lock_log_dir(log_dir, exclusive):
     """The log directory, locked for this run if exclusive: a second run in it would move the first's files aside, or
     resume from its live checkpoints, and prune them. --eval-only, which only appends its lines to log.jsonl, may run
-    beside the training it evaluates. Also checks now that the run can write there, not at its first log line."""
+    beside the training it evaluates. Also checks now that the run can write there, and append to its log.jsonl (in a
+    group's shared directory, another user's file may not be writable), not at its first log line."""
     refusal = (f"another run is using --log-dir {log_dir} ({{holder}}); wait for it to end or stop it, or pass another "
                f"--log-dir")
+    log = os.path.join(log_dir, LOG_FILE)
+    try:
+        if os.path.isfile(log):
+            open(log, "a").close()
+    except OSError as e:
+        raise UsageError(f"--log-dir {log_dir}: cannot append to {log} ({e.strerror}); make it writable for this user, "
+                         f"or pass another --log-dir (--resume PATH still reads a checkpoint of this one)") from None
     return directory_lock(log_dir, refusal if exclusive else None,
                           f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run may "
                           f"write to")
@@ -605,7 +637,7 @@ class RunLog:
     W&B run with --wandb-project."""
 
     def __init__(self, log_dir):
-        self.log_dir, self.path = log_dir, os.path.join(log_dir, "log.jsonl")
+        self.log_dir, self.path = log_dir, os.path.join(log_dir, LOG_FILE)
         self.wandb, self.wandb_step = None, 0
         self.wandb_id = None  # kept in the checkpoints: a resumed run continues the same W&B run
 

@@ -7,6 +7,7 @@ rank 0 prints and writes. It never imports train_gpt2: the run is handed over.
 import contextlib
 import functools
 import math
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -20,11 +21,12 @@ from plumbing import UsageError, failing_together
 
 
 def report(run, record, line=None):
-    """Appends record to log.jsonl and the W&B run, and prints line, on rank 0."""
+    """Prints line, then appends record to log.jsonl and the W&B run, on rank 0: a result reaches the terminal even if
+    its record cannot be written (a full disk)."""
     if run.master:
-        run.log.write(record)
         if line:
             print(line, flush=True)
+        run.log.write(record)
 
 
 def log_evaluation(run, results, line):
@@ -164,7 +166,7 @@ def finish(run, stopped_by_signal):
         print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up "
               f"{cfg.log_dir})")
     else:
-        hint = f"; for more samples: python train_gpt2.py --sample {last}" if last else ""
+        hint = f"; for more samples: {shlex.join(['python', 'train_gpt2.py', '--sample', last])}" if last else ""
         launch = f" ({duration(time.perf_counter() - run.launch_start)} in this launch)" if run.resumed_from else ""
         print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {duration(run.seconds_trained())}"
               f"{launch}{hint}")

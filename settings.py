@@ -4,10 +4,12 @@ depend on the data and the device filled in, then every check, each a one-line r
 to do. train_gpt2.py hands over its tables (the recipes, the model sizes, the presets): this module never imports it.
 
 A preset changes the file's values for a kind of run (no FineWeb shards: tiny Shakespeare; --init-from: OpenAI's
-shapes and a gentler rate; a recipe's own), but never a setting given as a flag, and never silently: the run's first
-lines name every setting a preset changed, with the file's value it replaced.
+shapes and a gentler rate; a recipe's own), but never a setting given as a flag, nor one the run's recipe does not
+read, and never silently: the run's first lines name every setting whose value is not the file's (a preset's, the
+device's, or one derived from the others), with the file's value it replaced.
 """
 
+import math
 import os
 import re
 from typing import Callable, NamedTuple
@@ -26,6 +28,10 @@ class Recipe(NamedTuple):
     presets: dict  # what it changes over train_gpt2.py's presets: {"fineweb": {...}, "shakespeare": {...}}
     settings: tuple  # the settings only it reads: refused with the other recipe
     check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
+
+    def rate_flags(self):
+        """The flags of its learning rates (its settings named *_lr): what to lower when a run diverges."""
+        return [flag(name) for name in self.settings if name.endswith("_lr")]
 
 
 def flag(name):
@@ -66,26 +72,33 @@ def resolve_dtype(dtype, device_type):
 # -----------------------------------------------------------------------------
 # Presets
 
+TOP = "at the top of train_gpt2.py"  # where its presets are, below the settings
+
+
+def defined_in(recipe):
+    """The file a recipe is written in (its schedule's): where its PRESETS are."""
+    return os.path.basename(recipe.get_lr.__code__.co_filename)
+
 
 def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
-    """The presets of this run, in the order they apply: [(name, {setting: value})]. presets: train_gpt2.py's named
-    tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES."""
-    recipe = recipes[cfg.recipe].presets
+    """The presets of this run, in the order they apply: [(name and where it is, {setting: value})]. presets:
+    train_gpt2.py's named tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES."""
+    recipe, recipe_file = recipes[cfg.recipe].presets, defined_in(recipes[cfg.recipe])
     chosen = []
     if not shards_found:
-        chosen.append(("SHAKESPEARE", presets["SHAKESPEARE"]))
+        chosen.append((f"SHAKESPEARE ({TOP})", presets["SHAKESPEARE"]))
         if cfg.init_from != "scratch":
-            chosen.append(("SHAKESPEARE_FINETUNE", presets["SHAKESPEARE_FINETUNE"]))
+            chosen.append((f"SHAKESPEARE_FINETUNE ({TOP})", presets["SHAKESPEARE_FINETUNE"]))
         if "shakespeare" in recipe:
-            chosen.append((f"--recipe {cfg.recipe}'s PRESETS['shakespeare']", recipe["shakespeare"]))
+            chosen.append((f"--recipe {cfg.recipe}'s PRESETS['shakespeare'] (in {recipe_file})", recipe["shakespeare"]))
     elif "fineweb" in recipe:
-        chosen.append((f"--recipe {cfg.recipe}'s PRESETS['fineweb']", recipe["fineweb"]))
+        chosen.append((f"--recipe {cfg.recipe}'s PRESETS['fineweb'] (in {recipe_file})", recipe["fineweb"]))
     if cfg.init_from != "scratch" and cfg.init_from in model_sizes:  # OpenAI's shapes, whatever a preset said
         shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
         clash = [flag(k) for k, v in shapes.items() if k in given and k != "model" and getattr(cfg, k) != v]
         if clash:
             raise UsageError(f"--init-from {cfg.init_from} fixes {', '.join(clash)}; drop those flags")
-        chosen.append((f"--init-from {cfg.init_from} (OpenAI's shapes)", shapes))
+        chosen.append((f"--init-from {cfg.init_from} (OpenAI's shapes, OPENAI_SHAPES {TOP})", shapes))
     return chosen
 
 
@@ -108,37 +121,51 @@ def presets_help(presets, recipes):
              "  OPENAI_SHAPES, with --init-from NAME on any data: NAME's --n-layer, --n-head and --n-embd, and",
              *as_flags(presets["OPENAI_SHAPES"])]
     for name, recipe in recipes.items():
-        for key, where in (("fineweb", "with FineWeb shards"), ("shakespeare", "over SHAKESPEARE")):
+        for key, when in (("fineweb", "with FineWeb shards"), ("shakespeare", "over SHAKESPEARE")):
             if key in recipe.presets:
-                lines += [f"  --recipe {name}'s PRESETS['{key}'], {where}", *as_flags(recipe.presets[key])]
+                lines += [f"  --recipe {name}'s PRESETS['{key}'] (in {defined_in(recipe)}), {when}",
+                          *as_flags(recipe.presets[key])]
     return "\n".join(lines)
 
 
-def apply_presets(cfg, given, chosen, model_sizes):
-    """Sets each preset's settings but those given as flags (with --model, its sizes too), the later presets over
-    the earlier. Returns the changes: [(preset, setting, the file's value, the preset's)]."""
+def apply_presets(cfg, given, chosen, model_sizes, unread):
+    """Sets each preset's settings but those given as flags (with --model, its sizes too) and those the run's recipe
+    does not read (unread: another recipe's, which it refuses as flags), the later presets over the earlier. Returns
+    the changes: [(what made it, setting, the file's value, the new value)]."""
     keep = set(given) | (set(model_sizes[cfg.model]) if "model" in given else set())
     final = {}
     for name, preset in chosen:
         for key, value in preset.items():
-            if key not in keep or name.startswith("--init-from"):
+            if key not in unread and (key not in keep or name.startswith("--init-from")):
                 final[key] = (name, value)
     changes = []
     for key, (name, value) in final.items():
         if getattr(cfg, key) != value:
-            changes.append((name, key, getattr(cfg, key), value))
+            changes.append((f"preset {name}", key, getattr(cfg, key), value))
             setattr(cfg, key, value)
     return changes
 
 
+def overrule(cfg, changes, why, key, value):
+    """Sets a setting not given as a flag for another reason than a preset (why: the device, the other settings),
+    recorded in changes with the file's value, as a preset's change is; a value a preset set stays the preset's."""
+    if getattr(cfg, key) == value:
+        return
+    before = next((change[2] for change in changes if change[1] == key), getattr(cfg, key))
+    changes[:] = [change for change in changes if change[1] != key]
+    if value != before:
+        changes.append((why, key, before, value))
+    setattr(cfg, key, value)
+
+
 def say_changes(changes, model, sizes, width=120):
-    """The lines that name each setting a preset changed from the file's value, a setting never split over two.
-    sizes: those of --model (its name), which a file's 0 stands for."""
+    """The lines that name each setting changed from the file's value, by what changed it, a setting never split over
+    two. sizes: those of --model (its name), which a file's 0 stands for."""
     lines = []
-    for name in dict.fromkeys(change[0] for change in changes):
-        lines.append(f"preset {name} sets, over the file's values:")
-        for preset, key, before, value in changes:
-            if preset != name:
+    for why in dict.fromkeys(change[0] for change in changes):
+        lines.append(f"{why} sets, over the file's values:")
+        for made_by, key, before, value in changes:
+            if made_by != why:
                 continue
             implied = f", meaning --model {model}'s {sizes[key]}" if key in sizes and before == 0 else ""
             item = f"{flag(key)} {shown(value)} (file: {shown(before)}{implied})"
@@ -174,6 +201,8 @@ def check_paths(cfg, given):
 
 
 def check_config(cfg, world_size):
+    require(cfg, [name for name, value in vars(cfg).items() if isinstance(value, float)], math.isfinite,
+            "a finite number")  # --max-lr inf trained with lr nan, --logit-softcap inf gave NaN at every step
     require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len",
                   "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip",
                   "muon_lr", "embed_lr", "head_lr", "logit_softcap"),
@@ -266,8 +295,9 @@ def take_model_settings(cfg, given, model_config, path):
 
 
 def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
-    """The run's settings: the presets applied (and named on rank 0), the defaults that depend on the model preset
-    and the device filled in, then everything checked. fsdp_check: fsdp.py's refusals, for --fsdp."""
+    """The run's settings: the presets applied, the defaults that depend on the model preset and the device filled
+    in (each value not the file's named on rank 0), then everything checked. fsdp_check: fsdp.py's refusals, for
+    --fsdp."""
     master = env.rank == 0
     if cfg.eval_only and cfg.resume == "none":
         raise UsageError("--eval-only evaluates a checkpoint (the latest in --log-dir, or --resume PATH's) or OpenAI's "
@@ -286,24 +316,27 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
             advice = f"it is empty: {advice}, or delete {cfg.data}/"
         print(f"no FineWeb shards in {cfg.data}/ ({advice}): {doing} on tiny Shakespeare instead")
     check_recipe(cfg, given, recipes)
+    unread = {name for other, recipe in recipes.items() if other != cfg.recipe for name in recipe.settings}
     changes = apply_presets(cfg, given, presets_for(cfg, given, shards_found, recipes, model_sizes, presets),
-                            model_sizes)
-    if not shards_found and "batch_size" not in given and cfg.seq_len > 0:  # one micro-batch a step, over processes
-        cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
-        changes = [(*change[:3], cfg.batch_size) if change[1] == "batch_size" else change for change in changes]
+                            model_sizes, unread)
+    if not shards_found and "batch_size" not in given and cfg.seq_len > 0:
+        overrule(cfg, changes, "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)",
+                 "batch_size", max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size)))
     for key, value in model_sizes[cfg.model].items():
         if getattr(cfg, key) == 0:
             setattr(cfg, key, value)
-    if master:
-        for line in say_changes(changes, cfg.model, model_sizes[cfg.model]):
-            print(line)
     if cfg.compile is None:
         cfg.compile = env.device_type == "cuda"
     if cfg.compile_mode != "default" and not cfg.compile:
         raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass "
                          f"--compile or drop it")
     if "hellaswag_every" not in given and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
-        cfg.hellaswag_every = 0  # too slow on a CPU; and HellaSwag's text needs every GPT-2 token
+        why = (f"on {env.device_type} (too slow without CUDA)" if env.device_type != "cuda" else
+               f"with --vocab-size {cfg.vocab_size} (its text needs every GPT-2 token)")
+        overrule(cfg, changes, f"no HellaSwag {why}", "hellaswag_every", 0)
+    if master:
+        for line in say_changes(changes, cfg.model, model_sizes[cfg.model]):
+            print(line)
     cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
     check_config(cfg, env.world_size)
     if cfg.fsdp:

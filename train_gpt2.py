@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import inspect
 import math
 import os
 import signal
@@ -444,7 +445,7 @@ def load_data(cfg):
         text_train, text_val = read_text(cfg.data)
         train_shards, names, val_shards = [text_train], [cfg.data], [text_val]
     train_tokens = sum(len(s) for s in train_shards)
-    if train_tokens < cfg.total_batch_size + 1:
+    if train_tokens < cfg.total_batch_size + 1 and not cfg.eval_only:  # an evaluation reads the validation split
         raise UsageError(f"--data {cfg.data}: {train_tokens} training tokens, fewer than one batch of "
                          f"--total-batch-size {cfg.total_batch_size}; use more text or a smaller batch")
     n_val = (min(cfg.val_tokens, sum(len(s) for s in val_shards) - 1) // cfg.seq_len) * cfg.seq_len
@@ -589,9 +590,10 @@ def wrap_model(model, cfg, env):
     compiled = compile_model(model, cfg)
     if env.world_size == 1:
         return compiled
-    return nn.parallel.DistributedDataParallel(
-        compiled, device_ids=[env.local_rank] if env.device_type == "cuda" else None,
-        broadcast_buffers=False)  # the only buffer, the vocab mask, never changes: no broadcast every forward
+    # the buffers (vocab mask, rotary tables) never change: no broadcast every forward (torch 2.13 renamed the option)
+    ddp, option = nn.parallel.DistributedDataParallel, "forward_sync_buffers"  # the old name warns on every rank
+    option = option if option in inspect.signature(ddp).parameters else "broadcast_buffers"  # torch before 2.13
+    return ddp(compiled, device_ids=[env.local_rank] if env.device_type == "cuda" else None, **{option: False})
 
 
 def gradient_sync(model, on):
@@ -610,7 +612,7 @@ def gradient_sync(model, on):
 class StepResult(NamedTuple):
     loss: float  # the mean over the whole batch of every rank
     grad_norm: float  # before clipping
-    finite: bool  # False for a non-finite loss or gradient norm: the optimizers did not step
+    finite: bool  # False for a non-finite loss or norm: no step; fp16's overflowed norm is True, its step skipped too
 
 
 def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
@@ -852,7 +854,7 @@ def train(run):
         elif run.nonfinite_since is None:
             run.nonfinite_since = run.step
         reporting.log_step(run, result, run.optimizers[0].param_groups[0]["lr"], time.perf_counter() - t1)
-        checkpoints.stop_if_diverging(run)
+        checkpoints.stop_if_diverging(run, RECIPES[cfg.recipe].rate_flags())
         run.step, run.evaluated = run.step + 1, False
         stopped = plumbing.any_rank(bool(stop_signal), env.device)  # a signal that came during the step
     stopped = stopped or evaluate_unless_stopped(run, stop_signal)  # the final evaluation
@@ -887,11 +889,7 @@ def main(argv=None):
         if cfg.export_hf:
             commands.export_hf(cfg, sys.argv[1:] if argv is None else argv, model_of, GPT.from_pretrained)
         elif cfg.sample:
-            env = set_up_distributed(cfg.device)
-            model, step = commands.model_to_sample(cfg, env, model_of)
-            autocast_ctx = autocast_context(env.device_type, settings.resolve_dtype(cfg.dtype, env.device_type))
-            print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step,
-                          cfg.batch_size)
+            commands.sample(cfg, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
         else:
             start(cfg, given)
     except UsageError as e:

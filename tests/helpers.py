@@ -1,6 +1,8 @@
 """Shared pieces of the tests: synthetic shards, a tiny model's flags, running main() in-process or the script in a
 subprocess (plain or under torchrun) and following it, reading log.jsonl, tiny models and the float64 loss they are
-checked against, and synthetic HellaSwag examples served as a download."""
+checked against, synthetic HellaSwag examples served as a download, and file permissions enforced on root too."""
+import contextlib
+import ctypes
 import json
 import os
 import re
@@ -343,3 +345,36 @@ def serve_hellaswag(served, monkeypatch, examples):
     write_jsonl(www / hellaswag.HELLASWAG_FILE, examples)
     monkeypatch.setenv("HELLASWAG_URL", base_url)
     monkeypatch.setattr(hellaswag, "HELLASWAG_VAL_EXAMPLES", len(examples))
+
+
+# -----------------------------------------------------------------------------
+# permissions as a user meets them: root reads and writes files whatever their mode
+
+
+class CapabilityHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapabilitySets(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+@contextlib.contextmanager
+def file_permissions_enforced():
+    """While inside, this thread (the one main runs on) meets file permissions as a user does: root's capabilities that
+    override them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) are out of its effective set, kept in the permitted set to
+    be taken back after; capsh --drop does the same for a new process. For a user, nothing changes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "capset"):
+        pytest.skip("no Linux capabilities here: root's override of file permissions cannot be dropped")
+    header, sets = CapabilityHeader(0x20080522, 0), (CapabilitySets * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), sets) != 0:
+        pytest.skip(f"capget failed: {os.strerror(ctypes.get_errno())}")
+    effective = sets[0].effective
+    sets[0].effective &= ~(1 << 1 | 1 << 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    assert libc.capset(ctypes.byref(header), sets) == 0, os.strerror(ctypes.get_errno())
+    try:
+        yield
+    finally:
+        sets[0].effective = effective
+        assert libc.capset(ctypes.byref(header), sets) == 0, os.strerror(ctypes.get_errno())

@@ -1,6 +1,8 @@
 """Mistakes a user can make: each one is a single `error: ...` line on stderr naming the file or the flag,
 exit code 2, no traceback."""
 import os
+import re
+import resource
 
 import numpy as np
 import pytest
@@ -9,7 +11,16 @@ import torch
 import plumbing
 import settings
 import train_gpt2
-from helpers import TINY, check_usage_error, expect_usage_error, run_main, run_script, run_script_on_tmpfs, write_shards
+from helpers import (
+    TINY,
+    check_usage_error,
+    expect_usage_error,
+    file_permissions_enforced,
+    run_main,
+    run_script,
+    run_script_on_tmpfs,
+    write_shards,
+)
 
 
 def args(data, log_dir, *extra):
@@ -87,6 +98,27 @@ def test_bad_bin_shard(tmp_path, capsys, damage):
     expect_usage_error(args(d, tmp_path / "log"), capsys, path, want)
 
 
+@pytest.mark.parametrize("ext", ["npy", "bin"])
+@pytest.mark.parametrize("kind", ["dangling link", "directory", "unreadable"])
+def test_a_shard_that_cannot_be_opened(tmp_path, capsys, kind, ext):
+    """Listed, but not openable: a link into purged scratch storage, a directory named like a shard, a shard this user
+    may not read. Each was a traceback (FileNotFoundError, IsADirectoryError, PermissionError)."""
+    d = write_shards(tmp_path / "data", ext=ext)
+    path = os.path.join(d, f"x_train_000009.{ext}")
+    if kind == "dangling link":
+        os.symlink(tmp_path / "purged" / os.path.basename(path), path)
+        fragments = ["purged", "restore"]
+    elif kind == "directory":
+        os.mkdir(path)
+        fragments = ["a directory", "move it out of"]
+    else:
+        os.rename(os.path.join(d, f"synth_train_000000.{ext}"), path)
+        os.chmod(path, 0)
+        fragments = ["Permission denied", "chmod"]
+    with file_permissions_enforced():
+        expect_usage_error(args(d, tmp_path / "log"), capsys, path, *fragments)
+
+
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_token_ids_beyond_the_vocab(tmp_path, capsys, split):
     d = write_shards(tmp_path / "data")
@@ -116,6 +148,17 @@ def test_text_file_too_small_for_one_batch(tmp_path, capsys):
                        "--total-batch-size 256")
 
 
+def test_eval_only_needs_no_training_batch(tmp_path, capsys):
+    """An evaluation reads the validation split alone: a file too small for one training batch still evaluates."""
+    path = tmp_path / "small.txt"
+    path.write_text("To be, or not to be, that is the question. " * 40)  # 520 tokens: 468 to train on, 52 to validate
+    argv = args(path, tmp_path / "log", "--vocab-size", "50304", "--total-batch-size", "1024")
+    expect_usage_error(argv, capsys, "fewer than one batch of --total-batch-size 1024")
+    code, out, err = run_main(argv + ["--eval-only"], capsys)
+    assert code == 0, err
+    assert re.search(r"^step +0 \| val loss \d+\.\d{4}$", out, re.M), out
+
+
 def test_text_file_not_utf8(tmp_path, capsys):
     path = tmp_path / "binary.txt"
     path.write_bytes(b"\xff\xfe\x00\x81" * 100)
@@ -143,9 +186,17 @@ def test_cuda_asked_for_but_absent(shards, tmp_path, capsys):
     ("--n-layer", "-1"), ("--warmup-steps", "-5"), ("--max-lr", "0"), ("--max-lr", "nan"), ("--grad-clip", "-1"),
     ("--keep-checkpoints", "0"), ("--eval-every", "-1"), ("--val-tokens", "0"), ("--min-lr-ratio", "-0.5"),
     ("--min-lr-ratio", "2"), ("--weight-decay", "-0.1"), ("--seed", "-1"), ("--seed", str(2**32)),
+    ("--max-lr", "inf"), ("--grad-clip", "inf"), ("--weight-decay", "inf"), ("--min-lr-ratio", "inf"),
 ])
 def test_nonsense_values(shards, tmp_path, capsys, flag, value):
     expect_usage_error(args(shards, tmp_path / "log", flag, value), capsys, flag)
+
+
+@pytest.mark.parametrize("flag", ["--muon-lr", "--embed-lr", "--head-lr", "--logit-softcap", "--cooldown-frac"])
+def test_the_modern_recipes_settings_must_be_finite(shards, tmp_path, capsys, flag):
+    """--logit-softcap inf made every step NaN (inf / inf); an infinite rate trained with lr nan."""
+    expect_usage_error(args(shards, tmp_path / "log", "--recipe", "modern", flag, "inf"), capsys,
+                       f"{flag} must be a finite number, not inf")
 
 
 @pytest.mark.parametrize("name", settings.PATH_SETTINGS)
@@ -165,8 +216,12 @@ def test_seq_len_zero_without_shards(tmp_path, capsys, monkeypatch):
 
 
 def test_log_dir_that_is_a_file(shards, tmp_path, capsys):
+    """Said as such (it said "cannot write in it (File exists)"), and so is a file where a directory above it goes."""
     (tmp_path / "log").write_text("not a directory")
-    expect_usage_error(args(shards, tmp_path / "log"), capsys, "--log-dir", str(tmp_path / "log"))
+    expect_usage_error(args(shards, tmp_path / "log"), capsys, f"--log-dir {tmp_path / 'log'}: cannot write in it (it "
+                       f"is a file, not a directory)")
+    expect_usage_error(args(shards, tmp_path / "log" / "run"), capsys, f"--log-dir {tmp_path / 'log' / 'run'}: cannot "
+                       f"write in it ({tmp_path / 'log'} is a file, not a directory)")
 
 
 def test_more_processes_than_gpus(monkeypatch):
@@ -228,6 +283,34 @@ def test_a_log_dir_that_cannot_be_written_is_refused_at_start_up(shards, tmp_pat
     line = check_usage_error(code, out, err, "--log-dir", str(log_dir))
     assert "read-only" in line.lower() or "permission" in line.lower()
     assert "val loss" not in out and "data:" not in out
+
+
+def test_a_log_this_user_cannot_append_to_is_refused_at_start_up(shards, tmp_path, capsys):
+    """log.jsonl another user's, in a directory this user may write in (a group's shared one): the training that would
+    resume and append to it, and --eval-only, are refused before any work, as an unwritable directory is (they ended
+    in a PermissionError traceback, --eval-only's computed result never printed)."""
+    log_dir = tmp_path / "log"
+    assert run_main(args(shards, log_dir), capsys)[0] == 0
+    (log_dir / "log.jsonl").chmod(0o444)
+    with file_permissions_enforced():
+        for extra in (["--max-steps", "2"], ["--eval-only"]):
+            code, out, err = run_main(args(shards, log_dir, *extra), capsys)
+            check_usage_error(code, out, err, f"--log-dir {log_dir}", str(log_dir / "log.jsonl"), "Permission denied")
+            assert "data:" not in out and "val loss" not in out
+
+
+def test_an_evaluation_is_printed_even_if_its_log_line_cannot_be_written(shards, tmp_path, capsys):
+    """The result reaches the terminal first: a log.jsonl past the file-size limit (ulimit -f) stops the run after."""
+    log_dir = tmp_path / "log"
+    assert run_main(args(shards, log_dir), capsys)[0] == 0
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(log_dir / "log.jsonl"), limit[1]))
+    try:
+        code, out, err = run_main(args(shards, log_dir, "--eval-only"), capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    check_usage_error(code, out, err, "file-size limit", str(log_dir / "log.jsonl"))
+    assert re.search(r"^step +1 \| val loss \d+\.\d{4}$", out, re.M), out
 
 
 def test_compile_mode_without_compile(shards, tmp_path, capsys):

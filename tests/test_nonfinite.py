@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 
+import modern
 import plumbing
 import train_gpt2
 from helpers import (
@@ -19,6 +20,7 @@ from helpers import (
     checkpoint_path,
     expect_usage_error,
     load_ckpt,
+    needs_muon,
     read_log,
     run_main,
     train_records,
@@ -27,10 +29,11 @@ from helpers import (
 CONSTANT_LR = ["--warmup-steps", "0", "--min-lr-ratio", "1", "--max-lr", "1e-2"]  # the same lr whatever --max-steps
 
 
-def poison_steps(monkeypatch, steps, after_step=None):
+def poison_steps(monkeypatch, steps, after_step=None, model=train_gpt2.GPT):
     """Makes the loss NaN in the given steps of a run started fresh (its n-th train_step call is step n), as a bad
-    batch or a diverging model would. after_step(step, model, optimizers) is called after each step."""
-    real_train_step, real_forward = train_gpt2.train_step, train_gpt2.GPT.forward
+    batch or a diverging model would. after_step(step, model, optimizers) is called after each step. model: the
+    recipe's model class (modern.GPT for --recipe modern)."""
+    real_train_step, real_forward = train_gpt2.train_step, model.forward
     state = {"step": -1, "poisoned": False}
 
     def train_step(model, optimizers, *args, **kwargs):
@@ -49,7 +52,7 @@ def poison_steps(monkeypatch, steps, after_step=None):
         return logits, loss * float("nan") if state["poisoned"] and loss is not None else loss
 
     monkeypatch.setattr(train_gpt2, "train_step", train_step)
-    monkeypatch.setattr(train_gpt2.GPT, "forward", forward)
+    monkeypatch.setattr(model, "forward", forward)
 
 
 def copy_of(state_dict):
@@ -104,7 +107,8 @@ def test_too_many_bad_steps_stop_the_run(shards, tmp_path, capsys, monkeypatch, 
     args = TINY + ["--data", shards, "--checkpoint-every", "2", "--max-bad-steps", "3", "--max-steps", "10",
                    "--log-dir", log_dir] + CONSTANT_LR
     good = checkpoint_path(log_dir, 2)
-    line = expect_usage_error(args, capsys, "3 steps in a row", "non-finite", f"step {bad[-1]}", f"resume from {good}")
+    line = expect_usage_error(args, capsys, "3 steps in a row", "non-finite", f"step {bad[-1]}", f"resume from {good}",
+                              "Lower the learning rate (--max-lr) and")
     assert str(log_dir) in line
     records = train_records(read_log(log_dir))
     assert sorted(records) == list(range(bad[-1] + 1))  # stopped right after the third bad step
@@ -118,6 +122,16 @@ def test_too_many_bad_steps_stop_the_run(shards, tmp_path, capsys, monkeypatch, 
         assert f"--resume {good}: the later checkpoints hold the weights that went non-finite" in line
     last_good = load_ckpt(good)
     assert all(torch.isfinite(t).all() for t in last_good["model"].values())
+
+
+@needs_muon
+def test_a_diverging_modern_recipe_is_told_to_lower_its_own_rates(shards, tmp_path, capsys, monkeypatch):
+    """--recipe modern has no --max-lr (it refuses the flag): its rates are Muon's, the embedding's and the head's."""
+    poison_steps(monkeypatch, {0, 1}, model=modern.GPT)
+    args = TINY + ["--data", shards, "--log-dir", tmp_path, "--recipe", "modern", "--max-bad-steps", "2"]
+    line = expect_usage_error(args, capsys, "2 steps in a row", "start again",
+                              "Lower the learning rates (--muon-lr, --embed-lr, --head-lr) and")
+    assert "--max-lr" not in line
 
 
 def test_a_stop_signal_during_non_finite_steps_saves_nothing_and_says_so(shards, tmp_path, capsys, monkeypatch):

@@ -2,6 +2,7 @@
 launch's pace; log.jsonl keeps the run's training time (elapsed_s) across its launches, for plots against wall-clock
 time; the checkpoint keeps it, and the end of a resumed run gives the whole run's time and this launch's."""
 import re
+import shlex
 
 import torch
 
@@ -45,3 +46,12 @@ def test_a_resumed_run_counts_the_time_of_all_its_launches(shards, tmp_path, cap
     done = out.strip().splitlines()[-1]
     assert re.match(r"done: step 5, val loss \d+\.\d+, trained for 2h 01m \(\d+s in this launch\);", done), done
     assert torch.load(checkpoint_path(tmp_path, 5), weights_only=True)["trained_seconds"] > 7265
+
+
+def test_the_last_line_gives_a_command_that_pastes_whatever_the_path(shards, tmp_path, capsys):
+    """A --log-dir with a space (and a quote) in its name: the command for more samples is quoted for the shell."""
+    log_dir = tmp_path / "Bob's run 1"
+    code, out, err = run_main(TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "1"], capsys)
+    assert code == 0, err
+    command = out.strip().splitlines()[-1].split("; for more samples: ")[1]
+    assert shlex.split(command) == ["python", "train_gpt2.py", "--sample", checkpoint_path(log_dir, 1)]

@@ -12,9 +12,11 @@ from helpers import (
     SAMPLE_HEADER,
     TINY,
     VOCAB,
+    checkpoint_path,
     printed_samples,
     read_log,
     run_main,
+    run_script,
     tiny_gpt,
     train_records,
     val_records,
@@ -157,3 +159,15 @@ def test_the_sliding_window_samples_what_the_last_block_without_a_cache_gives(at
     assert sampled == sample_without_a_cache(model, prompt, 3, 30, torch.Generator().manual_seed(7))
     assert all(len(row) == prompt_length + 30 and row[:prompt_length] == prompt for row in sampled)
     assert len(set(map(tuple, sampled))) > 1  # really sampled
+
+
+def test_under_torchrun_sample_prints_once(shards, tmp_path, capsys):
+    """torchrun ... --sample: rank 0 alone prints the checkpoint's line and its samples (every rank printed them)."""
+    args = TINY + ["--data", shards, "--log-dir", tmp_path / "log", "--vocab-size", "50304", "--max-steps", "1"]
+    assert run_main(args, capsys)[0] == 0
+    result = run_script(["--sample", checkpoint_path(tmp_path / "log", 1), "--device", "cpu", "--num-samples", "2",
+                         "--max-new-tokens", "4"], cwd=tmp_path, nproc=2, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("checkpoint of step 1 (") == 1, result.stdout
+    assert [(i, n, step) for i, n, step, _ in printed_samples(result.stdout)] == [(1, 2, 1), (2, 2, 1)], result.stdout
+    assert result.stdout.count("--- end of samples ---") == 1

@@ -1,11 +1,13 @@
-"""The settings at the top of train_gpt2.py against the presets: a constant edited in the file takes effect, and a
-preset that changes it for a kind of run (no shards, --recipe modern, --init-from) says so in the run's first lines,
-with how to keep the file's value. And --help lists what each preset changes."""
+"""The settings at the top of train_gpt2.py against the presets: a constant edited in the file takes effect, and
+whatever changes it (a preset for a kind of run: no shards, --recipe modern, --init-from; the device; the other
+settings) says so in the run's first lines, with the file's value, where the preset is, and how to keep the file's
+value. And --help lists what each preset changes."""
 import importlib.util
 import os
 
 import pytest
 
+import settings
 import train_gpt2
 from helpers import SCRIPT, write_shards
 
@@ -17,6 +19,8 @@ EDITS = {
     'max_steps: int = setting(19073,': 'max_steps: int = setting(3,',
     'max_lr: float = setting(6e-4,': 'max_lr: float = setting(1e-5,',
     'muon_lr: float = setting(0.02,': 'muon_lr: float = setting(0.05,',
+    'hellaswag_every: int = setting(250,': 'hellaswag_every: int = setting(100,',
+    'batch_size: int = setting(64,': 'batch_size: int = setting(8,',
 }
 
 
@@ -46,13 +50,60 @@ def test_with_shards_the_edited_file_is_what_runs(edited, tmp_path, capsys):
     cfg, out = resolve(edited, ["--data", str(tmp_path)], capsys)  # a directory that exists: no Shakespeare preset
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (2, 4, 64, 3, 1e-5)
     assert "preset" not in out
+    # but HellaSwag, too slow on a CPU, is off: said so, with the file's value (it was forced to 0 without a word)
+    assert cfg.hellaswag_every == 0
+    assert ("no HellaSwag on cpu (too slow without CUDA) sets, over the file's values: --hellaswag-every 0 (file: 100)"
+            in out)
+    cfg, out = resolve(edited, ["--data", str(tmp_path), "--hellaswag-every", "100"], capsys)
+    assert cfg.hellaswag_every == 100 and "hellaswag" not in out
+
+
+def test_a_batch_size_derived_from_the_others_is_named(edited, tmp_path, capsys, monkeypatch):
+    """Without shards a step is one micro-batch: --seq-len 64 makes the file's 8 sequences 16, and says so."""
+    monkeypatch.chdir(tmp_path)
+    cfg, out = resolve(edited, ["--seq-len", "64"], capsys)
+    assert (cfg.batch_size, cfg.seq_len, cfg.total_batch_size) == (16, 64, 1024)
+    assert "--batch-size 16 (file: 8)" in out
+
+
+@pytest.mark.parametrize("flags", [[], ["--seq-len", "64"], ["--data", "."], ["--recipe", "modern"],
+                                   ["--recipe", "modern", "--data", "."], ["--init-from", "gpt2"],
+                                   ["--init-from", "gpt2", "--data", "."], ["--model", "gpt2-medium"]])
+def test_every_setting_that_differs_from_the_file_is_named_with_the_files_value(edited, tmp_path, capsys,
+                                                                               monkeypatch, flags):
+    """For whatever reason: a preset, the device, a value derived from others. (What the file's values mean is no
+    change: a 0 for --model's size, None and auto for what the device decides; fit_warmup says its own line.)"""
+    monkeypatch.chdir(tmp_path)
+    cfg, out = resolve(edited, flags, capsys)
+    file, given = edited.TrainConfig(), edited.parse_args(flags)[1]
+    for name, before in vars(file).items():
+        value = getattr(cfg, name)
+        if value != before and name not in given and before not in (None, "auto", 0) and name != "warmup_steps":
+            assert f"{settings.flag(name)} {settings.shown(value)} (file: {settings.shown(before)}" in out, name
+
+
+def test_the_preset_lines_say_where_each_preset_is_and_never_name_a_flag_the_recipe_refuses(edited, tmp_path, capsys,
+                                                                                            monkeypatch):
+    """An edited max_steps = 3 shown as --max-steps 900 (file: 3) said nothing of where the 900 is; the modern
+    recipe's lines named --max-lr 0.002, a flag it refuses."""
+    monkeypatch.chdir(tmp_path)
+    _, out = resolve(edited, [], capsys)
+    assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets, over the file's values:" in out
+    cfg, out = resolve(edited, ["--recipe", "modern"], capsys)
+    assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets" in out
+    assert "preset --recipe modern's PRESETS['shakespeare'] (in modern.py) sets" in out
+    assert "--max-lr" not in out and cfg.max_lr == 1e-5  # the file's, which this recipe does not read
+    _, out = resolve(edited, ["--recipe", "modern", "--data", str(tmp_path)], capsys)
+    assert "preset --recipe modern's PRESETS['fineweb'] (in modern.py) sets" in out
+    _, out = resolve(edited, ["--init-from", "gpt2", "--data", str(tmp_path)], capsys)
+    assert "preset --init-from gpt2 (OpenAI's shapes, OPENAI_SHAPES at the top of train_gpt2.py) sets" in out
 
 
 def test_the_shakespeare_preset_names_each_edit_it_replaces(edited, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here
     cfg, out = resolve(edited, [], capsys)
     assert (cfg.n_layer, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (8, 128, 900, 2e-3)
-    assert "preset SHAKESPEARE sets, over the file's values:" in out
+    assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets, over the file's values:" in out
     for named in ("--n-layer 8 (file: 2)", "--n-embd 128 (file: 64)", "--max-steps 900 (file: 3)",
                   "--max-lr 0.002 (file: 1e-05)", "input.txt (file: edu_fineweb10B)"):
         assert named in out, named
@@ -74,7 +125,8 @@ def test_the_modern_recipes_presets_name_each_edit_they_replace(edited, tmp_path
     monkeypatch.chdir(tmp_path)
     cfg, out = resolve(edited, ["--recipe", "modern", "--data", str(tmp_path)], capsys)  # FineWeb: fewer steps
     assert (cfg.max_steps, cfg.muon_lr, cfg.n_layer) == (3815, 0.05, 2)
-    assert "preset --recipe modern's PRESETS['fineweb'] sets" in out and "--max-steps 3815 (file: 3)" in out
+    assert "preset --recipe modern's PRESETS['fineweb'] (in modern.py) sets" in out
+    assert "--max-steps 3815 (file: 3)" in out
     cfg, out = resolve(edited, ["--recipe", "modern"], capsys)  # tiny Shakespeare: its searched rates
     assert cfg.muon_lr == 0.02 and "--muon-lr 0.02 (file: 0.05)" in out
 
@@ -94,11 +146,12 @@ def test_init_from_names_the_shapes_and_the_fine_tuning_it_sets(edited, tmp_path
     monkeypatch.chdir(tmp_path)
     cfg, out = resolve(edited, ["--init-from", "gpt2", "--data", str(tmp_path)], capsys)
     assert (cfg.n_layer, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (12, 768, 3, 1e-5)  # the rest: the file's
-    assert "preset --init-from gpt2 (OpenAI's shapes) sets" in out
+    assert "preset --init-from gpt2 (OpenAI's shapes, OPENAI_SHAPES at the top of train_gpt2.py) sets" in out
     assert "--n-layer 12 (file: 2)" in out and "--n-embd 768 (file: 64)" in out
     cfg, out = resolve(edited, ["--init-from", "gpt2"], capsys)  # fine-tuning on tiny Shakespeare
     assert (cfg.n_layer, cfg.max_steps, cfg.max_lr) == (12, 100, 3e-5)
-    assert "preset SHAKESPEARE_FINETUNE sets" in out and "--max-lr 3e-05 (file: 1e-05)" in out
+    assert "preset SHAKESPEARE_FINETUNE (at the top of train_gpt2.py) sets" in out
+    assert "--max-lr 3e-05 (file: 1e-05)" in out
     assert "--max-steps 100 (file: 3)" in out
 
 
