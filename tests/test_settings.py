@@ -180,7 +180,7 @@ def test_an_unfinished_preparation_is_no_shards(tmp_path, capsys, monkeypatch, l
     for name in leftovers:
         (output / name).mkdir() if name == "downloads" else (output / name).touch()
     cfg, out = resolve(train_gpt2, [], capsys)
-    assert os.path.basename(cfg.data) == "input.txt" and "preset SHAKESPEARE sets" in out
+    assert os.path.basename(cfg.data) == "input.txt" and "preset SHAKESPEARE (at the top of train_gpt2.py) sets" in out
     found = (f"only {', '.join(leftovers)}, left by an unfinished `python fineweb.py`: rerun it to finish them"
              if leftovers else "it is empty: make them with `python fineweb.py`")
     assert out.splitlines()[0] == (f"no FineWeb shards in edu_fineweb10B/ ({found}, or delete edu_fineweb10B/): "
