@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+import hf_export
 import plumbing
 from plumbing import GPT2_VOCAB, UsageError
 
@@ -26,6 +27,9 @@ class Recipe(NamedTuple):
     presets: dict  # what it changes over train_gpt2.py's presets: {"fineweb": {...}, "shakespeare": {...}}
     settings: tuple  # the settings only it reads: refused with the other recipe
     check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
+    hf_format: tuple  # hf_export.Format: the class of transformers its model is, and its files (--export-hf)
+    from_pretrained: Callable  # (--init-from's name or directory, GPTConfig, cache_dir) -> its model, with its weights
+    named: str  # what the run's model line adds after the parameters: "" for GPT-2's, the default
 
 
 def flag(name):
@@ -69,24 +73,68 @@ def resolve_dtype(dtype, device_type):
 
 def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
     """The presets of this run, in the order they apply: [(name, {setting: value})]. presets: train_gpt2.py's named
-    tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES."""
-    recipe = recipes[cfg.recipe].presets
+    tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES. --init-from's weights fix the recipe and the shapes,
+    whatever a preset said; a flag that says otherwise is refused."""
+    pretrained = pretrained_preset(cfg, recipes, model_sizes, presets)
+    recipe_name = pretrained[1].get("recipe", cfg.recipe) if pretrained else cfg.recipe
+    recipe = recipes[recipe_name].presets
     chosen = []
     if not shards_found:
         chosen.append(("SHAKESPEARE", presets["SHAKESPEARE"]))
-        if cfg.init_from != "scratch":
+        if pretrained:
             chosen.append(("SHAKESPEARE_FINETUNE", presets["SHAKESPEARE_FINETUNE"]))
         if "shakespeare" in recipe:
-            chosen.append((f"--recipe {cfg.recipe}'s PRESETS['shakespeare']", recipe["shakespeare"]))
+            chosen.append((f"--recipe {recipe_name}'s PRESETS['shakespeare']", recipe["shakespeare"]))
     elif "fineweb" in recipe:
-        chosen.append((f"--recipe {cfg.recipe}'s PRESETS['fineweb']", recipe["fineweb"]))
-    if cfg.init_from != "scratch" and cfg.init_from in model_sizes:  # OpenAI's shapes, whatever a preset said
-        shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
-        clash = [flag(k) for k, v in shapes.items() if k in given and k != "model" and getattr(cfg, k) != v]
+        chosen.append((f"--recipe {recipe_name}'s PRESETS['fineweb']", recipe["fineweb"]))
+    if pretrained:
+        fixed = pretrained[1]
+        clash = [key for key, value in fixed.items() if key in given and key != "model" and getattr(cfg, key) != value]
         if clash:
-            raise UsageError(f"--init-from {cfg.init_from} fixes {', '.join(clash)}; drop those flags")
-        chosen.append((f"--init-from {cfg.init_from} (OpenAI's shapes)", shapes))
+            fixes, flags = (", ".join(f"{flag(k)} {shown(v[k])}" for k in clash) for v in (fixed, vars(cfg)))
+            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and the flags say {flags}; drop "
+                             f"{'it' if len(clash) == 1 else 'them'}")
+        chosen.append(pretrained)
     return chosen
+
+
+def pretrained_preset(cfg, recipes, model_sizes, presets):
+    """What --init-from's weights fix, (the preset's name, {setting: value}); None from scratch. OpenAI's GPT-2 `name`:
+    model_sizes[name] and OPENAI_SHAPES; an export directory: its recipe and shapes (export_settings), GPT-2's whole
+    vocabulary padded as OpenAI's is."""
+    if cfg.init_from == "scratch":
+        return None
+    if cfg.init_from in model_sizes:
+        shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
+        return f"--init-from {cfg.init_from} (OpenAI's shapes)", shapes
+    fixed = export_settings(cfg.init_from, recipes, model_sizes)
+    if fixed["vocab_size"] == GPT2_VOCAB:
+        fixed["vocab_size"] = presets["OPENAI_SHAPES"]["vocab_size"]
+    return f"--init-from {cfg.init_from} (its recipe and shapes)", fixed
+
+
+def export_settings(directory, recipes, model_sizes):
+    """The model settings of an export directory (--init-from DIR: ours, or one of that format from the Hub): the
+    recipe whose hf_format is the class its config.json names, and the shapes that says."""
+    if not os.path.isdir(directory):
+        raise UsageError(f"--init-from {directory}: no such directory, nor an OpenAI model name; pass scratch, one of "
+                         f"{', '.join(model_sizes)}, or a directory that --export-hf wrote")
+    for name in ("config.json", "model.safetensors"):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise UsageError(f"--init-from {directory}: it holds no {name}; pass a directory that --export-hf wrote, "
+                             f"or one of that format (config.json and model.safetensors, not sharded)")
+    config, path = hf_export.read_config(directory, "a model of train_gpt2.py's recipes")
+    recipe = {recipe.hf_format.model_type: name for name, recipe in recipes.items()}.get(config.get("model_type"))
+    if recipe is None:
+        known = ", ".join(f"{r.hf_format.model_type} (--recipe {name})" for name, r in recipes.items())
+        raise UsageError(f"{path}: model_type {config.get('model_type')!r}, a model no recipe of train_gpt2.py "
+                         f"computes; it loads {known}")
+    return dict(recipe=recipe, **recipes[recipe].hf_format.model_settings(config, path))
+
+
+def pretrained_in_words(init_from):
+    """--init-from's weights, in words: OpenAI's gpt2, or the weights in hf/run1 (an export directory)."""
+    return f"the weights in {init_from}" if os.sep in init_from or os.path.isdir(init_from) else f"OpenAI's {init_from}"
 
 
 def presets_help(presets, recipes):
@@ -162,7 +210,7 @@ def require(cfg, names, ok, what):
             raise UsageError(f"{flag(name)} must be {what}, not {getattr(cfg, name)}")
 
 
-PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "cache_dir", "sample", "export_hf", "resume")
+PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "cache_dir", "sample", "export_hf", "resume", "init_from")
 
 
 def check_paths(cfg, given):
@@ -269,12 +317,12 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
     shards_found = "data" in given or os.path.exists(cfg.data)
     if not shards_found and master:
         doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
-                 else f"fine-tuning OpenAI's {cfg.init_from}")
+                 else f"fine-tuning {pretrained_in_words(cfg.init_from)}")
         print(f"no FineWeb shards in {cfg.data}/ (make them with `python fineweb.py`): {doing} on tiny Shakespeare "
               f"instead")
-    check_recipe(cfg, given, recipes)
     changes = apply_presets(cfg, given, presets_for(cfg, given, shards_found, recipes, model_sizes, presets),
                             model_sizes)
+    check_recipe(cfg, given, recipes)  # --init-from's, if it fixes one
     if not shards_found and "batch_size" not in given and cfg.seq_len > 0:  # one micro-batch a step, over processes
         cfg.batch_size = max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size))
         changes = [(*change[:3], cfg.batch_size) if change[1] == "batch_size" else change for change in changes]
