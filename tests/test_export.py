@@ -56,13 +56,14 @@ FILES = ["README.md", "config.json", "generation_config.json", "merges.txt", "mo
 INPUT = os.path.join(REPO, "input.txt")
 STEPS = 12
 # the tiny models trained on input.txt, with a padded vocabulary: GPT-2's 50257 real ids and 47 of padding
-ON_INPUT = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "64", "--vocab-size", str(PADDED)]
+ON_INPUT = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "128", "--vocab-size", str(PADDED)]
+BLOCK = 128  # the Shakespeare preset's --seq-len, which the README's --init-from lines take
 RUN = ["--data", INPUT, "--batch-size", "4", "--seq-len", "32", "--total-batch-size", "256", "--val-tokens", "512",
        "--num-samples", "0", "--device", "cpu"]
 CLASSES = {128: "GPT2LMHeadModel", "gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}
 ALL = [128, "gpt2", pytest.param("modern", marks=needs_muon)]
 ON_INPUT_ONLY = ["gpt2", pytest.param("modern", marks=needs_muon)]
-HELLASWAG_LABELS = [0, 1, 2, 3, 0, 1, 2]  # the 7 synthetic examples, every one short enough for the block of 64
+HELLASWAG_LABELS = [0, 1, 2, 3, 0, 1, 2]  # the 7 synthetic examples, every one shorter than the block
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,7 +159,7 @@ def test_the_exported_files(exports, name):
         assert weights["model.layers.1.mlp.fc1.weight"].shape == (256, 64)  # nn.Linear's (out, in), as ours
         assert config["model_type"] == "nanochat" and (config["num_hidden_layers"], config["num_attention_heads"],
                                                        config["hidden_size"], config["max_position_embeddings"],
-                                                       config["vocab_size"]) == (2, 4, 64, 64, n_tokens)
+                                                       config["vocab_size"]) == (2, 4, 64, BLOCK, n_tokens)
         assert config["rms_norm_eps"] == torch.finfo(torch.float32).eps  # F.rms_norm's default in float32
         assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": modern.ROTARY_BASE}
         assert (config["final_logit_softcapping"], config["tie_word_embeddings"], config["pad_token_id"]) == (
@@ -211,8 +212,8 @@ def test_the_modern_recipe_reads_its_export_back(exports):
     the same weights, the padding rows left at zero."""
     ckpt, out, _ = exports["modern"]
     model_settings = settings.export_settings(out, train_gpt2.RECIPES, train_gpt2.MODEL_SIZES)
-    assert model_settings == dict(recipe="modern", n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=GPT2_VOCAB,
-                                  logit_softcap=15.0)
+    assert model_settings == dict(recipe="modern", n_layer=2, n_head=4, n_embd=64, block_size=BLOCK,
+                                  vocab_size=GPT2_VOCAB, logit_softcap=15.0)
     padded = train_gpt2.GPTConfig(**dict(model_settings, vocab_size=PADDED))
     expected, loaded = ours(ckpt).state_dict(), modern.from_pretrained(out, padded).state_dict()
     assert set(loaded) == set(expected)
@@ -260,15 +261,15 @@ def greedy(model, prompt, new_tokens):
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("name", ALL)
 def test_transformers_decodes_our_greedy_tokens(exports, name, use_cache):
-    """Greedy decoding through transformers' generate, with its KV cache and without: our tokens, to the end of the
-    block (16 for the model of 128 ids, whose prompt is "Hi!&")."""
+    """Greedy decoding through transformers' generate, with its KV cache and without: our tokens, 64 of them with the
+    prompt (16 for the model of 128 ids, whose prompt is "Hi!&", and a block of 32)."""
     ckpt, out, _ = exports[name]
     model, hf = ours(ckpt), theirs(out)
     if name == 128:
         prompt = torch.tensor([[39, 72, 0, 5]])
     else:
         prompt = torch.tensor([gpt2_tokenizer().encode_ordinary("ROMEO:\nWhat say")])
-    new_tokens = (16 if name == 128 else model.config.block_size) - prompt.size(1)
+    new_tokens = (16 if name == 128 else 64) - prompt.size(1)
     with torch.no_grad():
         decoded = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False, use_cache=use_cache)
     assert decoded.tolist() == greedy(model, prompt, new_tokens)
@@ -356,12 +357,22 @@ def readme_dir(exports, tmp_path_factory):
 
 
 def test_the_readmes_export_commands_run_as_written(readme_dir, gpt2_server, exports, monkeypatch, capsys):
-    """Each export line of the README's export section, and its pipeline one-liners on what they wrote."""
+    """Each export line of the README's export section, its pipeline one-liners on what they wrote, and its
+    --init-from lines on that (the fine-tuning for 2 of its 100 steps)."""
     monkeypatch.chdir(readme_dir)
     monkeypatch.setenv("GPT2_CACHE_DIR", str(readme_dir / "cache"))
-    line = readme_lines(readme_section("Export to Hugging Face"), "python train_gpt2.py --export-hf hf/gpt2")[0]
+    section = readme_section("Export to Hugging Face")
+    line = readme_lines(section, "python train_gpt2.py --export-hf hf/gpt2")[0]
     code, printed, err = run_main(shlex.split(line)[2:], capsys)
     assert code == 0, err
+    init_from = readme_lines(section, "python train_gpt2.py --init-from")
+    for line in init_from + readme_lines(section, "python train_gpt2.py --eval-only"):
+        if "modern" in line and "modern" not in exports:
+            continue
+        code, printed, err = run_main(shlex.split(line)[2:] + (["--max-steps", "2"] if "--eval-only" not in line
+                                                               else []), capsys)
+        assert code == 0, err
+        assert "the weights in hf/" in printed and "val loss" in printed
     written = {"hf/run1": "GPT2LMHeadModel", "hf/step900": "GPT2LMHeadModel", "hf/gpt2": "GPT2LMHeadModel"}
     if "modern" in exports:
         written["hf/modern"] = "NanoChatForCausalLM"
@@ -449,8 +460,8 @@ def test_lm_eval_scores_the_export_as_eval_only(exports, harness, hellaswag_file
                                    hellaswag_file, "--log-dir", tmp_path], capsys)
     assert code == 0, err
     eval_only = read_log(tmp_path)[-1]["hellaswag_acc"]
-    prepared = hellaswag.prepare(examples, gpt2_tokenizer(), 64)
-    assert prepared["tokens"].size(-1) <= 64  # whole: no context cut, which the harness would cut by one token less
+    prepared = hellaswag.prepare(examples, gpt2_tokenizer(), BLOCK)
+    assert prepared["tokens"].size(-1) < BLOCK  # whole: no context cut, which the harness would cut by one token less
     with torch.no_grad():
         sums, _ = hellaswag.ending_losses(ours(ckpt), prepared["tokens"], prepared["mask"])
     likelihoods = harness_way(theirs(out), transformers.AutoTokenizer.from_pretrained(out), examples)
