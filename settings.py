@@ -107,18 +107,15 @@ def pretrained_preset(cfg, recipes, model_sizes, presets):
     if cfg.init_from in model_sizes:
         shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
         return f"--init-from {cfg.init_from} (OpenAI's shapes)", shapes
-    fixed = export_settings(cfg.init_from, recipes, model_sizes)
+    fixed = export_settings(cfg.init_from, recipes)
     if fixed["vocab_size"] == GPT2_VOCAB:
         fixed["vocab_size"] = presets["OPENAI_SHAPES"]["vocab_size"]
     return f"--init-from {cfg.init_from} (its recipe and shapes)", fixed
 
 
-def export_settings(directory, recipes, model_sizes):
+def export_settings(directory, recipes):
     """The model settings of an export directory (--init-from DIR: ours, or one of that format from the Hub): the
     recipe whose hf_format is the class its config.json names, and the shapes that says."""
-    if not os.path.isdir(directory):
-        raise UsageError(f"--init-from {directory}: no such directory, nor an OpenAI model name; pass scratch, one of "
-                         f"{', '.join(model_sizes)}, or a directory that --export-hf wrote")
     for name in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(directory, name)):
             raise UsageError(f"--init-from {directory}: it holds no {name}; pass a directory that --export-hf wrote, "
@@ -213,12 +210,16 @@ def require(cfg, names, ok, what):
 PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "cache_dir", "sample", "export_hf", "resume", "init_from")
 
 
-def check_paths(cfg, given):
+def check_paths(cfg, given, model_sizes):
     """Refuses a path flag given an empty value, as an unset shell variable gives: to some, an empty path means "off"
-    or "the default" (--export-hf "" trained instead, resuming the run in --log-dir or moving its files aside)."""
+    or "the default" (--export-hf "" trained instead, resuming the run in --log-dir or moving its files aside); and an
+    --init-from that is no OpenAI model (model_sizes) nor a directory, before any command downloads it."""
     for name in PATH_SETTINGS:
         if name in given and getattr(cfg, name) == "":
             raise UsageError(f"{flag(name)} is empty; pass a path (an unset shell variable?), or drop the flag")
+    if cfg.init_from not in ("scratch", *model_sizes) and not os.path.isdir(cfg.init_from):
+        raise UsageError(f"--init-from {cfg.init_from}: no such directory, nor an OpenAI model name; pass scratch, one "
+                         f"of {', '.join(model_sizes)}, or a directory that --export-hf wrote")
 
 
 def check_config(cfg, world_size):

@@ -882,7 +882,7 @@ def main(argv=None):
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     error = None
     try:
-        settings.check_paths(cfg, given)
+        settings.check_paths(cfg, given, MODEL_SIZES)
         if cfg.export_hf:
             commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
         elif cfg.sample:

@@ -211,7 +211,7 @@ def test_the_modern_recipe_reads_its_export_back(exports):
     """modern.from_pretrained, of the model settings that the directory's config.json gives (settings.export_settings):
     the same weights, the padding rows left at zero."""
     ckpt, out, _ = exports["modern"]
-    model_settings = settings.export_settings(out, train_gpt2.RECIPES, train_gpt2.MODEL_SIZES)
+    model_settings = settings.export_settings(out, train_gpt2.RECIPES)
     assert model_settings == dict(recipe="modern", n_layer=2, n_head=4, n_embd=64, block_size=BLOCK,
                                   vocab_size=GPT2_VOCAB, logit_softcap=15.0)
     padded = train_gpt2.GPTConfig(**dict(model_settings, vocab_size=PADDED))

@@ -130,7 +130,7 @@ def test_sharded_checkpoint_is_read_by_eval_only_sample_and_export(runs, tmp_pat
     assert f"checkpoint of step 20 (val loss {final:.4f})" in out
     code, out, err = run_main(["--export-hf", tmp_path / "hf", "--log-dir", dirs["fsdp"]], capsys)
     assert code == 0, err
-    exported = settings.export_settings(str(tmp_path / "hf"), train_gpt2.RECIPES, train_gpt2.MODEL_SIZES)
+    exported = settings.export_settings(str(tmp_path / "hf"), train_gpt2.RECIPES)
     assert exported.pop("recipe") == recipe
     config = train_gpt2.GPTConfig(recipe=recipe, **exported)
     exported = train_gpt2.RECIPES[recipe].from_pretrained(str(tmp_path / "hf"), config).state_dict()

@@ -294,8 +294,11 @@ def test_a_directory_neither_recipe_computes_is_refused(tmp_path, capsys, config
 
 
 def test_init_from_what_is_neither_a_name_nor_an_export_is_refused(tmp_path, capsys):
-    expect_usage_error(["--init-from", "gpt3", "--log-dir", tmp_path / "log"], capsys, "--init-from gpt3: no such "
-                       "directory, nor an OpenAI model name; pass scratch, one of gpt2, gpt2-medium")
+    """Training, and --export-hf before it downloads anything (argparse's choices refused such a name once)."""
+    for command in ([], ["--export-hf", tmp_path / "hf", "--cache-dir", tmp_path / "cache"]):
+        expect_usage_error(["--init-from", "gpt3", "--log-dir", tmp_path / "log", *command], capsys, "--init-from "
+                           "gpt3: no such directory, nor an OpenAI model name; pass scratch, one of gpt2, gpt2-medium")
+        assert os.listdir(tmp_path) == []
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "config.json").write_text(json.dumps(NANOCHAT_CONFIG))
     expect_usage_error(["--init-from", tmp_path / "half", "--log-dir", tmp_path / "log"], capsys,
