@@ -191,8 +191,9 @@ def say_changes(changes, model, sizes, width=120):
                 lines.append("   ")
             lines[-1] += f" {item},"
         lines[-1] = lines[-1].removesuffix(",")
-    if changes:
-        _, key, before, _ = changes[-1]
+    free = [change for change in changes if not change[0].startswith("--init-from")]  # a flag for its: refused
+    if free:
+        _, key, before, _ = free[-1]
         lines.append(f"    (a flag keeps the file's value instead: {flag(key)} {shown(before)})")
     return lines
 
