@@ -1,10 +1,13 @@
 """
 The commands of train_gpt2.py that train nothing: `--sample PATH` prints samples from a checkpoint, and
 `--export-hf DIR` writes a checkpoint (or OpenAI's weights) as a Hugging Face model directory (hf_export.py). Neither
-sets up a run. It never imports train_gpt2: what they need of it (model_of, which makes a model of a checkpoint's
-settings; GPT.from_pretrained) is handed over.
+sets up a run. It never imports train_gpt2: what they need of it (the recipes, whose hf_format says which class of
+transformers each one's model is; model_of, which makes a model of a checkpoint's settings; GPT.from_pretrained) is
+handed over.
 """
 
+import contextlib
+import json
 import os
 import shlex
 from dataclasses import asdict
@@ -38,13 +41,17 @@ def model_to_sample(cfg, env, model_of):
     return model, ckpt["step"]
 
 
-def export_hf(cfg, argv, model_of, from_pretrained):
+def export_hf(cfg, argv, recipes, model_of, from_pretrained):
     """--export-hf DIR: the latest checkpoint in --log-dir (or --resume's, or OpenAI's weights with --init-from) as a
-    Hugging Face model directory, which transformers loads as a GPT-2; on the CPU, in one process: under torchrun,
-    rank 0 writes it, and the other ranks end at once (each writing it, all but one would fail, finding it written)."""
+    Hugging Face model directory, which transformers loads as its own class of the model's recipe (GPT-2's:
+    GPT2LMHeadModel; the modern one's: NanoChatForCausalLM); on the CPU, in one process: under torchrun, rank 0 writes
+    it, and the other ranks end at once (each writing it, all but one would fail, finding it written)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     hf_export.check_new_directory(cfg.export_hf)  # now, not after a long load
+    if os.path.isdir(cfg.init_from):
+        raise UsageError(f"--export-hf: --init-from {cfg.init_from} is a Hugging Face model directory already; copy "
+                         f"it, or export a checkpoint of a run that starts from it")
     if cfg.init_from != "scratch":
         model = from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)
         source, about = f"OpenAI's {cfg.init_from}", hf_export.published_facts(cfg.init_from)
@@ -53,15 +60,28 @@ def export_hf(cfg, argv, model_of, from_pretrained):
         if ckpt is None:
             raise UsageError(f"--export-hf {cfg.export_hf}: no checkpoint in --log-dir {cfg.log_dir}; pass the "
                              f"run's --log-dir, --resume PATH, or --init-from gpt2")
-        if ckpt["model_config"]["recipe"] != "gpt2":  # transformers would load it as a GPT-2 that computes otherwise
-            raise UsageError(f"--export-hf: {source} holds a model of --recipe {ckpt['model_config']['recipe']}, "
-                             f"which GPT-2's Hugging Face format cannot hold; only GPT-2's recipe exports")
         model = checkpoints.model_from_checkpoint(ckpt, source, model_of)
+        init_from = ckpt["train_config"]["init_from"]
         about = hf_export.checkpoint_facts(source, ckpt["step"], ckpt["train_config"],
-                                           checkpoints.val_loss_in_words(ckpt))
+                                           checkpoints.val_loss_in_words(ckpt), logged_hellaswag(source, ckpt["step"]),
+                                           None if init_from == "scratch" else settings.pretrained_in_words(init_from))
+    fmt = recipes[model.config.recipe].hf_format
     command = shlex.join(["python", "train_gpt2.py", *argv])
-    n_params = hf_export.export(cfg.export_hf, model.state_dict(), asdict(model.config), model.n_tokens,
+    n_params = hf_export.export(cfg.export_hf, fmt, model.state_dict(), asdict(model.config), model.n_tokens,
                                 dict(about, command=command))
-    print(f"exported {source} to {cfg.export_hf}: a GPT-2 of {n_params / 1e6:.2f}M parameters for Hugging Face's "
-          f"transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
+    print(f"exported {source} to {cfg.export_hf}: a {fmt.architecture} of {n_params / 1e6:.2f}M parameters for Hugging "
+          f"Face's transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
 
+
+def logged_hellaswag(checkpoint, step):
+    """The HellaSwag record that the run logged of the weights at step (its log.jsonl, beside the checkpoint): the
+    latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
+    records = []
+    with contextlib.suppress(OSError):
+        with open(os.path.join(os.path.dirname(checkpoint), "log.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):  # a line cut short by a crash
+                    records.append(json.loads(line))
+    measured = [record for record in records if isinstance(record, dict) and record.get("step") == step
+                and "hellaswag_acc_norm" in record and record.get("init_from", checkpoint) == checkpoint]
+    return measured[-1] if measured else None

@@ -26,7 +26,7 @@ from plumbing import UsageError
 try:  # torch.optim.Muon's own steps (torch 2.9 and later), so that ShardedMuon's update is exactly Muon's; private
     from torch.optim._muon import _adjust_lr as muon_lr_scale
     from torch.optim._muon import _zeropower_via_newtonschulz as orthogonalize
-except ImportError:  # --fsdp --recipe modern is refused then (check_settings), and nothing else needs them
+except ImportError:  # --fsdp --recipe modern is refused then (modern.check_settings); nothing else needs them
     muon_lr_scale = orthogonalize = None
 
 
@@ -49,10 +49,6 @@ def check_settings(cfg):
     if cfg.compile_mode == "reduce-overhead":
         raise UsageError("--compile-mode reduce-overhead cannot run with --fsdp: its CUDA graphs cannot hold FSDP's "
                          "gathers and reductions; pick another --compile-mode, or drop --fsdp")
-    if cfg.recipe == "modern" and orthogonalize is None:
-        raise UsageError(f"--fsdp --recipe modern shards Muon with the steps of torch.optim.Muon's own update, which "
-                         f"this torch ({torch.__version__}) does not have where it looked (torch.optim._muon); use the "
-                         f"torch that requirements.txt names, or drop --fsdp")
 
 
 def shard_model(model, dtype, device_type):

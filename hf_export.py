@@ -1,11 +1,12 @@
 """
-A GPT-2 as a Hugging Face model directory, which `transformers` loads offline with from_pretrained: the machinery of
-`train_gpt2.py --export-hf`, which teaches nothing about GPT-2 (and load_gpt2_layout, its inverse, which reads OpenAI's
-weights and exports back for GPT.from_pretrained). train_gpt2.py hands over the model's state dict, its config and
-the facts of its model card; this module writes
+A model of either recipe as a Hugging Face model directory, which `transformers` loads offline with from_pretrained
+as a class of its own, with no code of ours: the machinery of `train_gpt2.py --export-hf`, which teaches nothing about
+the models, and of its inverse, `--init-from DIR` (and GPT.from_pretrained, which also reads OpenAI's weights).
+A recipe's Format (settings.Recipe's hf_format) says which class its model is and how the files lay it out: GPT-2's
+is GPT2LMHeadModel, the modern recipe's NanoChatForCausalLM (transformers 5.0 and later). train_gpt2.py hands over
+the model's state dict, its config and the facts of its model card; this module writes
 
-- model.safetensors (the weights in GPT-2's Hugging Face layout), config.json and generation_config.json, for
-  GPT2LMHeadModel;
+- model.safetensors (the weights in the class's layout), config.json and generation_config.json;
 - the tokenizer files, made from the shipped gpt2.tiktoken with no network: vocab.json and merges.txt (the merges
   recovered from the BPE ranks), tokenizer.json, tokenizer_config.json, special_tokens_map.json;
 - README.md, the model card;
@@ -15,12 +16,14 @@ never transformers, and never imports train_gpt2 (which imports it).
 """
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import signal
 import uuid
+from typing import Callable, NamedTuple
 
 from safetensors.torch import load_file, save_file
 from tiktoken.load import load_tiktoken_bpe
@@ -38,7 +41,57 @@ EOT_TEXT = "<|endoftext|>"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 # -----------------------------------------------------------------------------
-# The model's files
+# The model's files: GPT-2's recipe as GPT2LMHeadModel, the modern recipe's as NanoChatForCausalLM
+
+
+class Format(NamedTuple):
+    """A recipe's model as a class of transformers (settings.Recipe's hf_format): which class, and its files' layout
+    both ways: --export-hf writes it, --init-from DIR reads it."""
+    architecture: str  # transformers' class, which config.json names
+    model_type: str  # config.json's: transformers picks the class by it, and --init-from DIR the recipe
+    needs: str  # the model card's line on the transformers that loads it ("": any)
+    layout: Callable  # (state_dict, n_tokens) -> the weights as the class names them, the first n_tokens token rows
+    load_layout: Callable  # (path, state_dict, n_tokens, name, fix): such a file's weights into train_gpt2.py's
+    config: Callable  # (shape, model_config, dtype) -> config.json
+    model_settings: Callable  # (config.json, its path) -> the model settings it fixes; refuses one ours cannot compute
+    about: Callable  # (shape, model_config, n_params) -> the model card's first sentence: what the model is
+
+
+def read_weights(path, fix):
+    try:
+        return load_file(path)
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable safetensors file ({e}); {fix}")
+
+
+def read_config(directory, what):
+    """An export directory's config.json, and its path; refused in one line if it is not a JSON object."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        return config, path
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: not the config.json of {what} ({type(e).__name__}: {e})")
+
+
+def check_computes_as_ours(found, ours, path, model):
+    """Refuses, in one line, a config.json whose model computes otherwise than ours: found and ours map its fields to
+    the values they mean (transformers' default where it is missing)."""
+    for key, value in found.items():
+        if value != ours[key]:
+            raise UsageError(f"{path}: {key} is {value!r}, and train_gpt2.py's {model} has {ours[key]!r}; it loads "
+                             f"only a model it computes as transformers does (edit config.json to {ours[key]!r} if "
+                             f"you accept the difference)")
+
+
+def real_tokens(vocab_size, path):
+    if not (isinstance(vocab_size, int) and 0 < vocab_size <= GPT2_VOCAB):
+        raise UsageError(f"{path}: vocab_size {vocab_size!r} is not GPT-2's vocabulary (at most {GPT2_VOCAB:,} ids); "
+                         f"train_gpt2.py tokenizes with GPT-2's BPE alone")
+    return vocab_size
 
 
 def gpt2_layout(state_dict, n_tokens):
@@ -61,10 +114,7 @@ def load_gpt2_layout(path, state_dict, n_tokens, name, fix):
     """The weights of the safetensors file at path, in GPT-2's Hugging Face layout (OpenAI's own, or an export's),
     copied into train_gpt2.py's GPT-2 state_dict: the inverse of gpt2_layout. The token rows past n_tokens (padding)
     are zeroed. Refuses, in one line that names path and ends with fix, a file that is not GPT-2 `name`'s whole."""
-    try:
-        weights = load_file(path)
-    except Exception as e:
-        raise UsageError(f"{path} is not a readable safetensors file ({e}); {fix}")
+    weights = read_weights(path, fix)
     loaded = set()
     state_dict["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never used or scored
     for key, tensor in weights.items():
@@ -87,14 +137,15 @@ def load_gpt2_layout(path, state_dict, n_tokens, name, fix):
         raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; {fix}")
 
 
-def model_config(n_layer, n_head, n_embd, block_size, vocab_size, dtype):
+def gpt2_config(shape, model_config, dtype):
     """config.json of GPT2LMHeadModel. A vocabulary smaller than GPT-2's (a toy model's --vocab-size 128) has no
     <|endoftext|>, so it names no bos or eos token (transformers warns of one beyond the vocabulary)."""
-    eot = EOT if vocab_size > EOT else None
+    eot = EOT if shape["vocab_size"] > EOT else None
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "n_inner": None,  # None: 4 * n_embd
-        "n_positions": block_size, "n_ctx": block_size, "vocab_size": vocab_size,
+        "n_layer": shape["n_layer"], "n_head": shape["n_head"], "n_embd": shape["n_embd"],
+        "n_inner": None,  # None: 4 * n_embd
+        "n_positions": shape["block_size"], "n_ctx": shape["block_size"], "vocab_size": shape["vocab_size"],
         "activation_function": "gelu_new",  # GELU's tanh approximation, as GPT-2 and train_gpt2.py have it
         "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # trained without dropout: fine-tune it the same
@@ -104,6 +155,153 @@ def model_config(n_layer, n_head, n_embd, block_size, vocab_size, dtype):
     }
 
 
+def gpt2_settings(config, path):
+    """The model settings of a GPT2LMHeadModel's config.json, ours or one from the Hub (OpenAI's own among them)."""
+    try:
+        n_embd = config["n_embd"]
+        shape = dict(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=n_embd,
+                     block_size=config["n_positions"], vocab_size=real_tokens(config["vocab_size"], path))
+    except KeyError as e:
+        raise UsageError(f"{path}: not the config.json of a Hugging Face GPT-2 (KeyError: {e})")
+    activation = config.get("activation_function", "gelu_new")
+    found = {"activation_function": {"gelu_pytorch_tanh": "gelu_new"}.get(activation, activation),  # the same GELU
+             "n_inner": config.get("n_inner") or 4 * n_embd,
+             "layer_norm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+             "scale_attn_weights": config.get("scale_attn_weights", True),
+             "scale_attn_by_inverse_layer_idx": config.get("scale_attn_by_inverse_layer_idx", False),
+             "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+    ours = {"activation_function": "gelu_new", "n_inner": 4 * n_embd, "layer_norm_epsilon": 1e-5,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "tie_word_embeddings": True}
+    check_computes_as_ours(found, ours, path, "GPT-2")
+    return shape
+
+
+def read_shape(directory):
+    """The model settings of a Hugging Face GPT-2's directory (GPT.from_pretrained's, given no config)."""
+    return gpt2_settings(*read_config(directory, "a Hugging Face GPT-2"))
+
+
+def gpt2_about(shape, model_config, n_params):
+    return (f"A GPT-2 ({shape['n_layer']} layers, {shape['n_head']} heads, width {shape['n_embd']}, context of "
+            f"{shape['block_size']} tokens), {n_params:,} parameters ({n_params / 1e6:.2f}M; the output layer is the "
+            f"token embedding).")
+
+
+GPT2 = Format(architecture="GPT2LMHeadModel", model_type="gpt2", needs="", layout=gpt2_layout,
+              load_layout=load_gpt2_layout, config=gpt2_config, model_settings=gpt2_settings, about=gpt2_about)
+
+# modern.py's names of a block's weights, and NanoChatForCausalLM's (its c_attn is theirs q_proj, k_proj, v_proj)
+NANOCHAT_NAMES = {"attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+
+
+def nanochat_views(state_dict, n_tokens):
+    """{name in NanoChatForCausalLM's layout: the view of modern.py's tensor it is}, the one map both ways. Only the
+    first n_tokens rows of the embedding and the head: theirs has no mask to keep the padding ids out of the softmax."""
+    views = {"model.embed_tokens.weight": state_dict["transformer.wte.weight"][:n_tokens],
+             "lm_head.weight": state_dict["lm_head.weight"][:n_tokens]}
+    for key, tensor in state_dict.items():
+        if key.startswith("transformer.h."):
+            layer, name = re.fullmatch(r"transformer\.h\.(\d+)\.(\w+\.\w+)\.weight", key).groups()
+            prefix = f"model.layers.{layer}."
+            if name == "attn.c_attn":  # the queries, keys and values in one matmul, theirs in three
+                views.update({f"{prefix}self_attn.{part}.weight": rows
+                              for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3))})
+            else:
+                views[f"{prefix}{NANOCHAT_NAMES[name]}.weight"] = tensor
+    return views
+
+
+def nanochat_layout(state_dict, n_tokens):
+    """modern.py's weights in NanoChatForCausalLM's layout; copies, as safetensors stores no two views of one tensor."""
+    return {key: view.clone() for key, view in nanochat_views(state_dict, n_tokens).items()}
+
+
+def load_nanochat_layout(path, state_dict, n_tokens, name, fix):
+    """The weights of a NanoChatForCausalLM's safetensors file at path into modern.py's state_dict, its token rows
+    past n_tokens (padding) zeroed. Refuses, in one line, a file that is not `name`'s whole."""
+    weights, views = read_weights(path, fix), nanochat_views(state_dict, n_tokens)
+    unexpected, missing = sorted(set(weights) - set(views)), sorted(set(views) - set(weights))
+    if unexpected or missing:
+        what = f"unexpected tensor {unexpected[0]}" if unexpected else f"lacks {missing[0]}"
+        raise UsageError(f"{path}: {what}; {fix}")
+    state_dict["transformer.wte.weight"].zero_()  # the padding rows: never used or scored
+    state_dict["lm_head.weight"].zero_()
+    for key, view in views.items():
+        if view.shape != weights[key].shape:
+            raise UsageError(f"{path}: {key} has shape {tuple(weights[key].shape)}, expected {tuple(view.shape)} for "
+                             f"{name}")
+        view.copy_(weights[key])
+
+
+def nanochat_config(shape, model_config, dtype, rope_theta, rms_norm_eps):
+    """config.json of NanoChatForCausalLM, whose forward pass is modern.py's: the QK-norm after the rotation (ours
+    before it: a norm with no weight commutes with a rotation), the same pairs of halves turned the same way, the
+    norms' epsilon ours in float32, the soft-cap ours. No pad token: its embedding would never train that row."""
+    eot = EOT if shape["vocab_size"] > EOT else None
+    return {
+        "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat",
+        "num_hidden_layers": shape["n_layer"], "num_attention_heads": shape["n_head"],
+        "num_key_value_heads": shape["n_head"], "hidden_size": shape["n_embd"],
+        "intermediate_size": 4 * shape["n_embd"], "max_position_embeddings": shape["block_size"],
+        "vocab_size": shape["vocab_size"], "hidden_act": "relu2", "rms_norm_eps": rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "final_logit_softcapping": model_config["logit_softcap"], "attention_bias": False, "attention_dropout": 0.0,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": eot, "eos_token_id": eot,
+        "pad_token_id": None, "use_cache": True, "dtype": dtype,
+    }
+
+
+def nanochat_settings(config, path, rope_theta, rms_norm_eps):
+    """The model settings of a NanoChatForCausalLM's config.json, ours or one from the Hub."""
+    try:
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        shape = dict(n_layer=config["num_hidden_layers"], n_head=heads, n_embd=hidden,
+                     block_size=config["max_position_embeddings"], vocab_size=real_tokens(config["vocab_size"], path))
+    except KeyError as e:
+        raise UsageError(f"{path}: not the config.json of a NanoChatForCausalLM (KeyError: {e})")
+    cap = config.get("final_logit_softcapping", 15.0)
+    if not (isinstance(cap, (int, float)) and cap > 0):  # None: no soft-cap
+        raise UsageError(f"{path}: final_logit_softcapping is {cap!r}, and train_gpt2.py's modern recipe soft-caps "
+                         f"its logits always; it cannot load this model")
+    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+    found = {"hidden_act": config.get("hidden_act", "relu2"),
+             "intermediate_size": config.get("intermediate_size", 8192),
+             "num_key_value_heads": config.get("num_key_value_heads") or heads,
+             "head_dim": config.get("head_dim") or hidden // heads,
+             "attention_bias": config.get("attention_bias", False),
+             "tie_word_embeddings": config.get("tie_word_embeddings", False),
+             "rms_norm_eps": config.get("rms_norm_eps", 1e-6),  # transformers' default; ours is float32's epsilon
+             "rope_parameters": (rope.get("rope_type", "default"), rope.get("rope_theta"))}
+    ours = {"hidden_act": "relu2", "intermediate_size": 4 * hidden, "num_key_value_heads": heads,
+            "head_dim": hidden // heads, "attention_bias": False, "tie_word_embeddings": False,
+            "rms_norm_eps": rms_norm_eps, "rope_parameters": ("default", rope_theta)}
+    check_computes_as_ours(found, ours, path, "modern recipe")
+    return dict(shape, logit_softcap=float(cap))
+
+
+def nanochat_about(shape, model_config, n_params):
+    cap = model_config["logit_softcap"]
+    return (f"A GPT of train_gpt2.py's modern recipe (`--recipe modern`: rotary positions, QK-norm, RMSNorm with no "
+            f"weights, ReLU², no biases, an untied output layer, logits soft-capped at {cap:g}), {shape['n_layer']} "
+            f"layers, {shape['n_head']} heads, width {shape['n_embd']}, context of "
+            f"{shape['block_size']} tokens, {n_params:,} parameters ({n_params / 1e6:.2f}M). transformers computes it "
+            f"as its own `NanoChatForCausalLM`: no code of train_gpt2.py comes with it.")
+
+
+def nanochat(rope_theta, rms_norm_eps):
+    """The Format of modern.py's model, which turns its queries and keys by rotary frequencies from 1 down to about
+    1/rope_theta, and normalizes with rms_norm_eps."""
+    needs = ("transformers 5.0 or later, the first with `NanoChatForCausalLM` (`pip install -U "
+             "\"transformers>=5.0\"`; an older one says it does not recognize `model_type` `nanochat`). Load it in "
+             "float32, config.json's dtype: train_gpt2.py soft-caps the logits in float32, and transformers in the "
+             "dtype it loads the model in")
+    return Format(architecture="NanoChatForCausalLM", model_type="nanochat", needs=needs, layout=nanochat_layout,
+                  load_layout=load_nanochat_layout,
+                  config=functools.partial(nanochat_config, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps),
+                  model_settings=functools.partial(nanochat_settings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps),
+                  about=nanochat_about)
+
+
 def generation_config(vocab_size, block_size):
     """Sampling as train_gpt2.py's samples do it: top-k 50 from the softmax, to the end of the model's context at
     most. Without max_length, transformers' text-generation pipeline adds 256 new tokens to any prompt, past the
@@ -111,18 +309,6 @@ def generation_config(vocab_size, block_size):
     eot = EOT if vocab_size > EOT else None
     return {"do_sample": True, "top_k": 50, "max_length": block_size, "bos_token_id": eot, "eos_token_id": eot,
             "pad_token_id": eot}
-
-
-def read_shape(directory):
-    """n_layer, n_head, n_embd, block_size and vocab_size from a Hugging Face GPT-2's config.json."""
-    path = os.path.join(directory, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-        return dict(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
-                    block_size=config["n_positions"], vocab_size=config["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{path}: not the config.json of a Hugging Face GPT-2 ({type(e).__name__}: {e})")
 
 
 # -----------------------------------------------------------------------------
@@ -206,20 +392,23 @@ def tokenizer_files(block_size):
 def published_facts(name):
     """The model card's facts of OpenAI's own weights."""
     return dict(source=f"OpenAI's {name}, as published", trained="WebText, by OpenAI",
-                validation="not evaluated by train_gpt2.py")
+                validation="not evaluated by train_gpt2.py", hellaswag=None)
 
 
-def checkpoint_facts(source, step, train_config, validation):
-    """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config."""
-    batch, init_from = train_config["total_batch_size"], train_config["init_from"]
-    fine_tuned = "" if init_from == "scratch" else f", fine-tuning OpenAI's {init_from}"
+def checkpoint_facts(source, step, train_config, validation, hellaswag, start):
+    """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config that
+    started from start (--init-from's weights in words, or None); hellaswag: its logged record at that step, or
+    None."""
+    batch = train_config["total_batch_size"]
+    fine_tuned = "" if start is None else f", fine-tuning {start}"
     return dict(source=f"the checkpoint {source} (step {step} of {train_config['max_steps']})",
                 trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {train_config['data']}{fine_tuned}",
-                validation=validation)
+                validation=validation, hellaswag=hellaswag)
 
 
-def model_card(shape, n_params, about):
-    """README.md: what the model is, what it was trained on and how well, how to use it, and how it was made."""
+def model_card(fmt, shape, model_config, n_params, about):
+    """README.md: what the model is, what it was trained on and how well, what loads it and how to use it, and how
+    it was made."""
     vocab = shape["vocab_size"]
     if vocab < GPT2_VOCAB:
         vocab_note = (f"Its vocabulary is GPT-2's first {vocab} token ids (trained with `--vocab-size {vocab}`): the "
@@ -228,26 +417,31 @@ def model_card(shape, n_params, about):
                       f"`{EOT_TEXT}`, so config.json names no bos or eos token.")
     else:
         vocab_note = f"Its vocabulary and tokenizer are GPT-2's, {GPT2_VOCAB:,} tokens with `{EOT_TEXT}` ({EOT})."
+    lm_eval = "`lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks hellaswag` measures it"
+    hellaswag = about["hellaswag"]
+    if hellaswag is None:
+        hellaswag = f"not measured at these weights; {lm_eval}"
+    else:
+        hellaswag = (f"acc_norm {hellaswag['hellaswag_acc_norm']:.4f}, acc {hellaswag['hellaswag_acc']:.4f} at step "
+                     f"{hellaswag['step']}, as train_gpt2.py scores it (its log.jsonl); {lm_eval} the harness's way")
+    needs = f"- needs: {fmt.needs}\n" if fmt.needs else ""
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
 tags:
-- gpt2
+- {fmt.model_type}
 - train_gpt2
 ---
 
-# GPT-2 from train_gpt2.py
+# {fmt.architecture} from train_gpt2.py
 
-A GPT-2 ({shape["n_layer"]} layers, {shape["n_head"]} heads, width {shape["n_embd"]}, context of \
-{shape["block_size"]} tokens), {n_params:,} parameters ({n_params / 1e6:.2f}M; the output layer is the token \
-embedding). {vocab_note}
+{fmt.about(shape, model_config, n_params)} {vocab_note}
 
 - weights: {about["source"]}
 - trained on: {about["trained"]}
 - validation: {about["validation"]}
-- HellaSwag: not recorded with these weights (train_gpt2.py's checkpoints do not keep it); \
-`lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks hellaswag` measures it
-
+- HellaSwag: {hellaswag}
+{needs}
 ```python
 from transformers import pipeline
 print(pipeline("text-generation", model="path/to/this/directory")("Hello, I'm a language model,")[0]["generated_text"])
@@ -354,14 +548,14 @@ def write_directory(out_dir, fill):
     plumbing.sync_directory(os.path.dirname(out))
 
 
-def export(out_dir, state_dict, config, n_tokens, about):
-    """Writes out_dir as a Hugging Face GPT-2: the weights of train_gpt2.py's state_dict in Hugging Face's layout,
-    the shapes of its model config (dict) with its first n_tokens token ids (the padding rows are left out), GPT-2's
-    tokenizer, and a model card with about's facts: source, trained, validation, command. Returns the number of
-    parameters."""
-    weights = gpt2_layout(state_dict, n_tokens)
+def export(out_dir, fmt, state_dict, config, n_tokens, about):
+    """Writes out_dir as the Hugging Face model of Format fmt: the weights of train_gpt2.py's state_dict in its
+    layout, the shapes of its model config (dict) with its first n_tokens token ids (the padding rows are left out),
+    GPT-2's tokenizer, and a model card with about's facts: source, trained, validation, hellaswag, command. Returns
+    the number of parameters."""
+    weights = fmt.layout(state_dict, n_tokens)
     shape = dict({k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}, vocab_size=n_tokens)
-    dtype = str(weights["transformer.wte.weight"].dtype).removeprefix("torch.")
+    dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     n_params = sum(tensor.numel() for tensor in weights.values())
 
     def fill(directory):
@@ -369,12 +563,12 @@ def export(out_dir, state_dict, config, n_tokens, about):
         save_file(weights, path, metadata={"format": "pt"})  # transformers refuses a file without "format"
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
         plumbing.sync_file(path)
-        write_file(directory, "config.json", json.dumps(model_config(**shape, dtype=dtype), indent=2))
+        write_file(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))
         generation = generation_config(shape["vocab_size"], shape["block_size"])
         write_file(directory, "generation_config.json", json.dumps(generation, indent=2))
         for name, contents in tokenizer_files(shape["block_size"]).items():
             write_file(directory, name, contents)
-        write_file(directory, "README.md", model_card(shape, n_params, about))
+        write_file(directory, "README.md", model_card(fmt, shape, config, n_params, about))
 
     write_directory(out_dir, fill)
     return n_params

@@ -14,11 +14,13 @@ work unchanged), and each change says what it replaces there and where it comes 
   own (modded-nanogpt, nanochat), instead of AdamW for all
 - a constant learning rate, then a linear cool-down, instead of warmup and a cosine (Hägele et al. 2024)
 
-train_gpt2.py chooses the recipe in one place (RECIPES), which takes this file's RECIPE, at its end. It never imports
-train_gpt2, which runs as __main__.
+Its model is transformers' NanoChatForCausalLM, so --export-hf writes it as one, which --init-from DIR reads back
+(HF_FORMAT). train_gpt2.py chooses the recipe in one place (RECIPES), which takes this file's RECIPE, at its end. It
+never imports train_gpt2, which runs as __main__.
 """
 
 import contextlib
+import os
 
 import torch
 import torch.nn as nn
@@ -26,6 +28,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fsdp
+import hf_export
 import settings
 from chunked_loss import chunked_cross_entropy, soft_cap
 from plumbing import GPT2_VOCAB, UsageError
@@ -44,20 +47,24 @@ PRESETS = {
 
 
 def check_settings(cfg, given):
-    """Refuses, in one line, what this recipe cannot honour."""
+    """Refuses, in one line, what this recipe cannot honour. (--init-from gpt2 never comes here: OpenAI's weights fix
+    GPT-2's recipe, as an export of this one's, a NanoChatForCausalLM, fixes this one.)"""
     if not hasattr(torch.optim, "Muon"):
         raise UsageError(f"--recipe modern needs torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: "
                          f"upgrade torch, or drop --recipe modern")
-    if cfg.init_from != "scratch":
-        raise UsageError(f"--init-from {cfg.init_from} loads OpenAI's GPT-2, which --recipe modern's model cannot "
-                         f"hold (no position table, untied head, no biases); drop one of the two")
+    if cfg.fsdp and fsdp.orthogonalize is None:
+        raise UsageError(f"--fsdp --recipe modern shards Muon with the steps of torch.optim.Muon's own update, which "
+                         f"this torch ({torch.__version__}) does not have where it looked (torch.optim._muon); use the "
+                         f"torch that requirements.txt names, or drop --fsdp")
 
 
 # -----------------------------------------------------------------------------
 # The model
 
+ROTARY_BASE = 10000.0  # RoFormer's: the rotary frequencies go from 1 down to about 1/ROTARY_BASE
 
-def rotary_tables(head_size, n_positions, base=10000.0):
+
+def rotary_tables(head_size, n_positions, base=ROTARY_BASE):
     """cos and sin (T, hs/2) of the angle position * frequency, for frequencies from 1 down to about 1/base."""
     frequencies = base ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
     angles = torch.outer(torch.arange(n_positions, dtype=torch.float32), frequencies)  # (T, hs/2)
@@ -208,5 +215,24 @@ def get_lr(step, max_lr, cfg):
     return min_lr + min(1.0, max(0.0, left)) * (max_lr - min_lr)
 
 
+# -----------------------------------------------------------------------------
+# As transformers' own NanoChatForCausalLM (transformers 5.0 and later), whose forward pass is this model's: an export
+# (--export-hf) and an export read back (--init-from DIR). hf_export.py writes and reads its files.
+
+# F.rms_norm's epsilon, eps=None: the machine epsilon of the dtype it normalizes, float32's in an export
+HF_FORMAT = hf_export.nanochat(rope_theta=ROTARY_BASE, rms_norm_eps=torch.finfo(torch.float32).eps)
+
+
+def from_pretrained(directory, config, cache_dir=None):
+    """The model of config (its recipe and shapes those of the export directory, settings.export_settings) with the
+    export's weights; the token rows past GPT-2's, padding, zero."""
+    model = GPT(config)
+    with torch.no_grad():
+        HF_FORMAT.load_layout(os.path.join(directory, "model.safetensors"), model.state_dict(), model.n_tokens,
+                              directory, "export it again")
+    return model
+
+
 RECIPE = settings.Recipe(model=GPT, optimizers=make_optimizers, get_lr=get_lr, presets=PRESETS, settings=SETTINGS,
-                         check_settings=check_settings)
+                         check_settings=check_settings, hf_format=HF_FORMAT, from_pretrained=from_pretrained,
+                         named=", the modern recipe")

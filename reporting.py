@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import plumbing
+import settings
 from plumbing import UsageError, failing_together
 
 
@@ -83,17 +84,19 @@ def what_runs(run):
         if run.resumed_from:
             return f"evaluating {run.resumed_from} (step {run.step})"
         if cfg.init_from != "scratch":
-            return f"evaluating OpenAI's {cfg.init_from}"
+            return f"evaluating {settings.pretrained_in_words(cfg.init_from)}"
         return "evaluating the initial model: random weights (no checkpoint in --log-dir)"
     if run.resumed_from:
         return f"resuming from the checkpoint of step {run.step} ({run.resumed_from}), training to step {cfg.max_steps}"
-    start = "training from scratch" if cfg.init_from == "scratch" else f"fine-tuning OpenAI's {cfg.init_from}"
+    start = ("training from scratch" if cfg.init_from == "scratch"
+             else f"fine-tuning {settings.pretrained_in_words(cfg.init_from)}")
     return f"{start} for {cfg.max_steps} steps"
 
 
-def start(run, micro_batch_said):
+def start(run, micro_batch_said, recipe_named):
     """Readies the log directory (a fresh start moves an old run aside) and says what is being run, and how its
-    micro-batch was chosen (micro_batch_said: microbatch.largest_that_fits's line, if any)."""
+    micro-batch was chosen (micro_batch_said: microbatch.largest_that_fits's line, if any); recipe_named: what the
+    model line adds for the recipe (its Recipe's named)."""
     cfg, env = run.cfg, run.env
     if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
         dist.barrier()
@@ -108,10 +111,9 @@ def start(run, micro_batch_said):
         return
     print(what_runs(run))
     n_params = sum(p.numel() for p in run.model.parameters())
-    recipe = ", the modern recipe" if cfg.recipe == "modern" else ""
     compiled = "on" if cfg.compile else "off"
     print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters"
-          f"{recipe} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {compiled}")
+          f"{recipe_named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {compiled}")
     train_tokens = sum(len(shard) for shard in run.stream.shards)
     print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
           f"{run.micro_batch} x {cfg.seq_len} x {run.accumulation_steps} accumulation steps x {env.world_size} "

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+import hf_export
 import plumbing
 from plumbing import GPT2_VOCAB, UsageError
 
@@ -28,6 +29,9 @@ class Recipe(NamedTuple):
     presets: dict  # what it changes over train_gpt2.py's presets: {"fineweb": {...}, "shakespeare": {...}}
     settings: tuple  # the settings only it reads: refused with the other recipe
     check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
+    hf_format: tuple  # hf_export.Format: the class of transformers its model is, and its files (--export-hf)
+    from_pretrained: Callable  # (--init-from's name or directory, GPTConfig, cache_dir) -> its model, with its weights
+    named: str  # what the run's model line adds after the parameters: "" for GPT-2's, the default
 
     def rate_flags(self):
         """The flags of its learning rates (its settings named *_lr): what to lower when a run diverges."""
@@ -82,24 +86,65 @@ def defined_in(recipe):
 
 def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
     """The presets of this run, in the order they apply: [(name and where it is, {setting: value})]. presets:
-    train_gpt2.py's named tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES."""
-    recipe, recipe_file = recipes[cfg.recipe].presets, defined_in(recipes[cfg.recipe])
+    train_gpt2.py's named tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES. --init-from's weights fix the
+    recipe and the shapes, whatever a preset said; a flag that says otherwise is refused."""
+    pretrained = pretrained_preset(cfg, recipes, model_sizes, presets)
+    recipe_name = pretrained[1].get("recipe", cfg.recipe) if pretrained else cfg.recipe
+    recipe, where = recipes[recipe_name].presets, f"in {defined_in(recipes[recipe_name])}"
     chosen = []
     if not shards_found:
         chosen.append((f"SHAKESPEARE ({TOP})", presets["SHAKESPEARE"]))
-        if cfg.init_from != "scratch":
+        if pretrained:
             chosen.append((f"SHAKESPEARE_FINETUNE ({TOP})", presets["SHAKESPEARE_FINETUNE"]))
         if "shakespeare" in recipe:
-            chosen.append((f"--recipe {cfg.recipe}'s PRESETS['shakespeare'] (in {recipe_file})", recipe["shakespeare"]))
+            chosen.append((f"--recipe {recipe_name}'s PRESETS['shakespeare'] ({where})", recipe["shakespeare"]))
     elif "fineweb" in recipe:
-        chosen.append((f"--recipe {cfg.recipe}'s PRESETS['fineweb'] (in {recipe_file})", recipe["fineweb"]))
-    if cfg.init_from != "scratch" and cfg.init_from in model_sizes:  # OpenAI's shapes, whatever a preset said
-        shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
-        clash = [flag(k) for k, v in shapes.items() if k in given and k != "model" and getattr(cfg, k) != v]
+        chosen.append((f"--recipe {recipe_name}'s PRESETS['fineweb'] ({where})", recipe["fineweb"]))
+    if pretrained:
+        fixed = pretrained[1]
+        clash = [key for key, value in fixed.items() if key in given and key != "model" and getattr(cfg, key) != value]
         if clash:
-            raise UsageError(f"--init-from {cfg.init_from} fixes {', '.join(clash)}; drop those flags")
-        chosen.append((f"--init-from {cfg.init_from} (OpenAI's shapes, OPENAI_SHAPES {TOP})", shapes))
+            fixes, flags = (", ".join(f"{flag(k)} {shown(v[k])}" for k in clash) for v in (fixed, vars(cfg)))
+            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and the flags say {flags}; drop "
+                             f"{'it' if len(clash) == 1 else 'them'}")
+        chosen.append(pretrained)
     return chosen
+
+
+def pretrained_preset(cfg, recipes, model_sizes, presets):
+    """What --init-from's weights fix, (the preset's name, {setting: value}); None from scratch. OpenAI's GPT-2 `name`:
+    model_sizes[name] and OPENAI_SHAPES; an export directory: its recipe and shapes (export_settings), GPT-2's whole
+    vocabulary padded as OpenAI's is."""
+    if cfg.init_from == "scratch":
+        return None
+    if cfg.init_from in model_sizes:
+        shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
+        return f"--init-from {cfg.init_from} (OpenAI's shapes, OPENAI_SHAPES {TOP})", shapes
+    fixed = export_settings(cfg.init_from, recipes)
+    if fixed["vocab_size"] == GPT2_VOCAB:
+        fixed["vocab_size"] = presets["OPENAI_SHAPES"]["vocab_size"]
+    return f"--init-from {cfg.init_from} (its recipe and shapes)", fixed
+
+
+def export_settings(directory, recipes):
+    """The model settings of an export directory (--init-from DIR: ours, or one of that format from the Hub): the
+    recipe whose hf_format is the class its config.json names, and the shapes that says."""
+    for name in ("config.json", "model.safetensors"):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise UsageError(f"--init-from {directory}: it holds no {name}; pass a directory that --export-hf wrote, "
+                             f"or one of that format (config.json and model.safetensors, not sharded)")
+    config, path = hf_export.read_config(directory, "a model of train_gpt2.py's recipes")
+    recipe = {recipe.hf_format.model_type: name for name, recipe in recipes.items()}.get(config.get("model_type"))
+    if recipe is None:
+        known = ", ".join(f"{r.hf_format.model_type} (--recipe {name})" for name, r in recipes.items())
+        raise UsageError(f"{path}: model_type {config.get('model_type')!r}, a model no recipe of train_gpt2.py "
+                         f"computes; it loads {known}")
+    return dict(recipe=recipe, **recipes[recipe].hf_format.model_settings(config, path))
+
+
+def pretrained_in_words(init_from):
+    """--init-from's weights, in words: OpenAI's gpt2, or the weights in hf/run1 (an export directory)."""
+    return f"the weights in {init_from}" if os.sep in init_from or os.path.isdir(init_from) else f"OpenAI's {init_from}"
 
 
 def presets_help(presets, recipes):
@@ -173,8 +218,9 @@ def say_changes(changes, model, sizes, width=120):
                 lines.append("   ")
             lines[-1] += f" {item},"
         lines[-1] = lines[-1].removesuffix(",")
-    if changes:
-        _, key, before, _ = changes[-1]
+    free = [change for change in changes if not change[0].startswith("preset --init-from")]  # a flag for its: refused
+    if free:
+        _, key, before, _ = free[-1]
         lines.append(f"    (a flag keeps the file's value instead: {flag(key)} {shown(before)})")
     return lines
 
@@ -189,15 +235,19 @@ def require(cfg, names, ok, what):
             raise UsageError(f"{flag(name)} must be {what}, not {getattr(cfg, name)}")
 
 
-PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "cache_dir", "sample", "export_hf", "resume")
+PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "cache_dir", "sample", "export_hf", "resume", "init_from")
 
 
-def check_paths(cfg, given):
+def check_paths(cfg, given, model_sizes):
     """Refuses a path flag given an empty value, as an unset shell variable gives: to some, an empty path means "off"
-    or "the default" (--export-hf "" trained instead, resuming the run in --log-dir or moving its files aside)."""
+    or "the default" (--export-hf "" trained instead, resuming the run in --log-dir or moving its files aside); and an
+    --init-from that is no OpenAI model (model_sizes) nor a directory, before any command downloads it."""
     for name in PATH_SETTINGS:
         if name in given and getattr(cfg, name) == "":
             raise UsageError(f"{flag(name)} is empty; pass a path (an unset shell variable?), or drop the flag")
+    if cfg.init_from not in ("scratch", *model_sizes) and not os.path.isdir(cfg.init_from):
+        raise UsageError(f"--init-from {cfg.init_from}: no such directory, nor an OpenAI model name; pass scratch, one "
+                         f"of {', '.join(model_sizes)}, or a directory that --export-hf wrote")
 
 
 def check_config(cfg, world_size):
@@ -307,7 +357,7 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
     shards_found = "data" in given or (os.path.exists(cfg.data) and leftovers is None)
     if not shards_found and master:
         doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
-                 else f"fine-tuning OpenAI's {cfg.init_from}")
+                 else f"fine-tuning {pretrained_in_words(cfg.init_from)}")
         advice = "make them with `python fineweb.py`"
         if leftovers:
             advice = (f"only {', '.join(leftovers)}, left by an unfinished `python fineweb.py`: rerun it to finish "
@@ -315,10 +365,11 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
         elif leftovers == []:
             advice = f"it is empty: {advice}, or delete {cfg.data}/"
         print(f"no FineWeb shards in {cfg.data}/ ({advice}): {doing} on tiny Shakespeare instead")
-    check_recipe(cfg, given, recipes)
-    unread = {name for other, recipe in recipes.items() if other != cfg.recipe for name in recipe.settings}
-    changes = apply_presets(cfg, given, presets_for(cfg, given, shards_found, recipes, model_sizes, presets),
-                            model_sizes, unread)
+    chosen = presets_for(cfg, given, shards_found, recipes, model_sizes, presets)
+    recipe = next((preset["recipe"] for _, preset in chosen if "recipe" in preset), cfg.recipe)  # --init-from's
+    unread = {name for other, settings in recipes.items() if other != recipe for name in settings.settings}
+    changes = apply_presets(cfg, given, chosen, model_sizes, unread)
+    check_recipe(cfg, given, recipes)  # --init-from's recipe, if it fixes one
     if not shards_found and "batch_size" not in given and cfg.seq_len > 0:
         overrule(cfg, changes, "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)",
                  "batch_size", max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size)))

@@ -88,7 +88,7 @@ class TrainConfig:
                         ["sdpa", "naive"])
     recipe: str = setting("gpt2", "gpt2: GPT-2 exactly; modern: rotary, QK-norm, ReLU², an untied zero-init head, "
                           "logit soft-cap, Muon, a constant rate then a cool-down (modern.py)", ["gpt2", "modern"])
-    init_from: str = setting("scratch", "start from random weights or from OpenAI's", ["scratch", *MODEL_SIZES])
+    init_from: str = setting("scratch", "random weights, OpenAI's (gpt2, gpt2-medium, ...) or an --export-hf directory")
     # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
     batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process, halved until a step fits")
     fit_batch_size: bool = setting(True, "try a step of --batch-size first, halving it until one fits in memory "
@@ -155,7 +155,7 @@ SHAKESPEARE = dict(
 # Fine-tuning OpenAI's GPT-2 on it instead (--init-from gpt2): a far gentler learning rate, and fewer steps.
 SHAKESPEARE_FINETUNE = dict(max_steps=100, warmup_steps=10, max_lr=3e-5, eval_every=25)
 # --init-from NAME, on any data: OpenAI's shapes, MODEL_SIZES[NAME] and these (a flag that says otherwise is refused)
-OPENAI_SHAPES = dict(block_size=1024, vocab_size=PADDED_VOCAB)
+OPENAI_SHAPES = dict(block_size=1024, vocab_size=PADDED_VOCAB, recipe="gpt2")
 PRESETS = dict(SHAKESPEARE=SHAKESPEARE, SHAKESPEARE_FINETUNE=SHAKESPEARE_FINETUNE, OPENAI_SHAPES=OPENAI_SHAPES)
 
 
@@ -308,14 +308,12 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name, config=None, cache_dir=None):
         """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl), downloaded once into the cache; or, if name
-        is a directory, the GPT-2 --export-hf wrote there. A config, if given, must have that model's shapes."""
-        if os.path.isdir(name):
-            path, config = os.path.join(name, "model.safetensors"), config or GPTConfig(**hf_export.read_shape(name))
-            fix = "export it again"
-        else:
-            path, fix = plumbing.download_openai_weights(name, cache_dir), "delete it to download it again"
-        model = cls(config or GPTConfig(**MODEL_SIZES[name]))
+        is a directory, the GPT-2 there (--export-hf's, or the Hub's). A config, if given, has that model's shapes."""
+        local = os.path.isdir(name)
+        path = os.path.join(name, "model.safetensors") if local else plumbing.download_openai_weights(name, cache_dir)
+        model = cls(config or GPTConfig(**(hf_export.read_shape(name) if local else MODEL_SIZES[name])))
         with torch.no_grad():  # the keys and shapes checked, OpenAI's Conv1D weights transposed for nn.Linear
+            fix = "export it again" if local else "delete it to download it again"
             hf_export.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
         return model
 
@@ -487,10 +485,11 @@ def get_lr(step, max_lr, cfg):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
 
-# The one place a recipe is chosen (--recipe): its model, optimizers, schedule, presets and refusals.
+# The one place a recipe is chosen (--recipe): its model, optimizers, schedule, presets, refusals and export.
 RECIPES = {
     "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
-                            settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: None),
+                            settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: None,
+                            hf_format=hf_export.GPT2, from_pretrained=GPT.from_pretrained, named=""),
     "modern": modern.RECIPE,
 }
 
@@ -563,10 +562,11 @@ def autocast_context(device_type, dtype):
 
 
 def make_model(cfg, device, pretrained=False):
-    """The recipe's model, on device: random weights, the same on every rank, or OpenAI's if pretrained."""
+    """The recipe's model, on device: random weights, the same on every rank, or --init-from's if pretrained."""
     torch.manual_seed(cfg.seed)
     config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})  # settings of the same names
-    model = GPT.from_pretrained(cfg.init_from, config, cfg.cache_dir or None) if pretrained else model_of(config)
+    load = RECIPES[cfg.recipe].from_pretrained  # OpenAI's weights, or an export directory's (of the recipe it fixed)
+    model = load(cfg.init_from, config, cfg.cache_dir or None) if pretrained else model_of(config)
     return model.to(device)
 
 
@@ -816,7 +816,7 @@ def set_up(cfg, given, env):
         if checkpoints.finished(run):
             return None
     run.micro_batch, said = microbatch.largest_that_fits(run, gradient_sync)  # before any file of the run moves
-    reporting.start(run, said)
+    reporting.start(run, said, RECIPES[cfg.recipe].named)
     return run
 
 
@@ -885,9 +885,9 @@ def main(argv=None):
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     error = None
     try:
-        settings.check_paths(cfg, given)
+        settings.check_paths(cfg, given, MODEL_SIZES)
         if cfg.export_hf:
-            commands.export_hf(cfg, sys.argv[1:] if argv is None else argv, model_of, GPT.from_pretrained)
+            commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
         elif cfg.sample:
             commands.sample(cfg, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
         else:

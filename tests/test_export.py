@@ -1,6 +1,8 @@
-"""--export-hf: a checkpoint as a Hugging Face model directory. transformers, the independent reference, loads it
-offline: its logits, its generate and its tokenizer must agree with train_gpt2.py's, and our from_pretrained reads it
-back to the same weights. Mistakes are refused in one line, and an export cut short leaves nothing at OUT_DIR."""
+"""--export-hf: a checkpoint of either recipe as a Hugging Face model directory, GPT-2's as GPT2LMHeadModel and the
+modern recipe's as NanoChatForCausalLM. transformers, the independent reference, loads it offline as its own class:
+its probabilities, its greedy decoding, its tokenizer and lm-evaluation-harness's scores must agree with
+train_gpt2.py's, and --init-from DIR (and our from_pretrained) reads it back to the same weights and validation loss.
+Mistakes are refused in one line, and an export cut short leaves nothing at OUT_DIR."""
 import contextlib
 import fcntl
 import functools
@@ -8,15 +10,20 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 from dataclasses import asdict
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import checkpoints
+import hellaswag
 import hf_export
+import modern
+import settings
 import test_pretrained
 import train_gpt2
 from helpers import (
@@ -26,9 +33,15 @@ from helpers import (
     checkpoint_path,
     expect_usage_error,
     load_ckpt,
+    needs_muon,
+    read_log,
     run_main,
     run_script_on_tmpfs,
     run_source,
+    synthetic_examples,
+    train_records,
+    val_records,
+    write_jsonl,
     write_shards,
 )
 from plumbing import EOT, GPT2_VOCAB, UsageError, gpt2_tokenizer
@@ -40,6 +53,17 @@ gpt2_server = test_pretrained.gpt2_server  # the fixture serving a tiny stand-in
 PADDED = train_gpt2.PADDED_VOCAB
 FILES = ["README.md", "config.json", "generation_config.json", "merges.txt", "model.safetensors",
          "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+INPUT = os.path.join(REPO, "input.txt")
+STEPS = 12
+# the tiny models trained on input.txt, with a padded vocabulary: GPT-2's 50257 real ids and 47 of padding
+ON_INPUT = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "128", "--vocab-size", str(PADDED)]
+BLOCK = 128  # the Shakespeare preset's --seq-len, which the README's --init-from lines take
+RUN = ["--data", INPUT, "--batch-size", "4", "--seq-len", "32", "--total-batch-size", "256", "--val-tokens", "512",
+       "--num-samples", "0", "--device", "cpu"]
+CLASSES = {128: "GPT2LMHeadModel", "gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}
+ALL = [128, "gpt2", pytest.param("modern", marks=needs_muon)]
+ON_INPUT_ONLY = ["gpt2", pytest.param("modern", marks=needs_muon)]
+HELLASWAG_LABELS = [0, 1, 2, 3, 0, 1, 2]  # the 7 synthetic examples, every one shorter than the block
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,26 +77,38 @@ def tokenizer_files_made_once():
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """Two tiny models trained 3 steps and exported, {vocab: (checkpoint path, export directory, what it printed)}:
-    GPT-2's ids cut to 128 (the tests' vocabulary), and the padded 50304 (exported into an empty directory)."""
+def hellaswag_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hellaswag") / "hellaswag_val.jsonl"
+    write_jsonl(path, synthetic_examples(HELLASWAG_LABELS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, hellaswag_file):
+    """Tiny models trained and exported, {name: (checkpoint path, export directory, what the export printed)}: 128,
+    GPT-2's recipe on random ids below 128 for 3 steps; "gpt2" and "modern", each recipe with a padded vocabulary
+    trained for STEPS steps on input.txt (GPT-2's exported into an empty directory; the modern recipe's HellaSwag
+    logged at its last step)."""
     root = tmp_path_factory.mktemp("export")
-    shards = write_shards(root / "data")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    runs = {128: TINY + ["--data", write_shards(root / "data"), "--max-steps", 3, "--checkpoint-every", 2,
+                         "--eval-every", 3],
+            "gpt2": ON_INPUT + RUN + ["--max-steps", STEPS, "--eval-every", STEPS, "--max-lr", 1e-2]}
+    if hasattr(torch.optim, "Muon"):  # the modern recipe needs torch.optim.Muon
+        runs["modern"] = runs["gpt2"][:-2] + ["--recipe", "modern", "--head-lr", 0.05, "--hellaswag-every", STEPS,
+                                              "--hellaswag-file", hellaswag_file]
     made = {}
     try:
-        for vocab in (128, PADDED):
-            log_dir, out = root / f"log{vocab}", root / f"hf{vocab}"
-            train = TINY + ["--data", shards, "--log-dir", log_dir, "--vocab-size", vocab, "--max-steps", 3,
-                            "--checkpoint-every", 2, "--eval-every", 3]
-            train_gpt2.main([str(arg) for arg in train])
-            if vocab == PADDED:
+        for name, train in runs.items():
+            log_dir, out = root / f"log_{name}", root / f"hf_{name}"
+            train_gpt2.main([str(arg) for arg in train + ["--log-dir", log_dir]])
+            if name == "gpt2":
                 out.mkdir()
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 train_gpt2.main(["--export-hf", str(out), "--log-dir", str(log_dir)])
-            made[vocab] = checkpoint_path(log_dir, 3), str(out), printed.getvalue()
+            made[name] = checkpoint_path(log_dir, 3 if name == 128 else STEPS), str(out), printed.getvalue()
     finally:
         torch.set_num_threads(threads)
     return made
@@ -83,62 +119,108 @@ def ours(ckpt_path):
 
 
 def theirs(out):
-    return transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    """The export as transformers loads it: offline, by its config.json alone, as a class of its own."""
+    return transformers.AutoModelForCausalLM.from_pretrained(out).eval()
 
 
-@pytest.mark.parametrize("vocab", [128, PADDED])
-def test_transformers_computes_our_logits(exports, vocab):
-    ckpt, out, _ = exports[vocab]
+@pytest.mark.parametrize("name", ALL)
+def test_transformers_loads_its_own_class_and_computes_our_probabilities(exports, name):
+    """On GPT-2's real ids (the padding rows are not exported), over the whole block, in float32: the next-token
+    probabilities within 1e-5 (the logits too)."""
+    ckpt, out, _ = exports[name]
     model, hf = ours(ckpt), theirs(out)
-    n_tokens = min(vocab, GPT2_VOCAB)
-    assert hf.config.vocab_size == n_tokens and hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
-    idx = torch.randint(0, n_tokens, (3, 32), generator=torch.Generator().manual_seed(0))  # the whole block
+    assert type(hf).__name__ == CLASSES[name] and hf.dtype == torch.float32
+    assert not [file for file in os.listdir(out) if file.endswith(".py")]  # no code of ours: not trust_remote_code
+    n_tokens = model.n_tokens
+    assert hf.config.vocab_size == n_tokens
+    idx = torch.randint(0, n_tokens, (3, model.config.block_size), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected, got = model(idx)[0][..., :n_tokens], hf(idx).logits
-    assert got.shape == (3, 32, n_tokens)
+    assert got.shape == (3, model.config.block_size, n_tokens)
+    assert (got.softmax(-1) - expected.softmax(-1)).abs().max().item() < 1e-5
     assert (got - expected).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("vocab", [128, PADDED])
-def test_the_exported_files(exports, vocab):
-    ckpt_path, out, printed = exports[vocab]
+@pytest.mark.parametrize("name", ALL)
+def test_the_exported_files(exports, name):
+    ckpt_path, out, printed = exports[name]
     ckpt = load_ckpt(ckpt_path)
-    n_tokens = min(vocab, GPT2_VOCAB)
+    n_tokens = 128 if name == 128 else GPT2_VOCAB
     assert sorted(os.listdir(out)) == FILES
-    assert not [name for name in os.listdir(os.path.dirname(out)) if name.endswith(".tmp")]
+    assert not [file for file in os.listdir(os.path.dirname(out)) if file.endswith(".tmp")]
     weights = load_file(os.path.join(out, "model.safetensors"))
-    assert "lm_head.weight" not in weights  # tied to the token embedding
-    assert weights["transformer.wte.weight"].shape == (n_tokens, 64)  # the padding rows dropped
-    assert weights["transformer.h.1.attn.c_attn.weight"].shape == (64, 192)  # Conv1D's (in, out)
-    assert weights["transformer.h.1.mlp.c_proj.weight"].shape == (256, 64)
     config = json.load(open(os.path.join(out, "config.json")))
-    assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
-    assert (config["n_layer"], config["n_head"], config["n_embd"], config["n_positions"], config["vocab_size"]) == (
-        2, 4, 64, 32, n_tokens)
-    assert config["eos_token_id"] == (EOT if vocab == PADDED else None)  # a vocabulary of 128 has no <|endoftext|>
+    assert config["architectures"] == [CLASSES[name]]
+    if name == "modern":
+        assert {key for key in weights if ".layers.1." in key} == {
+            f"model.layers.1.{part}.weight" for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                         "self_attn.o_proj", "mlp.fc1", "mlp.fc2")}
+        assert weights["model.embed_tokens.weight"].shape == weights["lm_head.weight"].shape == (n_tokens, 64)
+        assert weights["model.layers.1.mlp.fc1.weight"].shape == (256, 64)  # nn.Linear's (out, in), as ours
+        assert config["model_type"] == "nanochat" and (config["num_hidden_layers"], config["num_attention_heads"],
+                                                       config["hidden_size"], config["max_position_embeddings"],
+                                                       config["vocab_size"]) == (2, 4, 64, BLOCK, n_tokens)
+        assert config["rms_norm_eps"] == torch.finfo(torch.float32).eps  # F.rms_norm's default in float32
+        assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": modern.ROTARY_BASE}
+        assert (config["final_logit_softcapping"], config["tie_word_embeddings"], config["pad_token_id"]) == (
+            15.0, False, None)
+    else:
+        assert "lm_head.weight" not in weights  # tied to the token embedding
+        assert weights["transformer.wte.weight"].shape == (n_tokens, 64)  # the padding rows dropped
+        assert weights["transformer.h.1.attn.c_attn.weight"].shape == (64, 192)  # Conv1D's (in, out)
+        assert weights["transformer.h.1.mlp.c_proj.weight"].shape == (256, 64)
+        assert config["model_type"] == "gpt2" and (config["n_layer"], config["n_head"], config["n_embd"],
+                                                   config["vocab_size"]) == (2, 4, 64, n_tokens)
+    assert config["eos_token_id"] == (EOT if name != 128 else None)  # a vocabulary of 128 has no <|endoftext|>
     generation = json.load(open(os.path.join(out, "generation_config.json")))
-    assert generation["max_length"] == config["n_positions"]  # transformers never samples past the context
+    assert generation["max_length"] == ckpt["model_config"]["block_size"]  # transformers never samples past it
     mode = os.stat(os.path.join(out, "config.json")).st_mode
     assert os.stat(os.path.join(out, "model.safetensors")).st_mode == mode  # not safetensors' private file
     card = open(os.path.join(out, "README.md")).read()
     n_params = sum(t.numel() for t in weights.values())
+    assert f"# {CLASSES[name]} from train_gpt2.py" in card
     assert f"{n_params:,} parameters" in card and "2 layers, 4 heads, width 64" in card
-    assert "768 tokens (3 steps of 256)" in card  # step x total_batch_size
+    steps = 3 if name == 128 else STEPS
+    assert f"{steps * 256:,} tokens ({steps} steps of 256)" in card  # step x total_batch_size
     assert f"validation: {checkpoints.val_loss_in_words(ckpt)}" in card and "val loss" in card
-    assert "HellaSwag: not recorded with these weights" in card
     assert f"`python train_gpt2.py --export-hf {out} --log-dir {os.path.dirname(ckpt_path)}`" in card
-    assert (f"GPT-2's first {n_tokens} token ids" in card) == (vocab == 128)
-    assert printed.startswith(f"exported {ckpt_path} to {out}")
+    assert (f"GPT-2's first {n_tokens} token ids" in card) == (name == 128)
+    logged = [r for r in read_log(os.path.dirname(ckpt_path)) if "hellaswag_acc" in r]
+    if name == "modern":  # measured at the exported step, and what transformers needs for the class
+        assert (f"HellaSwag: acc_norm {logged[-1]['hellaswag_acc_norm']:.4f}, acc {logged[-1]['hellaswag_acc']:.4f} at "
+                f"step {STEPS}") in card
+        assert 'needs: transformers 5.0 or later' in card and "Load it in float32" in card
+    else:
+        assert not logged and "HellaSwag: not measured at these weights" in card and "needs:" not in card
+    assert printed.startswith(f"exported {ckpt_path} to {out}: a {CLASSES[name]} of ")
 
 
-@pytest.mark.parametrize("vocab", [128, PADDED])
-def test_our_from_pretrained_reads_the_export_back(exports, vocab):
-    ckpt, out, _ = exports[vocab]
+@pytest.mark.parametrize("name", [128, "gpt2"])
+def test_our_from_pretrained_reads_the_export_back(exports, name):
+    ckpt, out, _ = exports[name]
     expected, loaded = ours(ckpt).state_dict(), GPT.from_pretrained(out).state_dict()
     assert set(loaded) == set(expected)
     for key, tensor in expected.items():
         if key in ("transformer.wte.weight", "lm_head.weight"):
             tensor = tensor[:GPT2_VOCAB]  # the padding rows, never scored, are not exported
+        assert torch.equal(loaded[key], tensor), key
+
+
+@needs_muon
+def test_the_modern_recipe_reads_its_export_back(exports):
+    """modern.from_pretrained, of the model settings that the directory's config.json gives (settings.export_settings):
+    the same weights, the padding rows left at zero."""
+    ckpt, out, _ = exports["modern"]
+    model_settings = settings.export_settings(out, train_gpt2.RECIPES)
+    assert model_settings == dict(recipe="modern", n_layer=2, n_head=4, n_embd=64, block_size=BLOCK,
+                                  vocab_size=GPT2_VOCAB, logit_softcap=15.0)
+    padded = train_gpt2.GPTConfig(**dict(model_settings, vocab_size=PADDED))
+    expected, loaded = ours(ckpt).state_dict(), modern.from_pretrained(out, padded).state_dict()
+    assert set(loaded) == set(expected)
+    for key, tensor in expected.items():
+        if key in ("transformer.wte.weight", "lm_head.weight"):
+            assert not loaded[key][GPT2_VOCAB:].any()
+            loaded[key], tensor = loaded[key][:GPT2_VOCAB], tensor[:GPT2_VOCAB]
         assert torch.equal(loaded[key], tensor), key
 
 
@@ -155,6 +237,8 @@ def test_openai_weights_export_as_they_were_published(gpt2_server, tmp_path, cap
     with torch.no_grad():
         logits = theirs(out)(idx).logits
     torch.testing.assert_close(logits.double(), test_pretrained.reference_logits(weights, idx), rtol=1e-4, atol=1e-4)
+    expect_usage_error(argv[:1] + [tmp_path / "again"] + argv[2:3] + [out], capsys, f"--init-from {out} is a Hugging "
+                       f"Face model directory already")
 
 
 def test_our_from_pretrained_needs_the_config(exports, tmp_path):
@@ -165,22 +249,37 @@ def test_our_from_pretrained_needs_the_config(exports, tmp_path):
         GPT.from_pretrained(str(copy))
 
 
-def test_transformers_generates_from_the_export(exports):
-    """Greedy decoding through transformers' KV cache gives our model's greedy tokens; sampling runs, as does the
-    README's pipeline on GPT-2's whole vocabulary."""
-    ckpt, out, _ = exports[128]
-    model, hf = ours(ckpt), theirs(out)
-    prompt = torch.tensor([[39, 72, 0, 5]])  # "Hi!&": ids below 128
+def greedy(model, prompt, new_tokens):
+    """Our greedy continuation of prompt (1, P), each token predicted from all before it, no cache."""
     tokens = prompt
     with torch.no_grad():
-        for _ in range(12):  # the prompt and 12 tokens: 16 of the block's 32
+        for _ in range(new_tokens):
             tokens = torch.cat([tokens, model(tokens)[0][:, -1:].argmax(-1)], dim=1)
-        assert hf.generate(prompt, max_new_tokens=12, do_sample=False).tolist() == tokens.tolist()
-        sampled = hf.generate(prompt, max_new_tokens=12, do_sample=True)
+    return tokens.tolist()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("name", ALL)
+def test_transformers_decodes_our_greedy_tokens(exports, name, use_cache):
+    """Greedy decoding through transformers' generate, with its KV cache and without: our tokens, 64 of them with the
+    prompt (16 for the model of 128 ids, whose prompt is "Hi!&", and a block of 32)."""
+    ckpt, out, _ = exports[name]
+    model, hf = ours(ckpt), theirs(out)
+    if name == 128:
+        prompt = torch.tensor([[39, 72, 0, 5]])
+    else:
+        prompt = torch.tensor([gpt2_tokenizer().encode_ordinary("ROMEO:\nWhat say")])
+    new_tokens = (16 if name == 128 else 64) - prompt.size(1)
+    with torch.no_grad():
+        decoded = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False, use_cache=use_cache)
+    assert decoded.tolist() == greedy(model, prompt, new_tokens)
+
+
+def test_transformers_samples_from_the_export(exports):
+    ckpt, out, _ = exports[128]
+    with torch.no_grad():
+        sampled = theirs(out).generate(torch.tensor([[39, 72, 0, 5]]), max_new_tokens=12, do_sample=True)
     assert sampled.shape == (1, 16) and sampled.max() < 128
-    generator = transformers.pipeline("text-generation", model=exports[PADDED][1], device="cpu")
-    text = generator("Hello, I'm a language model,", max_new_tokens=8)[0]["generated_text"]
-    assert text.startswith("Hello, I'm a language model,") and len(text) > len("Hello, I'm a language model,")
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +293,7 @@ def quick_start_export(tmp_path_factory):
     model = train_gpt2.model_of(train_gpt2.GPTConfig(**shapes))
     out = str(tmp_path_factory.mktemp("quick_start") / "hf")
     about = dict(hf_export.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1")
-    hf_export.export(out, model.state_dict(), asdict(model.config), model.n_tokens, about)
+    hf_export.export(out, hf_export.GPT2, model.state_dict(), asdict(model.config), model.n_tokens, about)
     return out
 
 
@@ -218,6 +317,215 @@ def test_the_readmes_pipeline_runs_as_written(quick_start_export, capsys, readme
     assert "Hello, I" in printed and len(printed) > 500, printed  # 250 new tokens or so
 
 
+# -----------------------------------------------------------------------------
+# The README's commands, lm-evaluation-harness, and the way back (--init-from DIR)
+
+
+def readme_section(title):
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    return text[text.index(f"\n## {title}\n"):].split("\n## ")[1]
+
+
+def readme_lines(section, start):
+    """The lines of the section's bash blocks that start so, without their comments."""
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", section, re.S))
+    return [line.split("  #")[0].strip() for line in blocks.splitlines() if line.startswith(start)]
+
+
+@pytest.fixture(scope="module")
+def readme_dir(exports, tmp_path_factory):
+    """A directory where the README's export commands find what they expect, a run of each recipe in log/ and
+    log_modern/ (GPT-2's checkpoint as ckpt_000900.pt), after its `python train_gpt2.py --export-hf` lines that read
+    them ran there as written (--init-from gpt2's, which downloads, is test_the_readmes_export_commands_run's)."""
+    root = tmp_path_factory.mktemp("readme")
+    os.makedirs(root / "log")
+    shutil.copy(exports["gpt2"][0], root / "log" / "ckpt_000900.pt")
+    if "modern" in exports:
+        os.makedirs(root / "log_modern")
+        shutil.copy(exports["modern"][0], root / "log_modern")
+    lines = readme_lines(readme_section("Export to Hugging Face"), "python train_gpt2.py --export-hf")
+    assert len(lines) == 4, lines
+    before = os.getcwd()
+    os.chdir(root)
+    try:
+        for line in lines:
+            if "--init-from" not in line and ("log_modern" not in line or "modern" in exports):
+                train_gpt2.main(shlex.split(line)[2:])
+    finally:
+        os.chdir(before)
+    return root
+
+
+def test_the_readmes_export_commands_run_as_written(readme_dir, gpt2_server, exports, monkeypatch, capsys):
+    """Each export line of the README's export section, its pipeline one-liners on what they wrote, and its
+    --init-from lines on that (the fine-tuning for 2 of its 100 steps)."""
+    monkeypatch.chdir(readme_dir)
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(readme_dir / "cache"))
+    section = readme_section("Export to Hugging Face")
+    line = readme_lines(section, "python train_gpt2.py --export-hf hf/gpt2")[0]
+    code, printed, err = run_main(shlex.split(line)[2:], capsys)
+    assert code == 0, err
+    init_from = readme_lines(section, "python train_gpt2.py --init-from")
+    for line in init_from + readme_lines(section, "python train_gpt2.py --eval-only"):
+        if "modern" in line and "modern" not in exports:
+            continue
+        code, printed, err = run_main(shlex.split(line)[2:] + (["--max-steps", "2"] if "--eval-only" not in line
+                                                               else []), capsys)
+        assert code == 0, err
+        assert "the weights in hf/" in printed and "val loss" in printed
+    written = {"hf/run1": "GPT2LMHeadModel", "hf/step900": "GPT2LMHeadModel", "hf/gpt2": "GPT2LMHeadModel"}
+    if "modern" in exports:
+        written["hf/modern"] = "NanoChatForCausalLM"
+    for path, architecture in written.items():
+        assert json.load(open(readme_dir / path / "config.json"))["architectures"] == [architecture]
+    one_liners = re.findall(r"python -c '(.*pipeline\(.*)'", readme_section("Export to Hugging Face"))
+    assert [re.search(r'model="([^"]+)"', code).group(1) for code in one_liners] == ["hf/run1", "hf/modern"]
+    for code in one_liners:
+        if re.search(r'model="([^"]+)"', code).group(1) in written:
+            torch.manual_seed(0)  # the sampling
+            exec(code, {})
+            printed = capsys.readouterr().out
+            assert "'generated_text': " in printed and "Hello, I" in printed and len(printed) > 60, printed
+
+
+TASK = "hellaswag_as_train_gpt2"
+TASK_YAML = """task: hellaswag_as_train_gpt2
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {path}
+  cache_dir: {cache}
+output_type: multiple_choice
+validation_split: validation
+doc_to_text: ctx
+doc_to_choice: endings
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(hellaswag_file, tmp_path_factory):
+    """lm-evaluation-harness (None where it is not installed) and the directory of a task of it that gives it
+    hellaswag_file's text as hellaswag.py does: each ending after its context and a space."""
+    tasks = tmp_path_factory.mktemp("tasks")
+    (tasks / f"{TASK}.yaml").write_text(TASK_YAML.format(path=hellaswag_file, cache=tasks / "cache"))
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # read when the datasets library is imported
+            patch.setenv(name, "1")
+        try:
+            import lm_eval
+            from lm_eval.tasks import TaskManager
+        except ImportError:
+            yield None, tasks
+            return
+        yield functools.partial(lm_eval.simple_evaluate, tasks=[TASK], device="cpu", log_samples=True,
+                                task_manager=TaskManager(include_path=str(tasks), include_defaults=False)), tasks
+
+
+def harness_way(hf, tokenizer, examples):
+    """Each ending's log-likelihood, as lm-evaluation-harness computes it, with transformers: the context and the
+    ending (" " + ending) encoded as one text, the context's tokens taken off the front, the ending's log-probabilities
+    summed; acc picks the likeliest."""
+    likelihoods = []
+    for example in examples:
+        context = tokenizer(example["ctx"])["input_ids"]
+        row = []
+        for ending in example["endings"]:
+            whole = tokenizer(example["ctx"] + " " + ending)["input_ids"]
+            with torch.no_grad():
+                logits = hf(torch.tensor([whole[:-1]])).logits[0, len(context) - 1:]  # those that predict the ending
+            log_probs = torch.log_softmax(logits.double(), dim=-1)
+            row.append(log_probs.gather(1, torch.tensor(whole[len(context):])[:, None]).sum().item())
+        likelihoods.append(row)
+    return likelihoods
+
+
+def accuracy(likelihoods, examples):
+    right = [max(range(4), key=row.__getitem__) == example["label"] for row, example in zip(likelihoods, examples)]
+    return sum(right) / len(examples)
+
+
+@pytest.mark.parametrize("name", ON_INPUT_ONLY)
+def test_lm_eval_scores_the_export_as_eval_only(exports, harness, hellaswag_file, name, tmp_path, capsys):
+    """On a HellaSwag-format file: lm-evaluation-harness's acc of the export (the README's lm_eval line for the recipe,
+    its task that file's), where it is installed, and the same computed its way with transformers, is --eval-only's
+    acc of the checkpoint; each ending's log-likelihood ours."""
+    ckpt, out, _ = exports[name]
+    examples = synthetic_examples(HELLASWAG_LABELS)
+    code, _, err = run_main(RUN + ["--eval-only", "--resume", ckpt, "--hellaswag-every", "1", "--hellaswag-file",
+                                   hellaswag_file, "--log-dir", tmp_path], capsys)
+    assert code == 0, err
+    eval_only = read_log(tmp_path)[-1]["hellaswag_acc"]
+    prepared = hellaswag.prepare(examples, gpt2_tokenizer(), BLOCK)
+    assert prepared["tokens"].size(-1) < BLOCK  # whole: no context cut, which the harness would cut by one token less
+    with torch.no_grad():
+        sums, _ = hellaswag.ending_losses(ours(ckpt), prepared["tokens"], prepared["mask"])
+    likelihoods = harness_way(theirs(out), transformers.AutoTokenizer.from_pretrained(out), examples)
+    torch.testing.assert_close(torch.tensor(likelihoods, dtype=torch.double), -sums.double(), rtol=1e-5, atol=1e-4)
+    assert accuracy(likelihoods, examples) == eval_only
+    evaluate, _ = harness
+    if evaluate is None:
+        pytest.skip("lm-evaluation-harness is not installed (pip install \"lm_eval[hf]\"): checked with transformers")
+    line = readme_lines(readme_section("Export to Hugging Face"), f"lm_eval --model hf --model_args pretrained=hf/"
+                                                                  f"{'run1' if name == 'gpt2' else 'modern'} ")[0]
+    words = shlex.split(line)
+    model_args = words[words.index("--model_args") + 1]
+    assert words[words.index("--tasks") + 1] == "hellaswag"  # the real one; here, the same model on the file's task
+    results = evaluate(model=words[words.index("--model") + 1],
+                       model_args=re.sub(r"pretrained=[^,]*", f"pretrained={out}", model_args))
+    assert results["results"][TASK]["acc,none"] == eval_only
+    samples = sorted(results["samples"][TASK], key=lambda sample: sample["doc_id"])
+    theirs_likelihoods = [[float(response[0][0]) for response in sample["resps"]] for sample in samples]
+    torch.testing.assert_close(torch.tensor(theirs_likelihoods, dtype=torch.double), -sums.double(), rtol=1e-5,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ON_INPUT_ONLY)
+def test_init_from_the_export_starts_at_its_validation_loss(exports, name, tmp_path, capsys):
+    """--init-from DIR, with no recipe or shape flags (GPT-2's: our whole export; the modern recipe's: config.json and
+    model.safetensors alone, as the Hub holds such a model): the directory's recipe and shapes, and step 0's validation
+    loss is the exported model's, the checkpoint's and transformers' own on the same tokens. Then it trains on (here at
+    the recipe's rates for training from scratch)."""
+    ckpt, out, _ = exports[name]
+    if name == "modern":
+        os.mkdir(tmp_path / "hub")
+        for file in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(out, file), tmp_path / "hub")
+        out = str(tmp_path / "hub")
+    code, printed, err = run_main(RUN + ["--init-from", out, "--log-dir", tmp_path / "log", "--max-steps", "2",
+                                         "--eval-every", "2"], capsys)
+    assert code == 0, err
+    assert f"\nfine-tuning the weights in {out} for 2 steps\n" in printed
+    assert f"preset --init-from {out} (its recipe and shapes) sets" in printed
+    assert ("--recipe modern (file: gpt2)" in printed) == (name == "modern")
+    hint = "(a flag keeps the file's value instead: --warmup-steps 715)" if name == "modern" else "(a flag keeps"
+    assert (hint in printed) == (name == "modern")  # never with a setting that --init-from fixes
+    assert "--vocab-size" not in printed  # 50257 real rows, padded to the file's 50304
+    val = val_records(read_log(tmp_path / "log"))
+    assert val[0]["val_loss"] == pytest.approx(load_ckpt(ckpt)["val_loss"], abs=1e-6)
+    tokens = gpt2_tokenizer().encode_ordinary(open(INPUT, encoding="utf-8").read())
+    targets = torch.tensor(tokens[int(0.9 * len(tokens)):][:513])  # the validation tokens: the last 10%
+    with torch.no_grad():
+        logits = theirs(out)(targets[:-1].view(16, 32)).logits
+    assert F.cross_entropy(logits.flatten(0, 1), targets[1:]).item() == pytest.approx(val[0]["val_loss"], abs=1e-5)
+    assert sorted(train_records(read_log(tmp_path / "log"))) == [0, 1] and val[2]["val_loss"] != val[0]["val_loss"]
+
+
+@needs_muon
+def test_a_flag_that_contradicts_the_export_is_refused(exports, tmp_path, capsys):
+    out = exports["modern"][1]
+    expect_usage_error(RUN + ["--init-from", out, "--n-layer", "4", "--log-dir", tmp_path], capsys,
+                       f"--init-from {out} fixes --n-layer 2, and the flags say --n-layer 4; drop it")
+    expect_usage_error(RUN + ["--init-from", out, "--recipe", "gpt2", "--vocab-size", "128", "--log-dir", tmp_path],
+                       capsys, "fixes --recipe modern, --vocab-size 50304, and the flags say --recipe gpt2, "
+                               "--vocab-size 128; drop them")
+    assert os.listdir(tmp_path) == []
+
+
 MIXED_TEXT = (
     "Hello, world! It's 2024; we'll see. They're here, I'd say, you've got it, I'm sure.\n"
     "  Indented\tline\t\twith tabs,   runs of spaces    and trailing spaces   \n\n\n"
@@ -235,7 +543,7 @@ MIXED_TEXT = (
 def test_the_exported_tokenizer_encodes_as_ours(exports):
     """GPT-2's ids, <|endoftext|> included, from tokenizer.json (AutoTokenizer) and from vocab.json and merges.txt
     alone (the merges recovered from the ranks), on a few thousand characters; decoding gives the text back."""
-    out = exports[PADDED][1]
+    out = exports["gpt2"][1]
     text = MIXED_TEXT + open(os.path.join(REPO, "input.txt")).read()[:3000] + MIXED_TEXT
     assert len(text) > 4000
     expected = gpt2_tokenizer().encode(text, allowed_special="all")
@@ -292,19 +600,6 @@ def test_an_unreadable_checkpoint_is_refused(tmp_path, capsys):
 def test_no_checkpoint_in_the_log_dir(tmp_path, capsys):
     expect_usage_error(["--export-hf", tmp_path / "hf", "--log-dir", tmp_path / "nothing"], capsys,
                        f"--log-dir {tmp_path / 'nothing'}", "no checkpoint")
-    assert not os.path.exists(tmp_path / "hf")
-
-
-def test_a_model_gpt2s_format_cannot_hold_is_refused(tmp_path, capsys):
-    """The modern recipe's model (rotary positions, RMSNorm, ReLU², an untied head): transformers would load the file
-    as a GPT-2 that computes something else."""
-    shards = write_shards(tmp_path / "data")
-    code, _, err = run_main(TINY + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "1",
-                                    "--recipe", "modern"], capsys)
-    assert code == 0, err
-    path = checkpoint_path(tmp_path / "log", 1)
-    expect_usage_error(["--export-hf", tmp_path / "hf", "--log-dir", tmp_path / "log"], capsys, str(path),
-                       "recipe modern", "GPT-2's Hugging Face format cannot hold")
     assert not os.path.exists(tmp_path / "hf")
 
 

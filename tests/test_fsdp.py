@@ -9,6 +9,7 @@ import torch
 
 import fsdp
 import plumbing
+import settings
 import train_gpt2
 from helpers import (
     REPO,
@@ -114,8 +115,8 @@ def test_two_process_checkpoint_resumes_in_one_process(runs, tmp_path):
 
 def test_sharded_checkpoint_is_read_by_eval_only_sample_and_export(runs, tmp_path, capsys):
     """One process with no --fsdp reads the 2 ranks' slices whole: --eval-only gives the run's own final validation
-    loss, --sample starts, and --export-hf writes the weights DDP trained to (GPT-2's recipe: the modern one does not
-    export)."""
+    loss, --sample starts, and --export-hf writes the weights DDP trained to (GPT-2's recipe as GPT2LMHeadModel, the
+    modern one as NanoChatForCausalLM), which the recipe's from_pretrained reads back."""
     recipe, dirs, args = runs
     final = val_records(read_log(dirs["fsdp"]))[20]["val_loss"]
     log_dir = tmp_path / "eval"
@@ -127,11 +128,12 @@ def test_sharded_checkpoint_is_read_by_eval_only_sample_and_export(runs, tmp_pat
     code, out, err = run_main(["--sample", log_dir / "ckpt_000020.dcp", "--device", "cpu"], capsys)
     assert code == 0, err
     assert f"checkpoint of step 20 (val loss {final:.4f})" in out
-    if recipe != "gpt2":
-        return
     code, out, err = run_main(["--export-hf", tmp_path / "hf", "--log-dir", dirs["fsdp"]], capsys)
     assert code == 0, err
-    exported = train_gpt2.GPT.from_pretrained(str(tmp_path / "hf")).state_dict()
+    exported = settings.export_settings(str(tmp_path / "hf"), train_gpt2.RECIPES)
+    assert exported.pop("recipe") == recipe
+    config = train_gpt2.GPTConfig(recipe=recipe, **exported)
+    exported = train_gpt2.RECIPES[recipe].from_pretrained(str(tmp_path / "hf"), config).state_dict()
     ddp = load_ckpt(dirs["ddp"] / "ckpt_000020.pt")["model"]
     for name, weights in ddp.items():
         assert torch.allclose(exported[name], weights, rtol=0, atol=1e-5), name

@@ -90,6 +90,23 @@ def test_rotary_turns_each_pair_by_its_positions_angle_and_scores_depend_on_dist
     assert not torch.allclose(torch.diagonal(scores, 0)[:1], torch.diagonal(scores, 1)[:1])  # distance does count
 
 
+def test_qk_norm_then_rotary_is_nanochats_rotary_then_qk_norm():
+    """What transformers' NanoChatForCausalLM does to a head's queries and keys, written out from its code: it turns
+    them first, x * cos + rotate_half(x) * sin with rotate_half(x1, x2) = (x2, -x1) and the angles of both halves
+    alike, from frequencies 1 / rope_theta**(2i / head size), then RMS-norms them with rms_norm_eps. That is ours, which
+    norms first (F.rms_norm, float32's epsilon), then rotates: a norm with no weight commutes with a rotation."""
+    x = torch.randn(2, 3, 16, 8, generator=torch.Generator().manual_seed(0)) * 3  # (B, nh, T, hs)
+    cos, sin = rotary_tables(8, 16)
+    inverse_frequencies = 1.0 / modern.ROTARY_BASE ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)
+    angles = torch.arange(16, dtype=torch.float32)[:, None] * inverse_frequencies  # (T, hs/2)
+    cos_both, sin_both = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    turned = x * cos_both + torch.cat([x2, -x1], dim=-1) * sin_both
+    rms_norm_eps = torch.finfo(torch.float32).eps  # what an export's config.json says (tests/test_export.py)
+    theirs = turned * torch.rsqrt(turned.pow(2).mean(-1, keepdim=True) + rms_norm_eps)
+    torch.testing.assert_close(rotate(modern.rms_norm(x), cos, sin), theirs, rtol=1e-6, atol=1e-6)
+
+
 def trained_looking(model):
     """Nonzero output layer and projections: at init they are zero, and every prediction is the same."""
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """--init-from: OpenAI's GPT-2 weights in the Hugging Face layout, downloaded, mapped, and checked against a
 forward pass written out on the raw tensors. The file is a tiny random model written by the test and served
-from 127.0.0.1, so nothing here needs the network."""
+from 127.0.0.1, so nothing here needs the network. Also --init-from DIR, a directory of Hugging Face's format as the
+Hub has them, and the refusals of what neither recipe computes."""
 import contextlib
 import json
 import math
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 
 import hellaswag
 import train_gpt2
-from helpers import REPO, run_main, run_script, serve_hellaswag, synthetic_examples, write_jsonl
+from helpers import REPO, expect_usage_error, run_main, run_script, serve_hellaswag, synthetic_examples, write_jsonl
 from plumbing import UsageError, gpt2_tokenizer
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
@@ -219,3 +220,87 @@ def test_fine_tuning_starts_from_the_loaded_weights(gpt2_server, tmp_path, monke
     logits = reference_logits(gpt2_server[0], tokens[:-1].view(1, 128))
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[1:]).item()
     assert first["train_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# --init-from DIR: a directory of Hugging Face's format, as the Hub holds one (tests/test_export.py: our exports)
+
+HUB_GPT2_CONFIG = {  # openai-community/gpt2's config.json, of the tiny model's shapes
+    "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1, "bos_token_id": 50256,
+    "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2", "n_ctx": BLOCK_SIZE, "n_embd": N_EMBD, "n_head": N_HEAD, "n_layer": N_LAYER,
+    "n_positions": BLOCK_SIZE, "resid_pdrop": 0.1, "summary_activation": None, "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True, "summary_type": "cls_index", "summary_use_proj": True, "vocab_size": 50257,
+}
+# a NanoChatForCausalLM's, as ours are written, of a model the modern recipe computes
+NANOCHAT_CONFIG = {
+    "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat", "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 32, "intermediate_size": 128,
+    "max_position_embeddings": 64, "vocab_size": 50257, "hidden_act": "relu2",
+    "rms_norm_eps": torch.finfo(torch.float32).eps, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "final_logit_softcapping": 15.0, "tie_word_embeddings": False,
+}
+
+
+def hub_directory(path, config, weights=None):
+    """A model directory as the Hub has them: config.json and model.safetensors, nothing of ours."""
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    if weights is None:
+        open(os.path.join(path, "model.safetensors"), "wb").close()  # the refusals never read it
+    else:
+        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_eval_only_init_from_a_hub_directory_computes_gpt2s_loss(tmp_path):
+    """--eval-only --init-from DIR, a GPT-2 of the Hub's format (its causal-mask buffers and Conv1D layout, dropout
+    settings and all): the validation loss of the float64 forward pass on the raw tensors, its 50257 rows padded."""
+    weights = hf_gpt2_weights()
+    directory = hub_directory(tmp_path / "hub", HUB_GPT2_CONFIG, weights)
+    log_dir = tmp_path / "log"
+    train_gpt2.main(["--init-from", directory, "--eval-only", "--data", os.path.join(REPO, "input.txt"),
+                     "--log-dir", str(log_dir), "--device", "cpu", "--batch-size", "2", "--seq-len", "64",
+                     "--total-batch-size", "128", "--val-tokens", "256", "--num-samples", "0"])
+    record = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()][-1]
+    assert record["eval_only"] is True and record["init_from"] == directory
+    with open(os.path.join(REPO, "input.txt"), encoding="utf-8") as f:
+        tokens = gpt2_tokenizer().encode_ordinary(f.read())
+    val = torch.tensor(tokens[int(0.9 * len(tokens)):][:257])
+    logits = reference_logits(weights, val[:-1].view(4, 64))
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), val[1:]).item()
+    assert record["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("config, fragments", [
+    (dict(NANOCHAT_CONFIG, model_type="llama"), ["model_type 'llama', a model no recipe of train_gpt2.py computes",
+                                                 "gpt2 (--recipe gpt2), nanochat (--recipe modern)"]),
+    (dict(NANOCHAT_CONFIG, num_key_value_heads=1), ["num_key_value_heads is 1, and train_gpt2.py's modern recipe "
+                                                    "has 2"]),
+    (dict(NANOCHAT_CONFIG, rms_norm_eps=1e-6), ["rms_norm_eps is 1e-06", "edit config.json to 1.1920928955078125e-07"]),
+    (dict(NANOCHAT_CONFIG, final_logit_softcapping=None), ["final_logit_softcapping is None", "soft-caps its logits"]),
+    (dict(NANOCHAT_CONFIG, vocab_size=65536), ["vocab_size 65536 is not GPT-2's vocabulary", "GPT-2's BPE"]),
+    (dict(HUB_GPT2_CONFIG, activation_function="relu"), ["activation_function is 'relu', and train_gpt2.py's GPT-2 "
+                                                         "has 'gelu_new'"]),
+    (dict(HUB_GPT2_CONFIG, tie_word_embeddings=False), ["tie_word_embeddings is False"]),
+])
+def test_a_directory_neither_recipe_computes_is_refused(tmp_path, capsys, config, fragments):
+    """In one line that names config.json and the field, before any data is read."""
+    directory = hub_directory(tmp_path / "hub", config)
+    expect_usage_error(["--init-from", directory, "--log-dir", tmp_path / "log", "--device", "cpu"], capsys,
+                       os.path.join(directory, "config.json"), *fragments)
+    assert not os.path.exists(tmp_path / "log")
+
+
+def test_init_from_what_is_neither_a_name_nor_an_export_is_refused(tmp_path, capsys):
+    """Training, and --export-hf before it downloads anything (argparse's choices refused such a name once)."""
+    for command in ([], ["--export-hf", tmp_path / "hf", "--cache-dir", tmp_path / "cache"]):
+        expect_usage_error(["--init-from", "gpt3", "--log-dir", tmp_path / "log", *command], capsys, "--init-from "
+                           "gpt3: no such directory, nor an OpenAI model name; pass scratch, one of gpt2, gpt2-medium")
+        assert os.listdir(tmp_path) == []
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text(json.dumps(NANOCHAT_CONFIG))
+    expect_usage_error(["--init-from", tmp_path / "half", "--log-dir", tmp_path / "log"], capsys,
+                       f"--init-from {tmp_path / 'half'}: it holds no model.safetensors")
+    expect_usage_error(["--init-from", "", "--log-dir", tmp_path / "log"], capsys, "--init-from is empty")
