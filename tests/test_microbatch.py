@@ -119,7 +119,8 @@ def test_nothing_fits_is_one_line_and_moves_no_file(shards, tmp_path):
     log.mkdir()
     (log / "log.jsonl").write_text('{"step": 0, "val_loss": 10.9}\n')
     (log / "notes.txt").write_text("mine")
-    args = WIDE + ["--n-embd", "256", "--data", shards, "--log-dir", log, "--max-steps", "1", "--no-resume"]
+    args = WIDE + ["--n-embd", "256", "--batch-size", "1", "--data", shards, "--log-dir", log, "--max-steps", "1",
+                   "--no-resume"]
     result = run_limited(args, tmp_path, headroom=250)
     check_usage_error(result.returncode, result.stdout, result.stderr,
                       "out of memory: not even a micro-batch of 1 sequence of 32 tokens fits a training step of this "
