@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import fsdp
 import plumbing
+import run_files
 import settings
 from plumbing import UsageError, failing_together
 
@@ -33,11 +34,11 @@ MISSING_MODEL_SETTINGS = {"recipe": "gpt2", "logit_softcap": 15.0}
 
 @contextlib.contextmanager
 def holding_log_dir(cfg, env):
-    """Rank 0 holds the log directory's lock (plumbing.lock_log_dir) while inside; every rank stops if it cannot."""
+    """Rank 0 holds the log directory's lock (run_files.lock_log_dir) while inside; every rank stops if it cannot."""
     with contextlib.ExitStack() as held:
         with failing_together():
             if env.rank == 0:
-                held.enter_context(plumbing.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
+                held.enter_context(run_files.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
         yield
 
 
@@ -94,10 +95,10 @@ def save(run):
                     with open(os.path.join(directory, "run.pt"), "wb") as f:
                         torch.save(ckpt, f)
 
-            plumbing.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
+            run_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
                                               env.world_size, cfg.keep_checkpoints, run.master)
         elif run.master:
-            plumbing.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
+            run_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
                                       plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
 
 
@@ -105,7 +106,7 @@ def prune(run):
     """Rank 0 deletes the checkpoints past --keep-checkpoints: only once the newest one's weights trained to a finite
     loss, so that the last checkpoint that trains is never deleted."""
     if run.master:
-        plumbing.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
+        run_files.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
 
 
 def stop_if_diverging(run, rate_flags):
@@ -115,8 +116,8 @@ def stop_if_diverging(run, rate_flags):
     cfg = run.cfg
     in_a_row = 0 if run.nonfinite_since is None else run.step - run.nonfinite_since + 1
     if in_a_row >= cfg.max_bad_steps:
-        good = plumbing.latest_checkpoint(cfg.log_dir, before_step=run.nonfinite_since)
-        later = good != plumbing.latest_checkpoint(cfg.log_dir)
+        good = run_files.latest_checkpoint(cfg.log_dir, before_step=run.nonfinite_since)
+        later = good != run_files.latest_checkpoint(cfg.log_dir)
         resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
                                            f"non-finite)" if later else "")) if good else "start again"
         raise UsageError(f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
@@ -129,14 +130,14 @@ def stop_if_diverging(run, rate_flags):
 
 
 def load(path):
-    """A checkpoint of this train_gpt2.py, whole, and held (plumbing.CheckpointReadLock) until release(ckpt), once its
+    """A checkpoint of this train_gpt2.py, whole, and held (run_files.CheckpointReadLock) until release(ckpt), once its
     tensors are loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be read
-    (plumbing.CheckpointGone if it is no more), UsageError if it is of another format or a file inside one."""
+    (run_files.CheckpointGone if it is no more), UsageError if it is of another format or a file inside one."""
     inside = os.path.dirname(path) or os.getcwd()
     if not os.path.isdir(path) and os.path.isfile(os.path.join(inside, "run.pt")):
         raise UsageError(f"{path} is a file inside the sharded checkpoint {inside}: pass the directory {inside}")
     try:
-        held = plumbing.CheckpointReadLock(path)
+        held = run_files.CheckpointReadLock(path)
     except OSError as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
     try:
@@ -217,12 +218,12 @@ def choose_checkpoint(cfg):
             raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
     unreadable = []
     while True:
-        paths = [path for path in plumbing.checkpoint_paths(cfg.log_dir) if path not in unreadable]
+        paths = [path for path in run_files.checkpoint_paths(cfg.log_dir) if path not in unreadable]
         if not paths:
             return None, None
         try:
             return load(paths[-1]), paths[-1]
-        except plumbing.CheckpointGone:
+        except run_files.CheckpointGone:
             continue  # the training beside pruned it meanwhile, or saved its step again: look again
         except ValueError as e:
             print(f"warning: skipping unreadable checkpoint {paths[-1]} ({e})")
@@ -346,8 +347,8 @@ def restore(run, ckpt, path, get_lr):
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     # the same W&B run as the checkpoint's, unless this run branches it into another directory (plumbing's
     # prepare_log_dir): W&B's step is the record's line in log.jsonl, which begins again there
-    run.log.wandb_id = ckpt["wandb_id"] if plumbing.is_log_dir_of(path, cfg.log_dir) else None
-    run.trained_seconds = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was
+    run.log.wandb_id = ckpt["wandb_id"] if run_files.is_log_dir_of(path, cfg.log_dir) else None
+    run.seconds_before = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was
 
 
 def say_schedule_change(saved, cfg, step, get_lr):

@@ -10,6 +10,7 @@ Also what an out-of-memory error is, whichever allocator raised it, and what a r
 imports train_gpt2: the run and the step's pieces are handed over.
 """
 
+import contextlib
 import errno
 import gc
 import os
@@ -20,6 +21,7 @@ import time
 import torch
 
 import plumbing
+import run_files
 from plumbing import UsageError
 
 GIB = 2**30
@@ -158,16 +160,28 @@ def nothing_fits(cfg, env):
             f"model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}")
 
 
+@contextlib.contextmanager
+def out_of_memory_in_one_line(cfg):
+    """An out-of-memory error past the micro-batch's choice (a training step that the allocator's fragments no longer
+    fit, an evaluation, samples, a command) raised inside becomes a UsageError: one line that names the checkpoint
+    kept and what to do."""
+    try:
+        yield
+    except Exception as e:  # any allocator's error: see is_out_of_memory
+        if not is_out_of_memory(e):
+            raise
+        raise UsageError(out_of_memory_later(e, cfg)) from None
+
+
 def out_of_memory_later(error, cfg):
-    """The line that an out-of-memory error past the micro-batch's choice ends the process with: in a training step
-    that the allocator's fragments no longer fit, an evaluation, samples, a command."""
+    """out_of_memory_in_one_line's line."""
     device = f"cuda:{torch.cuda.current_device()}" if isinstance(error, torch.cuda.OutOfMemoryError) else (
         "mps" if "MPS" in str(error) else "cpu")
     reason = plumbing.first_line(error)
     what = f"out of memory in {memory_in_words(device)}" + (f" ({reason})" if reason else "")
     if cfg.sample or cfg.export_hf:
         return f"{what}; pass a smaller --num-samples" if cfg.sample else what
-    latest = plumbing.latest_checkpoint(cfg.log_dir)
+    latest = run_files.latest_checkpoint(cfg.log_dir)
     kept = f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
     return (f"{what}; {kept}; run the same command again (it chooses its micro-batch again), or pass a smaller "
             f"--batch-size")

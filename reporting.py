@@ -1,6 +1,6 @@
 """
 What a run of train_gpt2.py says and records: its first lines (what it runs, the model, the data), the log
-directory readied, each record's line in log.jsonl and W&B (plumbing.RunLog), MFU, and how the run ended. Only
+directory readied, each record's line in log.jsonl and W&B (run_files.RunLog), MFU, and how the run ended. Only
 rank 0 prints and writes. It never imports train_gpt2: the run is handed over.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import plumbing
+import run_files
 import settings
 from plumbing import UsageError, failing_together
 
@@ -103,7 +103,7 @@ def start(run, micro_batch_said, recipe_named):
     with failing_together():
         if run.master and not cfg.eval_only:
             try:
-                plumbing.prepare_log_dir(cfg.log_dir, run.resumed_from, run.step)
+                run_files.prepare_log_dir(cfg.log_dir, run.resumed_from, run.step)
             except OSError as e:
                 raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
                                  f"write to")
@@ -156,7 +156,7 @@ def finish(run, stopped_by_signal):
     cfg = run.cfg
     if not run.master:
         return
-    last = plumbing.latest_checkpoint(cfg.log_dir)
+    last = run_files.latest_checkpoint(cfg.log_dir)
     if run.nonfinite_since is not None:
         print(f"{'stopped by signal' if stopped_by_signal else 'done'} at step {run.step}, not saved: the steps since "
               f"{run.nonfinite_since} were non-finite; the latest checkpoint is {last or 'none'}")

@@ -18,6 +18,7 @@ import torch
 
 import hf_export
 import plumbing
+import run_files
 from plumbing import GPT2_VOCAB, UsageError
 
 
@@ -268,7 +269,7 @@ def check_config(cfg, world_size):
         raise UsageError(f"--wandb-run-name {cfg.wandb_run_name} names a W&B run, but W&B is off; pass "
                          f"--wandb-project too")
     if cfg.wandb_project:
-        plumbing.import_wandb(cfg.wandb_project)  # now rather than after the set-up: a missing package costs no time
+        run_files.import_wandb(cfg.wandb_project)  # now rather than after the set-up: a missing package costs no time
     if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
         raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size "
                          f"is {cfg.vocab_size}; pass --hellaswag-every 0")

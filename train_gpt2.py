@@ -1,6 +1,7 @@
 """
-Train GPT-2 from scratch, in one file you can read top to bottom, in the order it runs: the settings, the model, the
-data, the optimizer, processes and precision, the training step, evaluation, then the training loop and main.
+Train GPT-2 from scratch, in one file you can read top to bottom, each piece before what uses it: the settings, the
+model, the data, the optimizer, processes and precision, the training step, evaluation, the run's set-up, then the
+training loop, and main, which runs them: main -> start -> set_up, then train -> train_step, evaluate.
 
     python train_gpt2.py                                    # one GPU, or a CPU / Apple GPU for debugging
     torchrun --standalone --nproc_per_node=8 train_gpt2.py  # every GPU of one node
@@ -8,7 +9,8 @@ data, the optimizer, processes and precision, the training step, evaluation, the
 
 Without FineWeb shards (make them with `python fineweb.py`) it trains a small model on tiny Shakespeare. Beside it,
 none importing it: the variations modern.py (--recipe modern), fsdp.py (--fsdp) and chunked_loss.py (--loss chunked);
-the run's machinery in settings.py, checkpoints.py, reporting.py, commands.py (--sample, --export-hf), plumbing.py.
+the run's machinery in settings.py, microbatch.py, checkpoints.py, reporting.py, commands.py (--sample, --export-hf),
+run_files.py, plumbing.py.
 """
 
 import argparse
@@ -39,6 +41,7 @@ import microbatch
 import modern
 import plumbing
 import reporting
+import run_files
 import settings
 from chunked_loss import chunked_cross_entropy
 from plumbing import EOT, GPT2_VOCAB, UsageError
@@ -765,7 +768,7 @@ class Run:
     optimizers: list
     scaler: torch.amp.GradScaler
     autocast_ctx: object
-    log: plumbing.RunLog
+    log: run_files.RunLog
     micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py)
     step: int = 0  # optimizer steps taken
     evaluated: bool = False  # the evaluations due at step are done
@@ -773,7 +776,7 @@ class Run:
     val_step: Optional[int] = None  # the step val_loss was measured at
     nonfinite_since: Optional[int] = None  # the first of the latest steps in a row with a non-finite loss
     resumed_from: Optional[str] = None  # the checkpoint's path
-    trained_seconds: float = 0.0  # the training time of the launches before this one, as its checkpoint kept it
+    seconds_before: float = 0.0  # the training time of the launches before this one, as its checkpoint kept it
     launch_start: Optional[float] = None  # when this launch began to train (time.perf_counter())
     pace_from: Optional[tuple] = None  # (time, step) at the end of this launch's first step: the pace is since then
 
@@ -786,7 +789,7 @@ class Run:
         return self.cfg.total_batch_size // (self.micro_batch * self.cfg.seq_len * self.env.world_size)
 
     def seconds_trained(self):  # across its launches: the earlier ones' and this one's so far
-        return self.trained_seconds + time.perf_counter() - self.launch_start
+        return self.seconds_before + time.perf_counter() - self.launch_start
 
 
 def resolve_config(cfg, given, env):
@@ -810,7 +813,7 @@ def set_up(cfg, given, env):
     run = Run(cfg, env, stream, val, hellaswag_data, model, compiled,
               optimizers=make_optimizers(model, cfg, env.device_type),
               scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow
-              autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=plumbing.RunLog(cfg.log_dir))
+              autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_files.RunLog(cfg.log_dir))
     if ckpt is not None:
         checkpoints.restore(run, ckpt, ckpt_path, RECIPES[cfg.recipe].get_lr)
         if checkpoints.finished(run):
@@ -830,12 +833,12 @@ def train(run):
     step (they vote on it), with a checkpoint."""
     cfg, env = run.cfg, run.env
     stop_signal = checkpoints.catch_stop_signals()
-    start, run.launch_start, save_due, stopped = run.step, time.perf_counter(), False, False
+    first_step, run.launch_start, save_due, stopped = run.step, time.perf_counter(), False, False
     while run.step < cfg.max_steps and not stopped:
         stopped = evaluate_unless_stopped(run, stop_signal)
         if stopped:
             break
-        save_due |= run.step > start and cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0
+        save_due |= run.step > first_step and cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0
         saved = save_due and run.nonfinite_since is None  # not while steps are non-finite: their weights may be why
         if saved:
             checkpoints.save(run)
@@ -859,7 +862,7 @@ def train(run):
         stopped = plumbing.any_rank(bool(stop_signal), env.device)  # a signal that came during the step
     stopped = stopped or evaluate_unless_stopped(run, stop_signal)  # the final evaluation
     # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it
-    if (run.step > start or (run.resumed_from and run.evaluated)) and run.nonfinite_since is None:
+    if (run.step > first_step or (run.resumed_from and run.evaluated)) and run.nonfinite_since is None:
         checkpoints.save(run)
         checkpoints.prune(run)  # the run ended on a finite step
     reporting.finish(run, stopped)
@@ -886,18 +889,15 @@ def main(argv=None):
     error = None
     try:
         settings.check_paths(cfg, given, MODEL_SIZES)
-        if cfg.export_hf:
-            commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
-        elif cfg.sample:
-            commands.sample(cfg, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
-        else:
-            start(cfg, given)
+        with microbatch.out_of_memory_in_one_line(cfg):
+            if cfg.export_hf:
+                commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
+            elif cfg.sample:
+                commands.sample(cfg, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
+            else:
+                start(cfg, given)
     except UsageError as e:
         error = str(e)  # not e: its traceback holds the (DDP) model, which must be freed before its process group
-    except Exception as e:
-        if not microbatch.is_out_of_memory(e):
-            raise
-        error = microbatch.out_of_memory_later(e, cfg)
     finally:
         tear_down_distributed()
         for sig, handler in signal_handlers.items():  # a run catches them; give them back to an importing caller

@@ -9,6 +9,7 @@ import torch
 
 import fsdp
 import plumbing
+import run_files
 import settings
 import train_gpt2
 from helpers import (
@@ -70,7 +71,7 @@ def test_fsdp_trains_as_ddp_does(runs):
     assert abs(val_records(ddp)[10]["val_loss"] - val_records(ddp)[0]["val_loss"]) > 1e-3
     for step, record in val_records(ddp).items():
         assert val_records(fsdp)[step]["val_loss"] == pytest.approx(record["val_loss"], abs=1e-5), step
-    assert plumbing.checkpoint_paths(dirs["fsdp"]) == [str(dirs["fsdp"] / "ckpt_000010.dcp"),
+    assert run_files.checkpoint_paths(dirs["fsdp"]) == [str(dirs["fsdp"] / "ckpt_000010.dcp"),
                                                       str(dirs["fsdp"] / "ckpt_000020.dcp")]
     files = os.listdir(dirs["fsdp"] / "ckpt_000020.dcp")
     assert {"run.pt", ".metadata"} <= set(files) and len([f for f in files if f.endswith(".distcp")]) == 2
@@ -198,9 +199,9 @@ def test_sharded_checkpoint_directories_are_pruned_and_recognised(tmp_path):
     for name in ("ckpt_000005.dcp", "ckpt_000010.dcp", "ckpt_000015.dcp", "ckpt_000020.dcp.tmp"):
         os.makedirs(tmp_path / name)
         (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
-    assert plumbing.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt_000015.dcp")
-    plumbing.prune_checkpoints(tmp_path, keep=2)
-    plumbing.prepare_log_dir(tmp_path, str(tmp_path / "ckpt_000015.dcp"), 15)
+    assert run_files.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt_000015.dcp")
+    run_files.prune_checkpoints(tmp_path, keep=2)
+    run_files.prepare_log_dir(tmp_path, str(tmp_path / "ckpt_000015.dcp"), 15)
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000010.dcp", "ckpt_000015.dcp"]
 
 
@@ -214,7 +215,7 @@ def test_a_sharded_checkpoint_saved_again_at_its_step_replaces_the_old(tmp_path,
         return save
 
     for content in (b"first", b"second"):
-        plumbing.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, master=True)
+        run_files.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, master=True)
     assert os.listdir(tmp_path) == ["ckpt_000010.dcp"]
     assert (tmp_path / "ckpt_000010.dcp" / "run.pt").read_bytes() == b"second"
     assert "saved" in capsys.readouterr().out
@@ -226,5 +227,5 @@ def test_a_rank_that_cannot_see_the_checkpoint_directory_stops_the_run(tmp_path)
     saved = []
     with pytest.raises(plumbing.UsageError, match="does not see the checkpoint directory .*ckpt_000010.dcp.tmp that "
                                                   "rank 0 made; put --log-dir on a file system that every node shares"):
-        plumbing.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, master=False)
+        run_files.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, master=False)
     assert saved == [] and os.listdir(tmp_path) == []

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-import plumbing
+import run_files
 import settings
 import train_gpt2
 from helpers import (
@@ -44,7 +44,7 @@ from helpers import (
 
 
 def checkpoint_names(log_dir):
-    return [os.path.basename(p) for p in plumbing.checkpoint_paths(str(log_dir))]
+    return [os.path.basename(p) for p in run_files.checkpoint_paths(str(log_dir))]
 
 
 def assert_optimizers_equal(a, b, exact=True, atol=1e-5):
@@ -255,7 +255,7 @@ def test_no_resume_moves_the_old_log_dir_aside(shards, tmp_path, capsys, monkeyp
     assert not any(r.get("event") == "resume" for r in fresh) and sorted(train_records(fresh)) == [0]
     # once more within the same second (the clock is frozen here): a second, distinct place aside
     stamp = aside.rsplit(".", 1)[1]
-    monkeypatch.setattr(plumbing.time, "strftime", lambda *a: stamp)
+    monkeypatch.setattr(run_files.time, "strftime", lambda *a: stamp)
     code, out, err = run_main(args + ["--max-steps", "1", "--no-resume"], capsys)
     assert code == 0, err
     second_aside = re.search(r"aside to (\S+)", out).group(1)
