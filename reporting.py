@@ -122,6 +122,23 @@ def start(run, micro_batch_said, recipe_named):
         print(micro_batch_said)
 
 
+def sample_notes(model, prompt):
+    """The lines that go before a model's samples of prompt (token ids): why there are none (a --vocab-size below
+    GPT-2's cannot embed the prompt's tokens), or what to know of them."""
+    block_size = model.config.block_size
+    if max(prompt) >= model.n_tokens:
+        return [f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's {model.n_tokens}"]
+    notes = []
+    if len(prompt) > block_size:
+        notes.append(f"the prompt's {len(prompt)} tokens outgrow the block of {block_size}: each token is sampled "
+                     f"from the last {block_size} before it")
+    head = model.lm_head.weight  # under FSDP, this rank's rows of it
+    if not (head.to_local() if hasattr(head, "to_local") else head).any():
+        notes.append("(the output layer is all zeros, as the modern recipe starts it: every token is as likely, and "
+                     "top-k sampling keeps the first ids: punctuation, digits, capitals)")
+    return notes
+
+
 @contextlib.contextmanager
 def wandb(run):
     """With --wandb-project, rank 0 logs log.jsonl's records to a W&B run as well while inside, from the launch's

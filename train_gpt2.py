@@ -688,18 +688,8 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=
     at most rows at a time (if show: the other ranks sample too, as under FSDP each lends its slices of the weights,
     but print nothing)."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
-    lines = []
-    if max(prompt) >= model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
-        lines.append(f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's "
-                     f"{model.n_tokens}")
-    else:
-        if len(prompt) > model.config.block_size:
-            lines.append(f"the prompt's {len(prompt)} tokens outgrow the block of {model.config.block_size}: each "
-                         f"token is sampled from the last {model.config.block_size} before it")
-        head = model.lm_head.weight  # under FSDP, this rank's rows of it
-        if not (head.to_local() if hasattr(head, "to_local") else head).any():
-            lines.append("(the output layer is all zeros, as the modern recipe starts it: every token is as likely, "
-                         "and top-k sampling keeps the first ids: punctuation, digits, capitals)")
+    lines = reporting.sample_notes(model, prompt)  # what to know of these samples, or why there are none
+    if max(prompt) < model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
         generator = torch.Generator(device=device).manual_seed(seed)
         with autocast_ctx:  # a micro-batch of rows fits in training, so its samples fit too
             samples = [tokens for first in range(0, cfg.num_samples, rows) for tokens in
