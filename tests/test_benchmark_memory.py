@@ -1,6 +1,7 @@
 """benchmarks/memory.py: the parameters counted on the meta device against a hand count, how DDP and FSDP lay out
-the model state, the table it prints, and its one-line errors; no GPU (--measure is refused without one). And
-benchmarks/muon_overhead.py, which times what sharding costs Muon, end to end."""
+the model state, the activations against a count of what the compiled step saves, the table it prints, and its one-line
+errors; no GPU (--measure is refused without one). benchmarks/muon_overhead.py, which times what sharding costs Muon,
+end to end. benchmarks/small_cards.py's run and its reading of a recorded memory history."""
 import json
 import os
 import sys
@@ -8,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, check_usage_error, needs_muon, run_main, run_script
+from helpers import REPO, TINY, check_usage_error, needs_muon, run_main, run_script
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
+import small_cards  # noqa: E402
 
 V, BLOCK = 50304, 1024
 SHARDED = ("weights", "gradients", "optimizer")
@@ -190,3 +192,49 @@ def test_muon_overhead_times_both_optimizers_under_torchrun(tmp_path):
     assert lines[1].startswith("torch.optim.Muon") and lines[2].startswith("ShardedMuon")
     # each of the three printed to 0.01 ms, so rounded by up to 0.005
     assert whole > 0 and sharded > 0 and cost == pytest.approx(sharded - whole, abs=0.0151)
+
+
+# -----------------------------------------------------------------------------
+# benchmarks/small_cards.py: the default run capped to smaller cards' memory, and where its memory goes
+
+
+
+def test_the_blocks_alive_at_the_peak_are_summed_by_the_line_that_allocated_them():
+    """A recorded history, written by hand: the peak is the most bytes alive at once (a block freed before it is not
+    there), and each block counts for the deepest line of this repository that allocated it."""
+    ours = [{"filename": os.path.join(REPO, "train_gpt2.py"), "line": 300, "name": "forward"}]
+    theirs = [{"filename": "/torch/_inductor/output.py", "line": 9, "name": "call"}]
+    frames = {"logits": theirs + ours, "grad": theirs, "weights": ours[:0] + [
+        {"filename": os.path.join(REPO, "train_gpt2.py"), "line": 570, "name": "make_model"}]}
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames["weights"]},
+             {"action": "alloc", "addr": 2, "size": 60, "frames": frames["logits"]},
+             {"action": "alloc", "addr": 3, "size": 50, "frames": frames["logits"]},
+             {"action": "free_requested", "addr": 3},
+             {"action": "free_completed", "addr": 3},
+             {"action": "alloc", "addr": 4, "size": 70, "frames": frames["grad"]},  # the peak: 100 + 60 + 70
+             {"action": "free_completed", "addr": 2},
+             {"action": "alloc", "addr": 5, "size": 80, "frames": frames["logits"]}]  # 250, but 2 was freed first
+    peak, blocks = small_cards.blocks_at_peak({"device_traces": [trace]})
+    assert peak == 250
+    trace.insert(7, {"action": "free_completed", "addr": 4})  # now 100 + 60 + 70 = 230 is the peak, before the free
+    peak, blocks = small_cards.blocks_at_peak({"device_traces": [trace]})
+    assert peak == 230
+    assert blocks == [(100, "train_gpt2.py:570 make_model", 1), (70, "/torch/_inductor/output.py:9 call", 1),
+                      (60, "train_gpt2.py:300 forward", 1)]
+
+
+def test_small_cards_runs_the_trainer_and_reads_its_row(shards, tmp_path, capsys):
+    """One run through the child that caps the memory (here the whole of a CPU, as only CUDA can be capped), read back
+    as its row: the micro-batch from the log's start record, the median speed and first step from its steps."""
+    args = small_cards.parse_args(["--run-capped", "0", "--steps", "3"])  # the child's parsing: no GPU needed
+    args.trainer_args = TINY  # its flags after small_cards' own, so that they win
+    row = small_cards.measure(0, shards, str(tmp_path), args)
+    assert row["micro_batch"] == 4 and row["search_s"] is None and row["first_step_s"] > 0 and row["tok_per_sec"] > 0
+    lines = small_cards.table([row, {"cap_gib": 22.0, "failed": "error: out of memory"}])
+    assert lines[1].split()[:4] == ["the", "whole", "card", "4"]
+    assert lines[2] == f"{'22 GiB (a 24 GB RTX 3090/4090)':<32} failed:\nerror: out of memory"
+
+
+def test_small_cards_without_cuda_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_usage_error(*run_main([], capsys, small_cards.main), "caps a CUDA GPU's memory", "run it on a GPU machine")
