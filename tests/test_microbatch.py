@@ -128,3 +128,21 @@ def test_nothing_fits_is_one_line_and_moves_no_file(shards, tmp_path):
                       "a shorter --seq-len", "--loss chunked")
     assert sorted(os.listdir(log)) == [".lock", "log.jsonl", "notes.txt"]
     assert (log / "log.jsonl").read_text() == '{"step": 0, "val_loss": 10.9}\n'
+
+
+def test_a_run_resumed_with_another_micro_batch_says_so_and_trains_on_the_same_tokens(shards, tmp_path, capsys):
+    """As on another card: the micro-batch of the resumed run's checkpoint is not the one this launch trains with.
+    The line says so, and the run goes on along the same tokens and schedule: its losses are those of a run that kept
+    its micro-batch, to float rounding."""
+    args = TINY + ["--data", shards, "--max-steps", "4", "--warmup-steps", "1"]
+    code, _, err = run_main(args + ["--log-dir", tmp_path / "kept"], capsys)
+    assert code == 0, err
+    code, _, err = run_main(args + ["--log-dir", tmp_path / "moved", "--max-steps", "2"], capsys)
+    assert code == 0, err
+    code, out, err = run_main(args + ["--log-dir", tmp_path / "moved", "--batch-size", "2"], capsys)
+    assert code == 0, err
+    assert "the run trained with micro-batch 4 before, 2 now: the same tokens and schedule" in out
+    assert load_ckpt(checkpoint_path(tmp_path / "moved", 4))["micro_batch"] == 2
+    kept, moved = (train_records(read_log(tmp_path / name)) for name in ("kept", "moved"))
+    assert {step: r["train_loss"] for step, r in moved.items()} == \
+        pytest.approx({step: r["train_loss"] for step, r in kept.items()}, rel=1e-5)
