@@ -345,7 +345,7 @@ def restore(run, ckpt, path, get_lr):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    # the same W&B run as the checkpoint's, unless this run branches it into another directory (plumbing's
+    # the same W&B run as the checkpoint's, unless this run branches it into another directory (run_files'
     # prepare_log_dir): W&B's step is the record's line in log.jsonl, which begins again there
     run.log.wandb_id = ckpt["wandb_id"] if run_files.is_log_dir_of(path, cfg.log_dir) else None
     run.seconds_before = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was

@@ -15,6 +15,7 @@ from dataclasses import asdict
 import checkpoints
 import hf_export
 import plumbing
+import run_files
 import settings
 from plumbing import UsageError
 
@@ -49,7 +50,7 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
     if int(os.environ.get("RANK", "0")) != 0:
         return
     hf_export.check_new_directory(cfg.export_hf)  # now, not after a long load
-    if os.path.isdir(cfg.init_from):
+    if cfg.init_from != "scratch" and os.path.isdir(cfg.init_from):
         raise UsageError(f"--export-hf: --init-from {cfg.init_from} is a Hugging Face model directory already; copy "
                          f"it, or export a checkpoint of a run that starts from it")
     if cfg.init_from != "scratch":
@@ -78,10 +79,10 @@ def logged_hellaswag(checkpoint, step):
     latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
     records = []
     with contextlib.suppress(OSError):
-        with open(os.path.join(os.path.dirname(checkpoint), "log.jsonl"), encoding="utf-8") as f:
+        with open(os.path.join(os.path.dirname(os.path.normpath(checkpoint)), run_files.LOG_FILE), "rb") as f:
             for line in f:
-                with contextlib.suppress(ValueError):  # a line cut short by a crash
-                    records.append(json.loads(line))
+                with contextlib.suppress(ValueError):  # a line cut short by a crash, or a byte that is not UTF-8
+                    records.append(json.loads(line.decode("utf-8")))
     measured = [record for record in records if isinstance(record, dict) and record.get("step") == step
                 and "hellaswag_acc_norm" in record and record.get("init_from", checkpoint) == checkpoint]
     return measured[-1] if measured else None

@@ -27,16 +27,21 @@ from plumbing import UsageError
 GIB = 2**30
 
 
-def is_out_of_memory(error):
-    """Whether error (or an error it was raised from) is an allocator's refusal: CUDA's torch.OutOfMemoryError, the
-    CPU's and MPS's RuntimeError, Python's MemoryError (numpy's too), the kernel's ENOMEM."""
+def out_of_memory_in(error):
+    """The allocator's refusal that error is, or was raised from (a compiler's error may wrap it): CUDA's
+    torch.OutOfMemoryError, the CPU's and MPS's RuntimeError, Python's MemoryError (numpy's too), the kernel's
+    ENOMEM; None if there is none."""
     while error is not None:
         if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or getattr(error, "errno", None) == errno.ENOMEM:
-            return True
+            return error
         if isinstance(error, RuntimeError) and re.search(r"can't allocate memory|out of memory", str(error)):
-            return True
+            return error
         error = error.__cause__ or error.__context__
-    return False
+    return None
+
+
+def is_out_of_memory(error):
+    return out_of_memory_in(error) is not None
 
 
 def memory_in_words(device):
@@ -92,8 +97,7 @@ def try_step(run, batch_size, gradient_sync):
 
 
 def step_fits(run, batch_size, gradient_sync):
-    """Whether try_step fits on this rank: only an out-of-memory error gives False. Its gradients are thrown away, and
-    after a failure, what it held: its traceback's frames, and the graphs compiled for its shape."""
+    """Whether try_step fits on this rank: only an out-of-memory error gives False. Its gradients are thrown away."""
     try:
         try_step(run, batch_size, gradient_sync)
         fits = True
@@ -103,12 +107,18 @@ def step_fits(run, batch_size, gradient_sync):
         fits = False
     for p in run.model.parameters():
         p.grad = None  # a failed pass's
-    if not fits and run.cfg.compile:
-        torch._dynamo.reset()
-        gc.collect()  # a traceback's frames are cycles
-        if run.env.device_type == "cuda":
-            torch.cuda.empty_cache()
     return fits
+
+
+def forget_try(run):
+    """Frees what a try of a micro-batch that some rank could not fit holds on this rank: its traceback's frames
+    (cycles), the graphs compiled for its shape (with CUDA graphs, a memory pool each), the allocator's cached
+    blocks."""
+    if run.cfg.compile:
+        torch._dynamo.reset()
+    gc.collect()
+    if run.env.device_type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def largest_that_fits(run, gradient_sync):
@@ -121,7 +131,7 @@ def largest_that_fits(run, gradient_sync):
     batch_size, too_large, said = search(run, gradient_sync)
     if on_cpu and not too_large:  # kept for speed, where memory is not tight
         plumbing.keep_freed_memory(True)
-    if run.micro_batch not in (0, batch_size):  # the resumed checkpoint's
+    if run.micro_batch not in (0, batch_size) and not run.cfg.eval_only:  # the resumed checkpoint's
         said.append(f"the run trained with micro-batch {run.micro_batch} before, {batch_size} now: the same tokens "
                     f"and schedule, their gradients summed in other parts (equal up to rounding)")
     return batch_size, "\n".join(said) or None
@@ -139,6 +149,7 @@ def search(run, gradient_sync):
     sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
     batch_size, too_large, t0 = cfg.batch_size, [], time.perf_counter()
     while plumbing.any_rank(not step_fits(run, batch_size, gradient_sync), env.device):
+        forget_try(run)  # on every rank, the ranks whose own try fitted too
         too_large.append(batch_size)
         if batch_size == 1:
             raise UsageError(nothing_fits(cfg, env))
@@ -175,12 +186,13 @@ def out_of_memory_in_one_line(cfg):
 
 def out_of_memory_later(error, cfg):
     """out_of_memory_in_one_line's line."""
+    error = out_of_memory_in(error)
     device = f"cuda:{torch.cuda.current_device()}" if isinstance(error, torch.cuda.OutOfMemoryError) else (
         "mps" if "MPS" in str(error) else "cpu")
     reason = plumbing.first_line(error)
     what = f"out of memory in {memory_in_words(device)}" + (f" ({reason})" if reason else "")
-    if cfg.sample or cfg.export_hf:
-        return f"{what}; pass a smaller --num-samples" if cfg.sample else what
+    if cfg.sample or cfg.export_hf:  # --sample draws its samples --batch-size at a time
+        return f"{what}; pass a smaller --batch-size" if cfg.sample else what
     latest = run_files.latest_checkpoint(cfg.log_dir)
     kept = f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
     return (f"{what}; {kept}; run the same command again (it chooses its micro-batch again), or pass a smaller "

@@ -123,11 +123,12 @@ def start(run, micro_batch_said, recipe_named):
 
 
 def sample_notes(model, prompt):
-    """The lines that go before a model's samples of prompt (token ids): why there are none (a --vocab-size below
-    GPT-2's cannot embed the prompt's tokens), or what to know of them."""
+    """Whether a model can sample after prompt (token ids), and the lines that go before its samples: why there are
+    none (a --vocab-size below GPT-2's cannot embed the prompt's tokens), or what to know of them."""
     block_size = model.config.block_size
     if max(prompt) >= model.n_tokens:
-        return [f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's {model.n_tokens}"]
+        return False, [f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's "
+                       f"{model.n_tokens}"]
     notes = []
     if len(prompt) > block_size:
         notes.append(f"the prompt's {len(prompt)} tokens outgrow the block of {block_size}: each token is sampled "
@@ -136,7 +137,7 @@ def sample_notes(model, prompt):
     if not (head.to_local() if hasattr(head, "to_local") else head).any():
         notes.append("(the output layer is all zeros, as the modern recipe starts it: every token is as likely, and "
                      "top-k sampling keeps the first ids: punctuation, digits, capitals)")
-    return notes
+    return True, notes
 
 
 @contextlib.contextmanager

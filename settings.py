@@ -81,8 +81,8 @@ TOP = "at the top of train_gpt2.py"  # where its presets are, below the settings
 
 
 def defined_in(recipe):
-    """The file a recipe is written in (its schedule's): where its PRESETS are."""
-    return os.path.basename(recipe.get_lr.__code__.co_filename)
+    """The file a recipe is written in (its model's): where its PRESETS are."""
+    return os.path.basename(recipe.model.__init__.__code__.co_filename)
 
 
 def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
@@ -113,12 +113,13 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
 
 
 def pretrained_preset(cfg, recipes, model_sizes, presets):
-    """What --init-from's weights fix, (the preset's name, {setting: value}); None from scratch. OpenAI's GPT-2 `name`:
-    model_sizes[name] and OPENAI_SHAPES; an export directory: its recipe and shapes (export_settings), GPT-2's whole
-    vocabulary padded as OpenAI's is."""
+    """What --init-from's weights fix, (the preset's name, {setting: value}); None from scratch. An export directory
+    (a directory of that name first, as GPT.from_pretrained and --export-hf take it: a clone of the Hub's gpt2 is one):
+    its recipe and shapes (export_settings), GPT-2's whole vocabulary padded as OpenAI's is; else OpenAI's GPT-2
+    `name`: model_sizes[name] and OPENAI_SHAPES."""
     if cfg.init_from == "scratch":
         return None
-    if cfg.init_from in model_sizes:
+    if not os.path.isdir(cfg.init_from):
         shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
         return f"--init-from {cfg.init_from} (OpenAI's shapes, OPENAI_SHAPES {TOP})", shapes
     fixed = export_settings(cfg.init_from, recipes)

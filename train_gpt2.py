@@ -688,10 +688,10 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=
     at most rows at a time (if show: the other ranks sample too, as under FSDP each lends its slices of the weights,
     but print nothing)."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
-    lines = reporting.sample_notes(model, prompt)  # what to know of these samples, or why there are none
-    if max(prompt) < model.n_tokens:  # a --vocab-size below GPT-2's cannot embed the prompt's tokens
+    can_sample, lines = reporting.sample_notes(model, prompt)  # and what to know of the samples, or why there are none
+    if can_sample:
         generator = torch.Generator(device=device).manual_seed(seed)
-        with autocast_ctx:  # a micro-batch of rows fits in training, so its samples fit too
+        with autocast_ctx:  # rows at a time: a run's micro-batch, which fits in training, or --sample's --batch-size
             samples = [tokens for first in range(0, cfg.num_samples, rows) for tokens in
                        generate(model, prompt, min(rows, cfg.num_samples - first), cfg.max_new_tokens, generator)]
         for i, tokens in enumerate(samples):
@@ -808,6 +808,7 @@ def set_up(cfg, given, env):
         checkpoints.restore(run, ckpt, ckpt_path, RECIPES[cfg.recipe].get_lr)
         if checkpoints.finished(run):
             return None
+    del ckpt  # its tensors are loaded: what it read is no longer held while the micro-batch is tried
     run.micro_batch, said = microbatch.largest_that_fits(run, gradient_sync)  # before any file of the run moves
     reporting.start(run, said, RECIPES[cfg.recipe].named)
     return run

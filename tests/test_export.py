@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import checkpoints
+import commands
 import hellaswag
 import hf_export
 import modern
@@ -584,6 +585,26 @@ def test_an_existing_directory_is_never_written_into(exports, tmp_path, capsys):
     assert os.listdir(out) == ["notes.txt"]
     (tmp_path / "a_file").write_text("")
     expect_usage_error(["--export-hf", tmp_path / "a_file", "--resume", ckpt], capsys, "--export-hf")
+
+
+def test_a_directory_named_scratch_here_is_no_init_from(exports, tmp_path, capsys, monkeypatch):
+    """--init-from's default, scratch, is never a directory, even where one of that name is (HPC users keep one)."""
+    ckpt, _, _ = exports[128]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scratch").mkdir()
+    code, out, err = run_main(["--export-hf", tmp_path / "hf", "--resume", ckpt], capsys)
+    assert code == 0, err
+    assert os.path.isfile(tmp_path / "hf" / "model.safetensors")
+
+
+def test_the_model_card_reads_hellaswag_past_a_damaged_log_line(tmp_path):
+    """The run's log.jsonl beside a checkpoint, with a line cut short and a byte that is not UTF-8 (as plot.py skips
+    them), still gives the HellaSwag record of the step; the checkpoint's path may end in a slash (a sharded one)."""
+    record = {"step": 5, "hellaswag_acc_norm": 0.25, "hellaswag_acc": 0.5}
+    (tmp_path / "log.jsonl").write_bytes(b'{"step": 5, "hellaswag_acc_norm": 0.9\n\xff\xfe{}\n' +
+                                         json.dumps(record).encode() + b"\n")
+    assert commands.logged_hellaswag(str(tmp_path / "ckpt_000005.dcp") + "/", 5) == record
+    assert commands.logged_hellaswag(str(tmp_path / "ckpt_000004.pt"), 4) is None
 
 
 def test_an_unreadable_checkpoint_is_refused(tmp_path, capsys):

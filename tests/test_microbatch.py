@@ -143,6 +143,8 @@ def test_a_run_resumed_with_another_micro_batch_says_so_and_trains_on_the_same_t
     assert code == 0, err
     assert "the run trained with micro-batch 4 before, 2 now: the same tokens and schedule" in out
     assert load_ckpt(checkpoint_path(tmp_path / "moved", 4))["micro_batch"] == 2
+    code, out, err = run_main(args + ["--log-dir", tmp_path / "moved", "--eval-only", "--batch-size", "1"], capsys)
+    assert code == 0 and "trained with micro-batch" not in out, err  # an evaluation sums no gradients
     kept, moved = (train_records(read_log(tmp_path / name)) for name in ("kept", "moved"))
     assert {step: r["train_loss"] for step, r in moved.items()} == \
         pytest.approx({step: r["train_loss"] for step, r in kept.items()}, rel=1e-5)
