@@ -96,10 +96,10 @@ def save(run):
                         torch.save(ckpt, f)
 
             run_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
-                                              env.world_size, cfg.keep_checkpoints, run.master)
+                                               env.world_size, cfg.keep_checkpoints, run.master)
         elif run.master:
             run_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
-                                      plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
+                                       plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
 
 
 def prune(run):

@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from plumbing import (
     EOT,
+    PREPARATION_FILES,
     SHARD_SUFFIXES,
     SPLIT_WORD,
     UsageError,
@@ -763,7 +764,7 @@ def remove_if_nothing_made(output):
     downloads = os.path.join(output, "downloads")
     try:
         partial = os.listdir(downloads) if os.path.isdir(downloads) else []
-        if not set(os.listdir(output)) <= {".lock", "manifest.json", "downloads"} or any(
+        if not set(os.listdir(output)) <= {".lock", *PREPARATION_FILES} or any(
                 os.path.getsize(os.path.join(downloads, name)) for name in partial):
             return
         shutil.rmtree(downloads, ignore_errors=True)

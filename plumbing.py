@@ -178,6 +178,9 @@ def shard_paths(directory):
     return splits["train"], splits["val"]
 
 
+PREPARATION_FILES = ("manifest.json", "downloads")  # what fineweb.py writes in its output before a shard, beside .lock
+
+
 def unfinished_preparation(directory):
     """The names in directory when they are all of what fineweb.py writes there before its first shard (hidden
     files, such as its .lock, manifest.json and downloads/): [] for none. None for a directory holding anything
@@ -186,7 +189,7 @@ def unfinished_preparation(directory):
         names = sorted(os.listdir(directory))
     except OSError:
         return None
-    return names if all(name.startswith(".") or name in ("manifest.json", "downloads") for name in names) else None
+    return names if all(name.startswith(".") or name in PREPARATION_FILES for name in names) else None
 
 
 # -----------------------------------------------------------------------------

@@ -139,8 +139,8 @@ def lock_log_dir(log_dir, exclusive):
         raise UsageError(f"--log-dir {log_dir}: cannot append to {log} ({e.strerror}); make it writable for this user, "
                          f"or pass another --log-dir (--resume PATH still reads a checkpoint of this one)") from None
     return plumbing.directory_lock(log_dir, refusal if exclusive else None,
-                          f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run may "
-                          f"write to")
+                                   f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run "
+                                   f"may write to")
 
 
 def unused_name(path):

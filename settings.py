@@ -86,7 +86,7 @@ def defined_in(recipe):
 
 
 def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
-    """The presets of this run, in the order they apply: [(name and where it is, {setting: value})]. presets:
+    """The run's recipe, and its presets in the order they apply: [(name and where it is, {setting: value})]. presets:
     train_gpt2.py's named tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES. --init-from's weights fix the
     recipe and the shapes, whatever a preset said; a flag that says otherwise is refused."""
     pretrained = pretrained_preset(cfg, recipes, model_sizes, presets)
@@ -109,7 +109,7 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
             raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and the flags say {flags}; drop "
                              f"{'it' if len(clash) == 1 else 'them'}")
         chosen.append(pretrained)
-    return chosen
+    return recipe_name, chosen
 
 
 def pretrained_preset(cfg, recipes, model_sizes, presets):
@@ -367,8 +367,7 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
         elif leftovers == []:
             advice = f"it is empty: {advice}, or delete {cfg.data}/"
         print(f"no FineWeb shards in {cfg.data}/ ({advice}): {doing} on tiny Shakespeare instead")
-    chosen = presets_for(cfg, given, shards_found, recipes, model_sizes, presets)
-    recipe = next((preset["recipe"] for _, preset in chosen if "recipe" in preset), cfg.recipe)  # --init-from's
+    recipe, chosen = presets_for(cfg, given, shards_found, recipes, model_sizes, presets)  # --init-from's recipe
     unread = {name for other, settings in recipes.items() if other != recipe for name in settings.settings}
     changes = apply_presets(cfg, given, chosen, model_sizes, unread)
     check_recipe(cfg, given, recipes)  # --init-from's recipe, if it fixes one

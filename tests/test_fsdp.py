@@ -72,7 +72,7 @@ def test_fsdp_trains_as_ddp_does(runs):
     for step, record in val_records(ddp).items():
         assert val_records(fsdp)[step]["val_loss"] == pytest.approx(record["val_loss"], abs=1e-5), step
     assert run_files.checkpoint_paths(dirs["fsdp"]) == [str(dirs["fsdp"] / "ckpt_000010.dcp"),
-                                                      str(dirs["fsdp"] / "ckpt_000020.dcp")]
+                                                       str(dirs["fsdp"] / "ckpt_000020.dcp")]
     files = os.listdir(dirs["fsdp"] / "ckpt_000020.dcp")
     assert {"run.pt", ".metadata"} <= set(files) and len([f for f in files if f.endswith(".distcp")]) == 2
 

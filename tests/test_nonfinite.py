@@ -118,7 +118,7 @@ def test_too_many_bad_steps_stop_the_run(shards, tmp_path, capsys, monkeypatch, 
         assert "--resume" not in line
     else:  # ckpt 4, written before step 4, holds the weights that went non-finite: kept, and named as such
         assert [os.path.basename(p) for p in run_files.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt",
-                                                                                           "ckpt_000004.pt"]
+                                                                                            "ckpt_000004.pt"]
         assert f"--resume {good}: the later checkpoints hold the weights that went non-finite" in line
     last_good = load_ckpt(good)
     assert all(torch.isfinite(t).all() for t in last_good["model"].values())
