@@ -8,9 +8,9 @@ training loop, and main, which runs them: main -> start -> set_up, then train ->
     python train_gpt2.py --help                             # every setting, with its default and the presets
 
 Without FineWeb shards (make them with `python fineweb.py`) it trains a small model on tiny Shakespeare. Beside it,
-none importing it: the variations modern.py (--recipe modern), fsdp.py (--fsdp) and chunked_loss.py (--loss chunked);
-the run's machinery in settings.py, microbatch.py, checkpoints.py, reporting.py, commands.py (--sample, --export-hf),
-run_files.py, plumbing.py.
+none importing it: the variations modern.py (--recipe modern), fsdp.py (--fsdp) and chunked_loss.py (--loss chunked,
+and the compiled full loss); the run's machinery in settings.py, microbatch.py, checkpoints.py, reporting.py,
+commands.py (--sample, --export-hf), run_files.py, plumbing.py.
 """
 
 import argparse
@@ -43,7 +43,7 @@ import plumbing
 import reporting
 import run_files
 import settings
-from chunked_loss import chunked_cross_entropy
+from chunked_loss import chunked_cross_entropy, cross_entropy
 from plumbing import EOT, GPT2_VOCAB, UsageError
 
 # imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
@@ -300,7 +300,7 @@ class GPT(nn.Module):
             return self.logits(x), None
         if self.config.loss == "chunked":  # a chunk of rows at a time: no (B*T, V) logits in memory
             return None, chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
-        return None, F.cross_entropy(self.logits(x).flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return None, cross_entropy(self.logits(x).flatten(0, 1), targets.flatten())  # compiled: 6 GiB less at B=64
 
     def logits(self, x):
         logits = self.lm_head(x)  # (B, T, V)

@@ -42,7 +42,7 @@ def test_compiled_bf16_training_step(loss_impl):
     model = with_loud_padding(tiny(loss_impl))
     x, y = batch()  # on the CPU: train_step pins and copies them, as in training
     with torch.no_grad():
-        want = copy.deepcopy(model)(x.cuda(), y.cuda()).item()
+        want = copy.deepcopy(model)(x.cuda(), y.cuda())[1].item()
     optimizers = train_gpt2.make_optimizers(model, cfg, "cuda")
     assert all(optimizer.defaults["fused"] for optimizer in optimizers)
     train_gpt2.set_lr(optimizers, 0, cfg)  # no warmup: the peak, 1e-3, for every step
@@ -66,7 +66,7 @@ def test_loss_compiled_by_inductor_matches_float64(loss_impl):
     x, y = (t.cuda() for t in batch())
     want = reference(reference_model, x, y)
     want.backward()
-    loss = torch.compile(model, dynamic=False)(x, y)
+    _, loss = torch.compile(model, dynamic=False)(x, y)
     loss.backward()
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import hellaswag
 import train_gpt2
-from chunked_loss import ChunkedCrossEntropy, chunked_cross_entropy
+from chunked_loss import ChunkedCrossEntropy, CrossEntropyWithPointwiseBackward, chunked_cross_entropy
 from helpers import (
     REPO,
     chunked_case,
@@ -101,6 +101,45 @@ def test_hellaswag_scores_ignore_the_padding_rows():
         with_loud_padding(model)
         after, _ = hellaswag.ending_losses(model, tokens, mask)
     assert torch.equal(before, after) and torch.all(count == 14)
+
+
+# -----------------------------------------------------------------------------
+# The full loss compiled: its backward one pointwise pass (CrossEntropyWithPointwiseBackward), against float64
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_the_pointwise_backward_matches_float64(dtype, tolerance):
+    """Its loss and the logits' gradient, with -1 targets and -inf padding ids, under a scaled upstream gradient (1 /
+    accumulation steps in train_step), against F.cross_entropy in float64."""
+    x, w, targets, mask = chunked_case()
+    logits = (x @ w.T + mask).to(dtype)
+    want = logits.double().requires_grad_()
+    want_loss = F.cross_entropy(want, targets, ignore_index=-1)
+    (want_loss / 3).backward()
+    logits.requires_grad_()
+    loss = CrossEntropyWithPointwiseBackward.apply(logits, targets)
+    (loss / 3).backward()
+    assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
+    torch.testing.assert_close(loss.double(), want_loss.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(logits.grad.double(), want.grad, rtol=tolerance, atol=tolerance * 1e-2)
+    assert torch.all(logits.grad[3:9] == 0) and torch.all(logits.grad[:, -20:] == 0)  # -1 rows, padding ids
+
+
+def test_the_compiled_full_loss_takes_the_pointwise_backward_and_eager_keeps_f_cross_entropy(monkeypatch):
+    """Compiled, the model's full loss is CrossEntropyWithPointwiseBackward; eager (the CPU's default), it is
+    F.cross_entropy itself, so eager losses are those of F.cross_entropy bit for bit."""
+    calls = []
+    forward = CrossEntropyWithPointwiseBackward.forward
+    monkeypatch.setattr(CrossEntropyWithPointwiseBackward, "forward",
+                        staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    model = tiny_gpt(block_size=32)
+    x, y = random_ids(2, 32, seed=1), random_ids(2, 32, seed=2)
+    _, eager = model(x, y)
+    assert not calls
+    assert torch.equal(eager, F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1))
+    _, compiled = torch.compile(model, backend="aot_eager", dynamic=False, fullgraph=True)(x, y)
+    assert calls
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=0)
 
 
 # -----------------------------------------------------------------------------
