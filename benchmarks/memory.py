@@ -57,7 +57,7 @@ LABELS = {
     "bf16_copies": "autocast's bf16 copies of the weights",
     "model_state": "model state",
     "activations": "activations saved for the backward",
-    "logits": "bf16 logits (DDP: and their gradient)",
+    "logits": "bf16 logits (modern's DDP: and gradient)",
     "total": "total (estimate)",
 }
 
@@ -170,11 +170,12 @@ def activation_bytes(recipe, n_layer, n_embd, batch_size, seq_len):
 
 
 def logits_bytes(recipe, batch_size, seq_len):
-    """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (SAVED_PER_TOKEN), and where the step is one compiled
-    graph, their bf16 gradient beside them as the backward begins; under FSDP, whose groups compile as graphs of their
-    own, the loss's backward is measured to hold no such second copy (the README's Speed section has the numbers)."""
+    """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (SAVED_PER_TOKEN). GPT-2's compiled loss writes their
+    gradient over them (chunked_loss.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
+    F.cross_entropy's backward, whose gradient sits beside them where the step is one compiled graph (DDP's layout);
+    under FSDP, whose groups compile as graphs of their own, none was measured (the README's Speed section)."""
     saved = SAVED_PER_TOKEN[recipe][2] * batch_size * seq_len * PADDED_VOCAB
-    return 2 * saved, saved
+    return (2 * saved if recipe == "modern" else saved), saved
 
 
 def memory_rows(args):
@@ -232,8 +233,9 @@ NOTES = (
     "gradients: with accumulation > 1 only. DDP: its buckets copy the gradients, with more than one process only. "
     "Activations, the same for both: the bytes the compiled bf16 step saves for its backward, counted on a CPU "
     "(saved_per_token): per token, {0}*C per layer and {1}*C outside them for --recipe gpt2 ({3}*C and {4}*C for "
-    "modern), and the B*T*V bf16 logits; with DDP their gradient too, beside them as the backward begins. At GPT-2 "
-    "124M, B=64 on one H100 the estimate was within 5% of the peaks measured, DDP's and FSDP's (the README's Speed "
+    "modern), and the B*T*V bf16 logits, which GPT-2's compiled backward overwrites with their gradient (the modern "
+    "recipe's, with DDP, holds it beside them). At GPT-2 124M, B=64 on one H100 the estimate was within 5% of the "
+    "peaks measured, DDP's and FSDP's (the README's Speed "
     "section). Not counted: the CUDA context, the caching allocator's free blocks, and transients: a block's gradients "
     "before their reduce-scatter, the one bf16 matrix ShardedMuon gathers.").format(*SAVED_PER_TOKEN["gpt2"],
                                                                                     *SAVED_PER_TOKEN["modern"])
