@@ -347,7 +347,7 @@ def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k
 
 
 # -----------------------------------------------------------------------------
-# Data: token shards read through memory maps, or a text file tokenized in memory.
+# Data: token shards read from their files as the stream reaches them, or a text file tokenized in memory.
 
 
 def check_token_ids(tokens, vocab_size, source):
