@@ -103,6 +103,11 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
         chosen.append((f"--recipe {recipe_name}'s PRESETS['fineweb'] ({where})", recipe["fineweb"]))
     if pretrained:
         fixed = pretrained[1]
+        sizes = model_sizes[cfg.model]
+        if "model" in given and any(fixed[key] != value for key, value in sizes.items()):  # a name for three flags
+            fixes, says = (", ".join(f"{flag(k)} {v[k]}" for k in sizes) for v in (fixed, sizes))
+            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and --model {cfg.model} says {says}; drop "
+                             f"--model")
         clash = [key for key, value in fixed.items() if key in given and key != "model" and getattr(cfg, key) != value]
         if clash:
             fixes, flags = (", ".join(f"{flag(k)} {shown(v[k])}" for k in clash) for v in (fixed, vars(cfg)))
