@@ -266,6 +266,11 @@ def check_config(cfg, world_size):
             lambda v: v > 0, "positive")
     require(cfg, ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples",
                   "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
+    # Adam divides its rate by 1 - beta1 (10 or 5 times it at the first step), Muon multiplies its own by up to 2:
+    # near float32's largest number, the optimizer's step overflows (a traceback inside torch)
+    most = torch.finfo(torch.float32).max / 100
+    require(cfg, [name for name in vars(cfg) if name.endswith("_lr")], lambda v: v <= most,
+            f"at most {most:.2g} (a larger rate can overflow float32 in the optimizer's step)")
     require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
     require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
