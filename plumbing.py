@@ -129,9 +129,9 @@ class Shard:
         start, stop, _ = index.indices(self.length)  # a slice: the stream reads runs of tokens
         tokens = np.empty(max(0, stop - start), dtype=np.uint16)
         try:
-            with open(self.path, "rb", buffering=0) as f:  # unbuffered: straight into tokens
+            with open(self.path, "rb") as f:
                 f.seek(self.offset + 2 * start)
-                read = f.readinto(tokens)
+                read = f.readinto(tokens)  # buffered: reads on to the end, past one read call's 2 GiB
         except OSError as e:
             raise UsageError(unopenable(self.path, e)) from None
         if read < tokens.nbytes:
