@@ -375,22 +375,31 @@ class Downloads:
 
 INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
+def is_hidden(relative):
+    """Whether a path relative to an --input directory is hidden: its name or a folder's starts with a dot (Jupyter's
+    .ipynb_checkpoints/, macOS's ._a.txt)."""
+    return any(part.startswith(".") for part in relative.split(os.sep))
+
 def files_under(directory):
-    """The .txt, .jsonl and .parquet files under directory, sorted, and apart those that are hidden, their name or
-    a folder's starting with a dot (Jupyter's .ipynb_checkpoints/, macOS's ._a.txt): paths relative to it."""
+    """The .txt, .jsonl and .parquet files under directory, sorted, and apart those that are hidden: paths relative
+    to it."""
     found, hidden = [], []
     for root, _, names in os.walk(directory):
         for name in names:
             if name.endswith(INPUT_SUFFIXES):
                 relative = os.path.relpath(os.path.join(root, name), directory)
-                (hidden if any(part.startswith(".") for part in relative.split(os.sep)) else found).append(relative)
+                (hidden if is_hidden(relative) else found).append(relative)
     return sorted(found), sorted(hidden)
 
-def local_sources(paths):
+def local_sources(paths, skip_hidden=True):
+    """The input files (path, size, checksum) in the order they are read; the hidden files of a directory too unless
+    skip_hidden, in the one order of their paths, as fineweb.py read them before it skipped them."""
     files = []
     for path in paths:
         if os.path.isdir(path):
             found, hidden = files_under(path)
+            if not skip_hidden:
+                found, hidden = sorted(found + hidden), []
             if hidden:  # copies of the data, mostly, which the trainer would never read as shards either
                 print(f"--input {path}: skipped {len(hidden)} hidden file{'s' if len(hidden) > 1 else ''}, whose "
                       f"name or folder's starts with a dot (e.g. {hidden[0]}), as train_gpt2.py skips hidden shards")
@@ -458,12 +467,32 @@ def read_manifest(path, output):
                          "or choose another --output")
     return manifest
 
+def hidden_sources(sources, inputs):
+    """The paths of the sources that are hidden files of an --input directory, which fineweb.py once read too."""
+    directories = [os.path.abspath(path) for path in inputs if os.path.isdir(path)]
+    return [source["path"] for source in sources if any(
+        source["path"].startswith(directory + os.sep) and is_hidden(os.path.relpath(source["path"], directory))
+        for directory in directories)]
+
+def sources_changed(before, now):
+    """The first difference between the input files a preparation was started with and these, in words."""
+    now_by_path, paths_before = {source["path"]: source for source in now}, {source["path"] for source in before}
+    for source in before:
+        if source["path"] not in now_by_path:
+            return f"{source['path']} is gone"
+        if now_by_path[source["path"]] != source:
+            return f"{source['path']} changed"
+    added = [source["path"] for source in now if source["path"] not in paths_before]
+    return f"{added[0]} is new" if added else "they are read in another order"
+
 def open_manifest(args, config, stop):
     """Load the output directory's manifest (refusing a different configuration) or start a new one."""
     path = os.path.join(args.output, "manifest.json")
-    sources = local_sources(args.input) if args.input else None
     manifest = read_manifest(path, args.output)
-    if manifest and manifest["next"]["tokens"]:  # with no tokens made yet there is nothing to mix: start afresh
+    resuming = manifest and manifest["next"]["tokens"]  # with no tokens made yet there is nothing to mix: afresh
+    read_before = hidden_sources(manifest["sources"], args.input) if resuming and args.input else []
+    sources = local_sources(args.input, skip_hidden=not read_before) if args.input else None
+    if resuming:
         old_prefix = manifest["config"]["--prefix"]
         if SPLIT_WORD.search(old_prefix):  # fineweb.py once named shards after --output, split word and all
             raise UsageError(f"{args.output} holds shards named {shard_name(old_prefix, 0)}, which train_gpt2.py "
@@ -476,10 +505,13 @@ def open_manifest(args, config, stop):
                                  f"{with_flag(flag, value)}; rerun {with_flag(flag, old)} to continue them, "
                                  "or choose another --output")
         if sources is not None and sources != manifest["sources"]:
-            changed = next((new["path"] for new, old in zip(sources, manifest["sources"]) if new != old),
-                           "the file list")
-            raise UsageError(f"{changed} changed since {args.output} was started; restore it, "
-                             "or choose another --output")
+            raise UsageError(f"the input files differ from those {args.output} was started with: "
+                             f"{sources_changed(manifest['sources'], sources)}; put them back as they were, or "
+                             "choose another --output")
+        if read_before:
+            print(f"{args.output} was started by an earlier fineweb.py, which read hidden files too: resuming with "
+                  f"its list, {len(read_before)} hidden file{'s' if len(read_before) > 1 else ''} and all (e.g. "
+                  f"{read_before[0]}), as its shards began")
         return manifest
     # a run of ours stopped (killed, disk full) between renaming its first shard into place and recording it
     ours = manifest and re.compile(rf"{re.escape(manifest['config']['--prefix'])}_(val|train)_\d{{6}}\.npy")

@@ -87,11 +87,32 @@ def check_computes_as_ours(found, ours, path, model):
                              f"you accept the difference)")
 
 
+def is_whole(value):
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is no number of layers
+
+
 def real_tokens(vocab_size, path):
-    if not (isinstance(vocab_size, int) and 0 < vocab_size <= GPT2_VOCAB):
-        raise UsageError(f"{path}: vocab_size {vocab_size!r} is not GPT-2's vocabulary (at most {GPT2_VOCAB:,} ids); "
-                         f"train_gpt2.py tokenizes with GPT-2's BPE alone")
+    if not (is_whole(vocab_size) and 0 < vocab_size <= GPT2_VOCAB):
+        raise UsageError(f"{path}: vocab_size {json.dumps(vocab_size)} is not GPT-2's vocabulary (at most "
+                         f"{GPT2_VOCAB:,} ids); train_gpt2.py tokenizes with GPT-2's BPE alone")
     return vocab_size
+
+
+def shape_fields(config, path, names):
+    """The model settings n_layer, n_head, n_embd, block_size, vocab_size from the config.json at path, whose
+    fields names gives in that order: each a positive whole number, the heads dividing the width evenly; refused in
+    one line that names the field and its value as the file writes it. Raises KeyError for a missing field."""
+    values = [config[name] for name in names]
+    for name, value in zip(names[:4], values):
+        if not (is_whole(value) and value > 0):
+            raise UsageError(f"{path}: {name} is {json.dumps(value)}, not a positive whole number; correct it, or "
+                             f"export the model again")
+    n_layer, n_head, n_embd, block_size, vocab_size = values
+    if n_embd % n_head:
+        raise UsageError(f"{path}: {names[2]} {n_embd} is not a multiple of {names[1]} {n_head} (the heads share the "
+                         f"width evenly); correct it, or export the model again")
+    return dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                vocab_size=real_tokens(vocab_size, path))
 
 
 def gpt2_layout(state_dict, n_tokens):
@@ -158,11 +179,10 @@ def gpt2_config(shape, model_config, dtype):
 def gpt2_settings(config, path):
     """The model settings of a GPT2LMHeadModel's config.json, ours or one from the Hub (OpenAI's own among them)."""
     try:
-        n_embd = config["n_embd"]
-        shape = dict(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=n_embd,
-                     block_size=config["n_positions"], vocab_size=real_tokens(config["vocab_size"], path))
+        shape = shape_fields(config, path, ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"))
     except KeyError as e:
         raise UsageError(f"{path}: not the config.json of a Hugging Face GPT-2 (KeyError: {e})")
+    n_embd = shape["n_embd"]
     activation = config.get("activation_function", "gelu_new")
     found = {"activation_function": {"gelu_pytorch_tanh": "gelu_new"}.get(activation, activation),  # the same GELU
              "n_inner": config.get("n_inner") or 4 * n_embd,
@@ -254,16 +274,20 @@ def nanochat_config(shape, model_config, dtype, rope_theta, rms_norm_eps):
 def nanochat_settings(config, path, rope_theta, rms_norm_eps):
     """The model settings of a NanoChatForCausalLM's config.json, ours or one from the Hub."""
     try:
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        shape = dict(n_layer=config["num_hidden_layers"], n_head=heads, n_embd=hidden,
-                     block_size=config["max_position_embeddings"], vocab_size=real_tokens(config["vocab_size"], path))
+        shape = shape_fields(config, path, ("num_hidden_layers", "num_attention_heads", "hidden_size",
+                                            "max_position_embeddings", "vocab_size"))
     except KeyError as e:
         raise UsageError(f"{path}: not the config.json of a NanoChatForCausalLM (KeyError: {e})")
+    hidden, heads = shape["n_embd"], shape["n_head"]
     cap = config.get("final_logit_softcapping", 15.0)
-    if not (isinstance(cap, (int, float)) and cap > 0):  # None: no soft-cap
+    if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0):  # None: no soft-cap
         raise UsageError(f"{path}: final_logit_softcapping is {cap!r}, and train_gpt2.py's modern recipe soft-caps "
                          f"its logits always; it cannot load this model")
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+    if not isinstance(rope, dict):
+        raise UsageError(f"{path}: rope_parameters is {json.dumps(rope)}, not an object such as "
+                         f"{json.dumps({'rope_type': 'default', 'rope_theta': rope_theta})}; correct it, or export "
+                         f"the model again")
     found = {"hidden_act": config.get("hidden_act", "relu2"),
              "intermediate_size": config.get("intermediate_size", 8192),
              "num_key_value_heads": config.get("num_key_value_heads") or heads,

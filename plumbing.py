@@ -105,7 +105,7 @@ def failing_together():
 # Shard files: how the trainer finds and opens what fineweb.py writes
 
 BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
-SHARD_SUFFIXES = (".npy", ".bin")  # the formats open_shard reads: a new one is a suffix here and a branch there
+SHARD_SUFFIXES = (".npy", ".bin")  # the formats shard_layout reads: a new one is a suffix here and a branch there
 
 
 def files_in(directory, pattern):
@@ -114,12 +114,56 @@ def files_in(directory, pattern):
     return sorted(os.path.join(directory, name) for name in names if re.fullmatch(pattern, name))
 
 
+class Shard:
+    """A shard's tokens, read from its file as they are sliced (shard[a:b], a uint16 array): only where they begin in
+    the file and how many there are are kept. A memory map per shard would keep a descriptor open for each, and
+    FineWeb-Edu's larger samples make thousands of shards, past the 1024 open files a process commonly may hold."""
+
+    def __init__(self, path, offset, length):
+        self.path, self.offset, self.length = path, offset, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        start, stop, _ = index.indices(self.length)  # a slice: the stream reads runs of tokens
+        tokens = np.empty(max(0, stop - start), dtype=np.uint16)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset + 2 * start)
+                read = f.readinto(tokens)  # buffered: reads on to the end, past one read call's 2 GiB
+        except OSError as e:
+            raise UsageError(unopenable(self.path, e)) from None
+        if read < tokens.nbytes:
+            raise UsageError(f"{self.path}: it ends before token {start + read // 2:,} of {self.length:,}: it changed "
+                             f"since this run began; restore it, or make the shards again with fineweb.py")
+        return tokens
+
+
 def open_shard(path):
-    """A shard's tokens as a read-only uint16 memory map: .npy (np.save) or .bin (llm.c's format)."""
+    """The Shard of a file: .npy (np.save's 1-D uint16) or .bin (llm.c's format), its header checked against its
+    size."""
     try:
-        return read_shard(path)
+        offset, length = shard_layout(path)
     except OSError as e:  # listed, but not to be opened
-        raise UsageError(f"{path}: cannot open this shard ({e.strerror}); {unopenable_fix(path, e)}") from None
+        raise UsageError(unopenable(path, e)) from None
+    if os.path.getsize(path) != offset + 2 * length:
+        raise UsageError(f"{path}: its header promises {length} tokens, but the file size disagrees (truncated?); "
+                         f"re-create it with fineweb.py")
+    return Shard(path, offset, length)
+
+
+def unopenable(path, error):
+    """Why the shard at path could not be opened (error: open's), and what to do about it, in words."""
+    if error.errno == errno.EMFILE:  # not the shard's fault: the process holds as many files as it may
+        import resource  # here: Unix only
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise_it = (f"raise it (`ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}` in the shell that "
+                    f"starts the run)" if soft < hard else "ask an administrator to raise its hard limit")
+        return (f"{path}: cannot open this shard: too many open files, this process already holds all the {soft} "
+                f"that its limit allows (ulimit -n {soft}), the shard is fine; {raise_it}")
+    return f"{path}: cannot open this shard ({error.strerror}); {unopenable_fix(path, error)}"
 
 
 def unopenable_fix(path, error):
@@ -134,27 +178,29 @@ def unopenable_fix(path, error):
     return "check the file, and the file system it is on"
 
 
-def read_shard(path):
-    if path.endswith(".bin"):
-        header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
-        if len(header) < BIN_HEADER_INTS or header[0] != BIN_MAGIC or header[1] != BIN_VERSION:
-            raise UsageError(f"{path}: bad header (want magic {BIN_MAGIC}, version {BIN_VERSION}); re-create the shard")
-        n_tokens = int(header[2])
-        if os.path.getsize(path) != 4 * BIN_HEADER_INTS + 2 * n_tokens:
-            raise UsageError(f"{path}: the header promises {n_tokens} tokens but the file size disagrees "
-                             f"(truncated?); re-create it")
-        return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
+def shard_layout(path):
+    """(where the tokens begin, how many there are) in a shard file, from its header alone."""
     with open(path, "rb") as f:
+        if path.endswith(".bin"):
+            header = np.fromfile(f, dtype=np.int32, count=BIN_HEADER_INTS)
+            if len(header) < BIN_HEADER_INTS or header[0] != BIN_MAGIC or header[1] != BIN_VERSION:
+                raise UsageError(f"{path}: bad header (want magic {BIN_MAGIC}, version {BIN_VERSION}); re-create "
+                                 f"the shard")
+            return 4 * BIN_HEADER_INTS, int(header[2])
         if f.read(6) != b"\x93NUMPY":
             raise UsageError(f"{path}: not an .npy file (no NUMPY header); re-create it with fineweb.py")
-    try:
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise UsageError(f"{path}: not a readable .npy shard ({e}); re-create it with fineweb.py")
-    if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise UsageError(f"{path}: expected a 1-D uint16 token array, found {tokens.dtype} {tokens.shape}; "
-                         f"re-create it with fineweb.py")
-    return tokens
+        f.seek(0)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+        except ValueError as e:
+            raise UsageError(f"{path}: not a readable .npy shard ({e}); re-create it with fineweb.py") from None
+        if dtype != np.uint16 or len(shape) != 1:
+            raise UsageError(f"{path}: expected a 1-D uint16 token array, found {dtype} {shape}; re-create it with "
+                             f"fineweb.py")
+        return f.tell(), shape[0]
 
 
 def shard_paths(directory):

@@ -152,25 +152,43 @@ def unused_name(path):
     return name
 
 
+def aside_directory(log_dir):
+    """A new directory for an earlier run's files, on log_dir's own file system, which a rename cannot leave: beside
+    the directory that log_dir is, or links to (`log -> /scratch/...`), <dir>.<date-time>; inside it where it is the
+    root of its file system (a container's bind mount, a scratch volume)."""
+    real = os.path.realpath(log_dir)
+    parent = os.path.dirname(real)
+    if os.stat(parent).st_dev != os.stat(real).st_dev:
+        parent = real
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = unused_name(os.path.join(parent, f"{os.path.basename(real)}.{stamp}"))  # two starts in one second
+    os.mkdir(aside)
+    return aside
+
+
 def move_old_run_aside(log_dir, why="starting fresh"):
-    """Moves the files an earlier run wrote in log_dir into a new sibling directory, <log_dir>.<date-time>, saying
-    why."""
+    """Moves the files an earlier run wrote in log_dir into a new directory (aside_directory), saying why."""
     old = plumbing.files_in(log_dir, "|".join(RUN_FILES))
     if not old:
         return
-    aside = unused_name(f"{os.path.abspath(log_dir)}.{time.strftime('%Y%m%d-%H%M%S')}")  # two starts in a second
-    os.mkdir(aside)
-    for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
-        with unread(path, wait=True):  # not a checkpoint that --eval-only, say, is loading
-            os.rename(path, os.path.join(aside, os.path.basename(path)))
+    aside = aside_directory(log_dir)
+    try:
+        for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
+            with unread(path, wait=True):  # not a checkpoint that --eval-only, say, is loading
+                os.rename(path, os.path.join(aside, os.path.basename(path)))
+    except BaseException:
+        with contextlib.suppress(OSError):  # no empty directory left at each failed try; one holding files stays
+            os.rmdir(aside)
+        raise
     names = ", ".join(os.path.basename(path) for path in old)
     print(f"{why}: moved the old run's files ({names}) from {log_dir} aside to {aside}")
 
 
 def is_log_dir_of(path, log_dir):
-    """Whether log_dir is the directory of the checkpoint at path, by whatever path (a link, another mount)."""
+    """Whether log_dir is the directory of the checkpoint at path, by whatever path (a link to it or to the
+    directory, another mount)."""
     try:
-        return os.path.samefile(os.path.dirname(os.path.normpath(path)) or ".", log_dir)
+        return os.path.samefile(os.path.dirname(os.path.realpath(path)), log_dir)
     except OSError:
         return False
 

@@ -103,6 +103,11 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
         chosen.append((f"--recipe {recipe_name}'s PRESETS['fineweb'] ({where})", recipe["fineweb"]))
     if pretrained:
         fixed = pretrained[1]
+        sizes = model_sizes[cfg.model]
+        if "model" in given and any(fixed[key] != value for key, value in sizes.items()):  # a name for three flags
+            fixes, says = (", ".join(f"{flag(k)} {v[k]}" for k in sizes) for v in (fixed, sizes))
+            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and --model {cfg.model} says {says}; drop "
+                             f"--model")
         clash = [key for key, value in fixed.items() if key in given and key != "model" and getattr(cfg, key) != value]
         if clash:
             fixes, flags = (", ".join(f"{flag(k)} {shown(v[k])}" for k in clash) for v in (fixed, vars(cfg)))
@@ -261,6 +266,11 @@ def check_config(cfg, world_size):
             lambda v: v > 0, "positive")
     require(cfg, ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples",
                   "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
+    # Adam divides its rate by 1 - beta1 (10 or 5 times it at the first step), Muon multiplies its own by up to 2:
+    # near float32's largest number, the optimizer's step overflows (a traceback inside torch)
+    most = torch.finfo(torch.float32).max / 100
+    require(cfg, [name for name in vars(cfg) if name.endswith("_lr")], lambda v: v <= most,
+            f"at most {most:.2g} (a larger rate can overflow float32 in the optimizer's step)")
     require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
     require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")

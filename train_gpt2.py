@@ -347,7 +347,7 @@ def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k
 
 
 # -----------------------------------------------------------------------------
-# Data: token shards read through memory maps, or a text file tokenized in memory.
+# Data: token shards read from their files as the stream reaches them, or a text file tokenized in memory.
 
 
 def check_token_ids(tokens, vocab_size, source):
@@ -395,7 +395,7 @@ class TokenStream:
             pieces.append(piece)
             n -= len(piece)
             epoch, index, offset = self.seek(epoch, index, offset, len(piece))
-        return torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+        return torch.from_numpy(np.concatenate(pieces, dtype=np.int64))  # cast as it copies: one pass
 
     def next_step(self, B, T, accum_steps, rank, world_size, vocab_size):
         """This rank's micro-batches (x, y) for one optimizer step, then moves past the whole global batch."""

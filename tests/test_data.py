@@ -2,6 +2,9 @@
 the same global batch for any split of processes and accumulation steps, shard reshuffling, exact state
 restore, and text files."""
 import json
+import os
+import resource
+import subprocess
 from collections import Counter
 
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 
 import plumbing
 import train_gpt2
-from helpers import save_tokens
+from helpers import TINY, read_log, save_tokens, script_command, script_env, train_records, write_shards
 from train_gpt2 import TokenStream, TrainConfig
 
 BIG_VOCAB = 1 << 16  # unique token values as positions: the check of ids against the vocab lets all through
@@ -25,8 +28,8 @@ def test_reads_npy_and_bin_shards(tmp_path, ext):
         assert len(raw) == 1024 + 2 * 1234
         assert list(np.frombuffer(raw[:12], dtype=np.int32)) == [20240520, 1, 1234]
     shard = plumbing.open_shard(path)
-    assert shard.dtype == np.uint16 and shard.shape == (1234,)
-    assert np.array_equal(np.asarray(shard), tokens)
+    assert len(shard) == 1234 and shard[:].dtype == np.uint16
+    assert np.array_equal(shard[:], tokens) and np.array_equal(shard[1000:1300], tokens[1000:])
 
 
 def test_load_data_mixes_formats_and_fixes_val(tmp_path):
@@ -223,3 +226,88 @@ def test_text_file_is_tokenized_with_gpt2_bpe(tmp_path):
     split = int(0.9 * len(tokens))
     assert train_tokens == split and np.array_equal(stream.shards[0], tokens[:split])
     assert np.array_equal(val, tokens[split: split + 41])  # the last 10%: 5 sequences of 8, and one target more
+
+
+def test_the_stream_over_shard_files_reads_the_tokens_np_load_gives(tmp_path):
+    """Shards read from their files as the stream reaches them train on the same tokens, in the same order, as the
+    whole arrays np.load reads: across shard ends and epochs, in both formats."""
+    rng = np.random.default_rng(4)
+    lengths = [900, 1300, 500, 77, 1024]
+    paths = []
+    for i, n in enumerate(lengths):
+        paths.append(str(tmp_path / f"s_train_{i}.{'bin' if i % 2 else 'npy'}"))
+        save_tokens(paths[-1], rng.integers(0, plumbing.GPT2_VOCAB, n, dtype=np.uint16))
+    arrays = [np.load(p) if p.endswith(".npy") else np.fromfile(p, np.uint16, offset=1024) for p in paths]
+    from_files = TokenStream([plumbing.open_shard(p) for p in paths], paths, seed=3)
+    in_memory = TokenStream(arrays, paths, seed=3)
+    for _ in range(30):  # 30 x 3 x 96 tokens: past two epochs of 3801
+        for (x1, y1), (x2, y2) in zip(from_files.next_step(3, 32, 1, 0, 1, BIG_VOCAB),
+                                      in_memory.next_step(3, 32, 1, 0, 1, BIG_VOCAB)):
+            assert torch_equal(x1, x2) and torch_equal(y1, y2)
+    assert from_files.state_dict() == in_memory.state_dict()
+
+
+def torch_equal(a, b):
+    return a.dtype == b.dtype and np.array_equal(a.numpy(), b.numpy())
+
+
+def limited_descriptors(n):
+    """What a process started with preexec_fn=limited_descriptors(n) may hold open: n files (ulimit -n n)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
+def test_any_number_of_shards_trains_under_a_small_descriptor_limit(tmp_path):
+    """FineWeb-Edu's 350B sample makes about 3,500 shards, and 1024 open files (ulimit -n) is a common default: each
+    shard kept open (a memory map holds a descriptor) refused any run of more than about 1,010 of them, blaming a good
+    shard. Here 1,000 shards under a limit of 256 train, save a checkpoint and resume, on the tokens of the run that
+    had no limit."""
+    data = write_shards(tmp_path / "data", train_lengths=[40 + i % 50 for i in range(1000)], val_length=600)
+    args = TINY + ["--data", data, "--max-steps", "4", "--checkpoint-every", "2", "--warmup-steps", "1"]
+
+    def train(log_dir, limit, max_steps):
+        command = script_command(args + ["--log-dir", tmp_path / log_dir, "--max-steps", max_steps])
+        result = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=240,
+                                preexec_fn=limited_descriptors(limit) if limit else None)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout
+
+    train("free", None, 4)
+    train("limited", 256, 2)
+    assert "resuming from the checkpoint of step 2" in train("limited", 256, 4)
+    free, limited = train_records(read_log(tmp_path / "free")), train_records(read_log(tmp_path / "limited"))
+    assert sorted(limited) == [0, 1, 2, 3]
+    assert [limited[s]["train_loss"] for s in range(4)] == [free[s]["train_loss"] for s in range(4)]
+
+
+def test_too_many_open_files_is_named_for_what_it_is(tmp_path):
+    """Where the process holds all the files its limit allows, a shard that cannot be opened is not at fault: the
+    line says so, and how to raise the limit."""
+    path = str(tmp_path / "x_train_000000.npy")
+    save_tokens(path, np.arange(100))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        with pytest.raises(OSError):
+            while len(held) < 100:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        with pytest.raises(plumbing.UsageError) as raised:
+            plumbing.open_shard(path)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    line = str(raised.value)
+    assert path in line and "too many open files" in line and "ulimit -n 64" in line, line
+
+
+def test_a_shard_cut_short_during_the_run_is_named(tmp_path):
+    """The tokens are read as the stream reaches them: a shard truncated since its length was read (a copy still
+    going on, another fineweb.py) is named, not read short."""
+    path = str(tmp_path / "x_train_000000.npy")
+    save_tokens(path, np.arange(1000))
+    shard = plumbing.open_shard(path)
+    os.truncate(path, os.path.getsize(path) - 2 * 300)
+    assert np.array_equal(shard[100:700], np.arange(100, 700))
+    with pytest.raises(plumbing.UsageError, match="ends before token 700 of 1,000: it changed since this run began"):
+        shard[600:800]

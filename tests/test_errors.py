@@ -199,6 +199,23 @@ def test_the_modern_recipes_settings_must_be_finite(shards, tmp_path, capsys, fl
                        f"{flag} must be a finite number, not inf")
 
 
+@pytest.mark.parametrize("flags", [["--max-lr"], ["--recipe", "modern", "--muon-lr"],
+                                   ["--recipe", "modern", "--embed-lr"], ["--recipe", "modern", "--head-lr"]])
+def test_a_rate_that_overflows_float32_is_refused(shards, tmp_path, capsys, flags):
+    """--max-lr 1e38 ended in a traceback inside Adam (value cannot be converted to type float without overflow):
+    Adam divides its rate by 1 - beta1 at the first step, 10 or 5 times it, and Muon multiplies its own by up to 2,
+    past float32's largest number, 3.4e38. Every rate of both recipes is refused from a hundredth of that; one just
+    below trains into non-finite steps, which end the run in its own line."""
+    if "modern" in flags and not hasattr(torch.optim, "Muon"):
+        pytest.skip("--recipe modern needs PyTorch 2.9 or later")
+    flag, steps = flags[-1], ["--max-steps", "3", "--warmup-steps", "0"]  # the modern rates' peaks before a cool-down
+    expect_usage_error(args(shards, tmp_path / "log", *steps, *flags, "1e38"), capsys,
+                       f"{flag} must be at most 3.4e+36 (a larger rate can overflow float32 in the optimizer's step), "
+                       f"not 1e+38")
+    code, out, err = run_main(args(shards, tmp_path / "log", *steps, *flags, "3e36"), capsys)
+    assert code == 0 and "Traceback" not in err, (out, err)
+
+
 @pytest.mark.parametrize("name", settings.PATH_SETTINGS)
 def test_an_empty_path_is_refused(shards, tmp_path, capsys, monkeypatch, name):
     """As an unset shell variable gives it (`--export-hf "$OUT"`): an empty path means "off" or "the default" to some

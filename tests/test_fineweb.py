@@ -630,6 +630,60 @@ def test_hidden_files_and_folders_of_an_input_directory_are_skipped(tmp_path):
         "train_gpt2.py skips hidden shards"]
 
 
+def test_a_preparation_that_read_hidden_files_resumes_with_its_list(tmp_path):
+    """A preparation started by the fineweb.py before hidden files were skipped, and stopped: it listed them with the
+    rest, and its shards hold their tokens. Resumed, the list of today's fineweb.py differed, and it was refused,
+    naming a file that never changed. It resumes with its own list, saying so in one line, to the shards its run
+    would have made. The earlier run is this fineweb.py given that list (the hidden file first, in the order of
+    their paths), killed while it tokenizes a long file, its manifest naming the directory as --input, as the
+    earlier fineweb.py's did."""
+    books = tmp_path / "books"
+    (books / ".ipynb_checkpoints").mkdir(parents=True)
+    (books / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("The first book, a draft. " * 20_000)
+    (books / "a.txt").write_text("The first book. " * 20_000)  # with the draft, 2 shards of 100,000 tokens
+    (books / "b.txt").write_text((" ".join(WORDS) + "\n") * 20_000)  # 7 MB: a second or two of tokenizing, one unit
+    (books / "c.txt").write_text("The last book.")
+    listed = [books / ".ipynb_checkpoints" / "a-checkpoint.txt", books / "a.txt", books / "b.txt", books / "c.txt"]
+    flags = ["--shard-size", 100_000, "--workers", 1, "--prefix", "books"]
+    clean = run_fineweb("--input", *listed, "--output", tmp_path / "clean", *flags)
+    assert clean.returncode == 0, clean.stderr
+    output = tmp_path / "out"
+    process = start_fineweb("--input", *listed, "--output", output, *flags)
+    try:
+        wait_until(lambda: output.is_dir() and len(shards_in(output)) >= 2, process)  # b.txt's shards to come
+        process.kill()
+        process.communicate(timeout=15)
+    finally:
+        process.kill()
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert not manifest["done"] and manifest["shards"] < len(shards_in(tmp_path / "clean"))
+    manifest["config"]["--input"] = [str(books)]
+    (output / "manifest.json").write_text(json.dumps(manifest))
+    result = run_fineweb("--input", books, "--output", output, *flags)
+    assert result.returncode == 0, result.stderr
+    hidden = os.path.join(books, ".ipynb_checkpoints", "a-checkpoint.txt")
+    assert f"{output} was started by an earlier fineweb.py, which read hidden files too: resuming with its list, " \
+           f"1 hidden file and all (e.g. {hidden}), as its shards began" in result.stdout.splitlines()
+    assert "skipped" not in result.stdout
+    assert shards_in(output) == shards_in(tmp_path / "clean")
+
+
+def test_a_changed_input_list_names_what_changed(tmp_path):
+    """Resuming (or repeating) a preparation whose input directory lost or gained a file names that file: the first
+    file at another place in the list was named as changed, though it was not."""
+    books = tmp_path / "books"
+    books.mkdir()
+    for name in ("a", "b", "c"):
+        (books / f"{name}.txt").write_text(f"The book {name}. " * 50)
+    assert run_fineweb("--input", books, "--output", tmp_path / "out").returncode == 0
+    os.remove(books / "b.txt")
+    assert_error(run_fineweb("--input", books, "--output", tmp_path / "out"), f"{books / 'b.txt'} is gone",
+                 "put them back")
+    (books / "b.txt").write_text("The book b. " * 50)
+    (books / "d.txt").write_text("Another book.")
+    assert_error(run_fineweb("--input", books, "--output", tmp_path / "out"), f"{books / 'd.txt'} is new")
+
+
 def test_max_tokens_stops_early(tmp_path):
     inputs, docs = write_local_inputs(tmp_path)
     output = tmp_path / "trial"

@@ -304,3 +304,50 @@ def test_init_from_what_is_neither_a_name_nor_an_export_is_refused(tmp_path, cap
     expect_usage_error(["--init-from", tmp_path / "half", "--log-dir", tmp_path / "log"], capsys,
                        f"--init-from {tmp_path / 'half'}: it holds no model.safetensors")
     expect_usage_error(["--init-from", "", "--log-dir", tmp_path / "log"], capsys, "--init-from is empty")
+
+
+def changed(config, **fields):
+    return {**config, **fields}
+
+
+@pytest.mark.parametrize("config, fragments", [
+    (changed(HUB_GPT2_CONFIG, n_layer="2"), ['n_layer is "2", not a positive whole number']),
+    (changed(HUB_GPT2_CONFIG, n_layer=2.0), ["n_layer is 2.0, not a positive whole number"]),
+    (changed(HUB_GPT2_CONFIG, n_embd=None), ["n_embd is null, not a positive whole number"]),
+    (changed(HUB_GPT2_CONFIG, n_head=0), ["n_head is 0, not a positive whole number"]),
+    (changed(HUB_GPT2_CONFIG, n_layer=0), ["n_layer is 0, not a positive whole number"]),
+    (changed(HUB_GPT2_CONFIG, n_positions=True), ["n_positions is true, not a positive whole number"]),
+    (changed(HUB_GPT2_CONFIG, vocab_size=True), ["vocab_size true is not GPT-2's vocabulary"]),
+    (changed(HUB_GPT2_CONFIG, n_head=3), ["n_embd 32 is not a multiple of n_head 3"]),
+    (changed(NANOCHAT_CONFIG, num_attention_heads=0), ["num_attention_heads is 0, not a positive whole number"]),
+    (changed(NANOCHAT_CONFIG, num_attention_heads="2"), ['num_attention_heads is "2", not a positive whole number']),
+    (changed(NANOCHAT_CONFIG, num_hidden_layers=0), ["num_hidden_layers is 0, not a positive whole number"]),
+    (changed(NANOCHAT_CONFIG, hidden_size=None), ["hidden_size is null, not a positive whole number"]),
+    (changed(NANOCHAT_CONFIG, num_attention_heads=3), ["hidden_size 32 is not a multiple of num_attention_heads 3"]),
+    (changed(NANOCHAT_CONFIG, rope_parameters=[1, 2]), ['rope_parameters is [1, 2], not an object such as '
+                                                        '{"rope_type": "default", "rope_theta": 10000.0}']),
+])
+def test_a_config_field_of_the_wrong_type_or_value_is_named(tmp_path, capsys, config, fragments):
+    """config.json's shapes of the wrong JSON type ended in tracebacks (TypeError, ZeroDivisionError, AttributeError);
+    a 0 was replaced by --model gpt2's 12 and then reported as missing tensors; heads that do not divide the width
+    were reported as flags the user never passed (--n-embd 32 must be a multiple of --n-head 3). One line names the
+    file, the field and its value, as JSON writes it."""
+    directory = hub_directory(tmp_path / "hub", config)
+    line = expect_usage_error(["--init-from", directory, "--log-dir", tmp_path / "log", "--device", "cpu"], capsys,
+                              os.path.join(directory, "config.json"), *fragments)
+    assert "--n-" not in line
+    assert not os.path.exists(tmp_path / "log")
+
+
+@pytest.mark.parametrize("config", [HUB_GPT2_CONFIG, NANOCHAT_CONFIG, "gpt2"])
+def test_a_model_flag_that_contradicts_init_from_is_refused(tmp_path, capsys, config):
+    """--model gpt2-medium with --init-from was silently ignored, the weights' shapes taken: refused, as any other
+    flag that contradicts the shapes the weights fix."""
+    init_from = config if config == "gpt2" else hub_directory(tmp_path / "hub", config)
+    fixed = "--n-layer 12, --n-head 12, --n-embd 768" if config == "gpt2" else \
+        "--n-layer 2, --n-head 2, --n-embd 32"
+    expect_usage_error(["--init-from", init_from, "--model", "gpt2-medium", "--log-dir", tmp_path / "log",
+                        "--cache-dir", tmp_path / "cache", "--device", "cpu"], capsys,
+                       f"--init-from {init_from} fixes {fixed}, and --model gpt2-medium says --n-layer 24, --n-head "
+                       f"16, --n-embd 1024; drop --model")
+    assert sorted(os.listdir(tmp_path)) == ([] if config == "gpt2" else ["hub"])

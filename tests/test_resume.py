@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -772,3 +773,69 @@ def test_a_resumed_modern_run_says_how_its_cool_down_moves(shards, tmp_path, cap
     peak = 0.02
     assert lrs == pytest.approx([peak, peak, 0.85 * peak, 0.1 * peak] +
                                 [peak * (0.1 + 0.9 * min(1, (7 - s) / 2.8)) for s in range(4, 8)])
+
+
+def test_a_log_dir_linked_to_another_file_system_moves_its_old_run_aside_there(shards, tmp_path, capsys):
+    """`log -> /scratch/...`: --log-dir a link from the disk to a tmpfs (/dev/shm). A fresh start moved the old run's
+    files beside the link, onto the disk, which no rename reaches (EXDEV): it failed in one line blaming the directory,
+    and left an empty directory beside the link at each try. They go beside the directory the link leads to."""
+    if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("/dev/shm is on the file system of the tests' temporary directory")
+    target = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        link = tmp_path / "linkX"
+        os.symlink(os.path.join(target, "x"), link)
+        os.mkdir(os.path.join(target, "x"))
+        args = TINY + ["--data", shards, "--log-dir", link, "--max-steps", "1"]
+        assert run_main(args, capsys)[0] == 0
+        asides = []
+        for _ in range(2):
+            code, out, err = run_main(args + ["--no-resume"], capsys)
+            assert code == 0, err
+            moved = re.search(r"from (\S+) aside to (\S+)$", out, re.M)
+            assert moved and moved.group(1) == str(link), out
+            asides.append(moved.group(2))
+            assert os.path.dirname(asides[-1]) == target and os.path.basename(asides[-1]).startswith("x.")
+            assert sorted(os.listdir(asides[-1])) == ["ckpt_000001.pt", "log.jsonl"]
+        assert asides[0] != asides[1]
+        assert sorted(os.listdir(tmp_path)) == ["data", "linkX"]  # nothing left beside the link
+    finally:
+        shutil.rmtree(target)
+
+
+def test_a_log_dir_that_is_a_mount_point_keeps_its_old_run_on_its_own_file_system(shards, tmp_path, capsys):
+    """--log-dir the root of a file system (a container's bind mount, a scratch volume): the directory beside it is
+    on another one, which no rename reaches. The old run's files are moved aside inside it."""
+    first = tmp_path / "first"
+    args = TINY + ["--data", shards, "--max-steps", "1"]
+    assert run_main(args + ["--log-dir", first], capsys)[0] == 0
+    log_dir = tmp_path / "mnt"
+    result = run_script_on_tmpfs(args + ["--log-dir", log_dir, "--no-resume"], tmp_path, log_dir, "size=16m",
+                                 before=f"cp {first}/ckpt_000001.pt {first}/log.jsonl .")
+    assert result.returncode == 0, result.stderr
+    moved = re.search(r"from (\S+) aside to (\S+)$", result.stdout, re.M)
+    assert moved and moved.group(1) == str(log_dir), result.stdout
+    aside = moved.group(2)
+    assert os.path.dirname(aside) == str(log_dir) and os.path.basename(aside).startswith("mnt.")
+    left = result.stdout.splitlines()[-1].split()
+    assert sorted(left) == sorted([".lock", "ckpt_000001.pt", "log.jsonl", os.path.basename(aside)])
+    assert sorted(os.listdir(tmp_path)) == ["data", "first", "mnt"]
+
+
+def test_resuming_a_link_to_a_checkpoint_of_log_dir_goes_on_with_its_run(shards, tmp_path, capsys):
+    """--resume zz/latest.pt, a link to sl/ckpt_000004.pt, with --log-dir sl: the checkpoint is sl's own, by
+    whatever path. It counted as another directory's: sl's run was moved aside, the link left dangling, and a new
+    log.jsonl begun."""
+    sl, zz = tmp_path / "sl", tmp_path / "zz"
+    args = TINY + ["--data", shards, "--log-dir", sl, "--checkpoint-every", "2"]
+    assert run_main(args + ["--max-steps", "6"], capsys)[0] == 0
+    records = read_log(sl)
+    zz.mkdir()
+    os.symlink(os.path.join("..", "sl", "ckpt_000004.pt"), zz / "latest.pt")
+    code, out, err = run_main(args + ["--max-steps", "6", "--resume", zz / "latest.pt"], capsys)
+    assert code == 0, err
+    assert "another directory" not in out
+    assert f"moved {checkpoint_path(sl, 6)} aside to {checkpoint_path(sl, 6)}.abandoned" in out
+    after = read_log(sl)
+    assert after[:len(records)] == records and after[len(records)]["event"] == "resume"
+    assert checkpoint_names(sl) == ["ckpt_000004.pt", "ckpt_000006.pt"]
