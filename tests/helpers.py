@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import forkserver
 import hellaswag
 import train_gpt2
 from plumbing import GPT2_VOCAB
@@ -107,11 +108,18 @@ def script_command(args, nproc=1, script=SCRIPT, torchrun=False):
     return [sys.executable, os.path.join(REPO, "tests", "scripts", "ranks.py"), str(nproc)] + args
 
 
+def run_command(command, cwd, env, timeout):
+    """subprocess.run(command, capture_output=True, text=True, ...): `python SCRIPT ...` forked by the fork server
+    (forkserver.py), any other command run as it is."""
+    if forkserver.forkable(command):
+        return forkserver.run(command, cwd, env, timeout)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, torchrun=False, **env):
-    """The script (train_gpt2.py unless given) in a subprocess, in nproc processes (script_command): the
+    """The script (train_gpt2.py unless given) in a process of its own, in nproc processes (script_command): the
     CompletedProcess."""
-    return subprocess.run(script_command(args, nproc, script, torchrun), cwd=cwd, env=script_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_command(script_command(args, nproc, script, torchrun), cwd, script_env(**env), timeout)
 
 
 def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1, before=""):
@@ -199,9 +207,10 @@ def assert_tensors_equal(a, b, exact=True, atol=1e-5):
 
 
 def start_script(args, cwd, stdout_path):
-    """The script started in a subprocess, its stdout and stderr going to stdout_path: the Popen."""
+    """The script started in a process of its own (forked by the fork server), its stdout and stderr going to
+    stdout_path: a Popen's pid, poll, wait, send_signal and kill."""
     with open(stdout_path, "w") as out:
-        return subprocess.Popen(script_command(args), cwd=cwd, env=script_env(), stdout=out, stderr=subprocess.STDOUT)
+        return forkserver.Process(script_command(args), cwd, script_env(), stdout=out)
 
 
 def logged_train_steps(log_dir):

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import train_gpt2
-from helpers import REPO, process_stat
+from helpers import REPO, process_stat, run_command
 from plumbing import EOT, gpt2_tokenizer
 
 FINEWEB = os.path.join(REPO, "fineweb.py")
@@ -67,9 +67,14 @@ def write_parquet(path, docs, row_group_size=16, column="text"):
 def environment(env=None):
     return {**{k: v for k, v in os.environ.items() if k not in ("HF_ENDPOINT", "HF_TOKEN")}, **(env or {})}
 
-def run_fineweb(*args, env=None, **kwargs):
-    return subprocess.run([sys.executable, FINEWEB, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env=environment(env), **kwargs)
+def run_fineweb(*args, env=None, preexec_fn=None):
+    """python fineweb.py ARGS (forked by the tests' fork server, but with a preexec_fn, which needs a process of its
+    own from the start): the CompletedProcess."""
+    command = [sys.executable, FINEWEB, *map(str, args)]
+    if preexec_fn:
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment(env),
+                              preexec_fn=preexec_fn)
+    return run_command(command, None, environment(env), timeout=120)
 
 def fineweb_after(setup, *args):
     """The command line of python fineweb.py ARGS, with the statement setup run first in that process."""

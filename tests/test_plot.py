@@ -6,13 +6,12 @@ import math
 import os
 import random
 import struct
-import subprocess
 import sys
 
 import pytest
 
 import plot
-from helpers import REPO
+from helpers import REPO, run_command
 
 PLOT = os.path.join(REPO, "plot.py")
 
@@ -41,7 +40,7 @@ def test_plot_writes_a_png(tmp_path):
     records = run_log() + [{"step": 0, "tokens": 0, "val_loss": 3.29, "hellaswag_acc_norm": 0.2955,
                             "eval_only": True, "init_from": "gpt2"}]
     write_log(log_dir, records, tail='{"step": 4, "tokens": 5120, "train_lo')  # killed mid-write
-    result = subprocess.run([sys.executable, PLOT, str(log_dir)], capture_output=True, text=True)
+    result = run_command([sys.executable, PLOT, str(log_dir)], None, dict(os.environ), timeout=120)
     assert result.returncode == 0, result.stderr
     assert "skipped 1 line" in result.stdout
     assert "GPT-2 val_loss 3.2900, GPT-2 hellaswag_acc_norm 0.2955" in result.stdout
@@ -152,7 +151,7 @@ def test_non_finite_values_are_skipped_and_the_finite_points_drawn(tmp_path):
                     '{"step": 7, "tokens": 8192, "train_loss": -Infinity}\n')
     write_log(tmp_path, records, tail=hand_written)
     assert "NaN" in (tmp_path / "log.jsonl").read_text()
-    result = subprocess.run([sys.executable, PLOT, str(tmp_path)], capture_output=True, text=True)
+    result = run_command([sys.executable, PLOT, str(tmp_path)], None, dict(os.environ), timeout=120)
     assert result.returncode == 0, result.stderr
     assert "6 train_loss, 2 val_loss, 4 hellaswag_acc_norm, GPT-2 hellaswag_acc_norm 0.2955" in result.stdout
     png = (tmp_path / "curves.png").read_bytes()
@@ -176,7 +175,7 @@ def test_a_series_with_no_finite_point_leaves_the_others_drawn(tmp_path, bad_val
     records = [json.dumps({"step": step, "tokens": (step + 1) * 1024, "train_loss": 11.0 - step}) for step in range(4)]
     records += [f'{{"step": {step}, "tokens": {step * 1024}, "val_loss": {bad_value}}}' for step in range(0, 4, 2)]
     (tmp_path / "log.jsonl").write_text("\n".join(records) + "\n")
-    result = subprocess.run([sys.executable, PLOT, str(tmp_path)], capture_output=True, text=True)
+    result = run_command([sys.executable, PLOT, str(tmp_path)], None, dict(os.environ), timeout=120)
     assert result.returncode == 0, result.stderr
     assert "4 train_loss, 0 val_loss" in result.stdout and (tmp_path / "curves.png").exists()
     curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")[:3]
@@ -209,7 +208,7 @@ def test_errors_are_one_line(tmp_path):
                              (tmp_path / "empty", "no train_loss, val_loss or hellaswag_acc_norm")]:
         if log_dir.name == "empty":
             write_log(log_dir, [{"step": 0, "event": "resume"}])
-        result = subprocess.run([sys.executable, PLOT, str(log_dir)], capture_output=True, text=True)
+        result = run_command([sys.executable, PLOT, str(log_dir)], None, dict(os.environ), timeout=120)
         assert result.returncode == 2
         assert result.stderr.startswith("error:") and culprit in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -221,7 +220,7 @@ def test_without_matplotlib_says_so_in_one_line(tmp_path):
     (blocker / "__init__.py").write_text("raise ImportError('matplotlib is blocked by the test')\n")
     write_log(tmp_path / "log", run_log())
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "no_matplotlib"))
-    result = subprocess.run([sys.executable, PLOT, str(tmp_path / "log")], capture_output=True, text=True, env=env)
+    result = run_command([sys.executable, PLOT, str(tmp_path / "log")], None, env, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: plot.py needs matplotlib, which is not installed: pip install matplotlib"
     assert not (tmp_path / "log" / "curves.png").exists()

@@ -15,6 +15,7 @@ import tempfile
 import pytest
 import torch
 
+import forkserver
 import run_files
 import settings
 import train_gpt2
@@ -80,8 +81,7 @@ def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path, capsy
     # before the SIGKILL lands, however late this process gets to send it
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
-    proc = subprocess.Popen(script_command(args + ["--log-dir", run]), cwd=tmp_path, env=script_env(),
-                            stdout=write_end, stderr=subprocess.STDOUT)
+    proc = forkserver.Process(script_command(args + ["--log-dir", run]), tmp_path, script_env(), stdout=write_end)
     os.close(write_end)
     try:
         wait_for_step(proc, run, kill_at)
