@@ -5,6 +5,8 @@ room kept for the optimizers' state that the first step allocates; B is halved (
 every rank's try fits. The ranks try with no gradient reduced, then vote, so that one rank's out-of-memory error never
 leaves the others waiting in a collective. The accumulation steps rise to match: the optimizer step takes the same
 --total-batch-size tokens (train_gpt2.TokenStream cuts any micro-batch out of the same stream), on the same schedule.
+On a CPU the tries run in the heap mode the run keeps (plumbing.keep_freed_memory): freed memory kept in the heap
+(faster), or given back to the system under an address-space limit (address_space_limited).
 
 Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. It never
 imports train_gpt2: the run and the step's pieces are handed over.
@@ -19,6 +21,7 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
 
 import plumbing
 import run_files
@@ -44,19 +47,25 @@ def is_out_of_memory(error):
     return out_of_memory_in(error) is not None
 
 
-def memory_in_words(device):
-    """How much memory this process may use on device, in words: '23.6 GiB of cuda:0', '6.0 GiB (ulimit -v)'."""
+def memory_of(device):
+    """How much memory this process may use on device: its bytes, and in words ('23.6 GiB of cuda:0', '6.0 GiB of
+    address space (ulimit -v)'), on rank r of several ('... on rank 1')."""
     device = torch.device(device)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-        return f"{fraction * total / GIB:.1f} GiB of {device}"
-    if device.type == "mps":
-        return f"{torch.mps.recommended_max_memory() / GIB:.1f} GiB of mps"
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY:
-        return f"{limit / GIB:.1f} GiB of address space (ulimit -v)"
-    return f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GIB:.1f} GiB of RAM"
+        size, what = fraction * torch.cuda.get_device_properties(device).total_memory, str(device)
+    elif device.type == "mps":
+        size, what = torch.mps.recommended_max_memory(), "mps"
+    elif address_space_limited():
+        size, what = resource.getrlimit(resource.RLIMIT_AS)[0], "address space (ulimit -v)"
+    else:
+        size, what = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "RAM"
+    on_rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+    return size, f"{size / GIB:.1f} GiB of {what}{on_rank}"
+
+
+def memory_in_words(device):
+    return memory_of(device)[1]
 
 
 def next_smaller(batch_size, sequences_per_step):
@@ -122,15 +131,10 @@ def forget_try(run):
 
 
 def largest_that_fits(run, gradient_sync):
-    """The micro-batch to train with, and a line that says how it was chosen (None when it is --batch-size, as
+    """The micro-batch to train with, and the lines that say how it was chosen (None when it is --batch-size, as
     given): --batch-size if a step of it fits on every rank, else the largest smaller one that does. Raises
     UsageError if not even one sequence fits."""
-    on_cpu = run.env.device_type == "cpu"
-    if on_cpu:  # the tries' freed blocks given back, not kept in the heap, where they would count against the next
-        plumbing.keep_freed_memory(False)
-    batch_size, too_large, said = search(run, gradient_sync)
-    if on_cpu and not too_large:  # kept for speed, where memory is not tight
-        plumbing.keep_freed_memory(True)
+    batch_size, said = search(run, gradient_sync)
     if run.micro_batch not in (0, batch_size) and not run.cfg.eval_only:  # the resumed checkpoint's
         said.append(f"the run trained with micro-batch {run.micro_batch} before, {batch_size} now: the same tokens "
                     f"and schedule, their gradients summed in other parts (equal up to rounding)")
@@ -138,36 +142,55 @@ def largest_that_fits(run, gradient_sync):
 
 
 def search(run, gradient_sync):
-    """The micro-batch (--batch-size, or less), those tried that did not fit, and the lines that say so."""
+    """The micro-batch (--batch-size, or less), and the lines that say why it is less."""
     cfg, env = run.cfg, run.env
+    if env.device_type == "cpu":
+        plumbing.keep_freed_memory(not address_space_limited())
     if not cfg.fit_batch_size:
-        return cfg.batch_size, [], []
+        return cfg.batch_size, []
+    sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
+    batch_size, said = cfg.batch_size, []
     if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
         # would leave the others waiting, so the micro-batch given is trained as it is
-        return cfg.batch_size, [], [f"micro-batch {cfg.batch_size}, as given: under --fsdp on several processes it is "
-                                    f"not tried first (if a step does not fit, pass a smaller --batch-size)"]
-    sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
-    batch_size, too_large, t0 = cfg.batch_size, [], time.perf_counter()
-    while plumbing.any_rank(not step_fits(run, batch_size, gradient_sync), env.device):
-        forget_try(run)  # on every rank, the ranks whose own try fitted too
+        return batch_size, said + [f"micro-batch {batch_size}, as given: under --fsdp on several processes it is not "
+                                   f"tried first (if a step does not fit, pass a smaller --batch-size)"]
+    too_large, t0 = [], time.perf_counter()
+    while (where := where_it_does_not_fit(run, batch_size, gradient_sync)) is not None:
         too_large.append(batch_size)
         if batch_size == 1:
-            raise UsageError(nothing_fits(cfg, env))
-        batch_size = next_smaller(batch_size, sequences_per_step)
-    if not too_large:
-        return batch_size, [], []
-    tried = ", ".join(map(str, too_large[:-1])) + (" and " if len(too_large) > 1 else "") + str(too_large[-1])
-    where = memory_in_words(env.device) + ("" if env.world_size == 1 else " on some rank")
-    return batch_size, too_large, [f"micro-batch {batch_size}, as {tried} did not fit in {where}: found in "
-                                   f"{time.perf_counter() - t0:.1f} s; --batch-size {batch_size} starts there"]
+            raise UsageError(nothing_fits(cfg, env, where))
+        batch_size, last_where = next_smaller(batch_size, sequences_per_step), where
+    if too_large:
+        tried = ", ".join(map(str, too_large[:-1])) + (" and " if len(too_large) > 1 else "") + str(too_large[-1])
+        said.append(f"micro-batch {batch_size}, as {tried} did not fit in {last_where}: found in "
+                    f"{time.perf_counter() - t0:.1f} s; --batch-size {batch_size} starts there")
+    return batch_size, said
 
 
-def nothing_fits(cfg, env):
-    """What to do when not even one sequence's step fits, in words."""
+def address_space_limited():
+    """Whether this process's address space is limited (ulimit -v, prlimit --as). Freed memory kept in the heap, as a
+    CPU run keeps it to be faster, takes up to twice the address space a step uses, by an amount that varies from run
+    to run with the heap's fragments: no try can say whether it fits under such a limit, so there the tries and the
+    run give freed memory back to the system, and what a try measures is what the run takes."""
+    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+
+
+def where_it_does_not_fit(run, batch_size, gradient_sync):
+    """None if a try of batch_size fits on every rank; else, on every rank, the memory of the first rank it did not
+    fit on, in words. The ranks vote, so that none is left waiting in a collective."""
+    fits = step_fits(run, batch_size, gradient_sync)
+    where = plumbing.first_error_of_any_rank(None if fits else memory_in_words(run.env.device))
+    if where is not None:
+        forget_try(run)  # on every rank, the ranks whose own try fitted too
+    return where
+
+
+def nothing_fits(cfg, env, where):
+    """What to do when not even one sequence's step fits in where (a rank's memory, in words)."""
     shard = "" if cfg.fsdp or env.device_type != "cuda" else ", shard it over several GPUs with --fsdp"
     chunked = "" if cfg.loss == "chunked" else ", --loss chunked (never all the logits at once)"
     return (f"out of memory: not even a micro-batch of 1 sequence of {cfg.seq_len} tokens fits a training step of "
-            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {memory_in_words(env.device)}; train a smaller "
+            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {where}; train a smaller "
             f"model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}")
 
 

@@ -63,16 +63,21 @@ class UsageError(Exception):
     """A mistake or a problem the user can fix: the command line prints it as one line, without a traceback."""
 
 
+def every_rank(value):
+    """[each rank's value], on every rank; [value] in a single process. All ranks must call it."""
+    import torch.distributed as dist  # here, not at the top: see the module's docstring
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def first_error_of_any_rank(error):
     """The first rank's error message (or None), on every rank: a rank that stopped alone would leave the others
     waiting in their next collective, forever under NCCL, or dying in it with tracebacks. All ranks must call it."""
-    import torch.distributed as dist  # here, not at the top: see the module's docstring
-
-    if dist.is_available() and dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    return error
+    return next((e for e in every_rank(error) if e is not None), None)
 
 
 def any_rank(flag, device):
