@@ -8,13 +8,17 @@ leaves the others waiting in a collective. The accumulation steps rise to match:
 On a CPU the tries run in the heap mode the run keeps (plumbing.keep_freed_memory): freed memory kept in the heap
 (faster), or given back to the system under an address-space limit (address_space_limited).
 
-Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. It never
-imports train_gpt2: the run and the step's pieces are handed over.
+Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. Such an
+error (an evaluation, a fragmented allocator) is recorded in the log directory (RECORD), so that the next start with the
+same model on no more memory chooses a smaller micro-batch, not the same one again. It never imports train_gpt2: the run
+and the step's pieces are handed over.
 """
 
 import contextlib
+import dataclasses
 import errno
 import gc
+import json
 import os
 import re
 import resource
@@ -28,6 +32,7 @@ import run_files
 from plumbing import UsageError
 
 GIB = 2**30
+RECORD = "out_of_memory.json"  # in the log directory: the micro-batches that ran out of memory after they were chosen
 
 
 def out_of_memory_in(error):
@@ -132,8 +137,8 @@ def forget_try(run):
 
 def largest_that_fits(run, gradient_sync):
     """The micro-batch to train with, and the lines that say how it was chosen (None when it is --batch-size, as
-    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does. Raises
-    UsageError if not even one sequence fits."""
+    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and never one
+    that ran out of memory later before (RECORD). Raises UsageError if not even one sequence fits."""
     batch_size, said = search(run, gradient_sync)
     if run.micro_batch not in (0, batch_size) and not run.cfg.eval_only:  # the resumed checkpoint's
         said.append(f"the run trained with micro-batch {run.micro_batch} before, {batch_size} now: the same tokens "
@@ -149,7 +154,7 @@ def search(run, gradient_sync):
     if not cfg.fit_batch_size:
         return cfg.batch_size, []
     sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
-    batch_size, said = cfg.batch_size, []
+    batch_size, said = below_recorded(run, sequences_per_step)
     if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
         # would leave the others waiting, so the micro-batch given is trained as it is
         return batch_size, said + [f"micro-batch {batch_size}, as given: under --fsdp on several processes it is not "
@@ -194,20 +199,89 @@ def nothing_fits(cfg, env, where):
             f"model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}")
 
 
+# -----------------------------------------------------------------------------
+# Out-of-memory errors past the micro-batch's choice, and their record in the log directory
+
+
+def step_shape(run):
+    """What a training step's memory depends on, as JSON reads it back: a record in RECORD holds for runs of the
+    same shape."""
+    cfg, env = run.cfg, run.env
+    shape = {"model": dataclasses.asdict(run.model.config), "seq_len": cfg.seq_len, "dtype": cfg.dtype,
+             "compile": cfg.compile, "compile_mode": cfg.compile_mode, "fused_adamw": cfg.fused_adamw,
+             "fsdp": cfg.fsdp, "device": env.device_type, "world_size": env.world_size}
+    return json.loads(json.dumps(shape))
+
+
+def read_records(log_dir):
+    """The records of RECORD in log_dir; [] if there is none, or it cannot be read (at worst, a micro-batch that ran
+    out of memory is chosen again)."""
+    try:
+        with open(os.path.join(log_dir, RECORD)) as f:
+            records = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return [r for r in records if isinstance(r, dict) and isinstance(r.get("micro_batch"), int)
+            and isinstance(r.get("memory"), (int, float))] if isinstance(records, list) else []
+
+
+def recorded_on_this_rank(run):
+    """The record of the smallest micro-batch that ran out of memory in a run of this step shape, on as much memory
+    as this rank's or more (to the 0.1 GiB its words give), in this rank's view of the log directory; or None."""
+    shape, memory = step_shape(run), memory_of(run.env.device)[0]
+    held = [r for r in read_records(run.cfg.log_dir)
+            if r.get("shape") == shape and round(memory / GIB, 1) <= round(r["memory"] / GIB, 1)]
+    return min(held, key=lambda r: r["micro_batch"], default=None)
+
+
+def below_recorded(run, sequences_per_step):
+    """--batch-size, or the largest micro-batch below the smallest that ran out of memory after it was chosen on some
+    rank (RECORD), with the line that says so."""
+    cfg, env = run.cfg, run.env
+    records = [r for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
+    record = min(records, key=lambda r: r["micro_batch"], default=None)
+    if record is None or record["micro_batch"] > cfg.batch_size:
+        return cfg.batch_size, []
+    failed, where = record["micro_batch"], record.get("memory_words", "as little memory")
+    if failed == 1:
+        raise UsageError(nothing_fits(cfg, env, where))
+    batch_size = next_smaller(failed, sequences_per_step)
+    return batch_size, [f"micro-batch at most {batch_size}: {failed} ran out of memory in {where} at step "
+                        f"{record.get('step')}, after it was chosen ({os.path.join(cfg.log_dir, RECORD)} says so; "
+                        f"delete it to try {failed} again)"]
+
+
+def record_out_of_memory(run):
+    """Adds run's micro-batch to RECORD in the log directory, with this rank's memory and the step shape, so that the
+    next start of such a step on no more memory starts below it: the path, or None if it cannot be written. The rank
+    that ran out of memory writes it (rank 0 may be waiting in a collective with it), and every rank reads it."""
+    path = os.path.join(run.cfg.log_dir, RECORD)
+    size, words = memory_of(run.env.device)
+    records = read_records(run.cfg.log_dir) + [{"micro_batch": run.micro_batch, "step": run.step, "memory": size,
+                                               "memory_words": words, "shape": step_shape(run)}]
+    try:
+        plumbing.write_atomically(path, lambda f: f.write(json.dumps(records, indent=1).encode()),
+                                  f"{path}.{os.getpid()}.tmp", lambda: "")
+    except (OSError, UsageError):  # the out-of-memory line matters more: it says to pass a smaller --batch-size
+        return None
+    return path
+
+
 @contextlib.contextmanager
-def out_of_memory_in_one_line(cfg):
-    """An out-of-memory error past the micro-batch's choice (a training step that the allocator's fragments no longer
-    fit, an evaluation, samples, a command) raised inside becomes a UsageError: one line that names the checkpoint
-    kept and what to do."""
+def out_of_memory_in_one_line(cfg, run=None):
+    """An out-of-memory error raised inside (a training step that the allocator's fragments no longer fit, an
+    evaluation, samples, a command) becomes a UsageError: one line that names the memory, the checkpoint kept and
+    what to do. Past the micro-batch's choice (run given), the micro-batch is recorded (RECORD): the same command then
+    chooses a smaller one."""
     try:
         yield
     except Exception as e:  # any allocator's error: see is_out_of_memory
-        if not is_out_of_memory(e):
+        if isinstance(e, UsageError) or not is_out_of_memory(e):  # a UsageError: the line of an inner one already
             raise
-        raise UsageError(out_of_memory_later(e, cfg)) from None
+        raise UsageError(out_of_memory_later(e, cfg, run)) from None
 
 
-def out_of_memory_later(error, cfg):
+def out_of_memory_later(error, cfg, run):
     """out_of_memory_in_one_line's line."""
     error = out_of_memory_in(error)
     device = f"cuda:{torch.cuda.current_device()}" if isinstance(error, torch.cuda.OutOfMemoryError) else (
@@ -217,6 +291,13 @@ def out_of_memory_later(error, cfg):
     if cfg.sample or cfg.export_hf:  # --sample draws its samples --batch-size at a time
         return f"{what}; pass a smaller --batch-size" if cfg.sample else what
     latest = run_files.latest_checkpoint(cfg.log_dir)
-    kept = f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
-    return (f"{what}; {kept}; run the same command again (it chooses its micro-batch again), or pass a smaller "
-            f"--batch-size")
+    what += f"; the latest checkpoint, {latest}, is kept" if latest else "; no checkpoint was written yet"
+    if run is None:  # before the micro-batch was chosen: the model, its checkpoint, the data
+        return what
+    recorded = record_out_of_memory(run)
+    if not cfg.fit_batch_size:
+        return (f"{what}; pass a --batch-size below {run.micro_batch}, or drop --no-fit-batch-size (a step is then "
+                f"tried first)")
+    if recorded is None:
+        return f"{what}; pass a --batch-size below {run.micro_batch}"
+    return f"{what}; run the same command again: it chooses a micro-batch below {run.micro_batch} ({recorded} says why)"
