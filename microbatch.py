@@ -5,26 +5,34 @@ room kept for the optimizers' state that the first step allocates; B is halved (
 every rank's try fits. The ranks try with no gradient reduced, then vote, so that one rank's out-of-memory error never
 leaves the others waiting in a collective. The accumulation steps rise to match: the optimizer step takes the same
 --total-batch-size tokens (train_gpt2.TokenStream cuts any micro-batch out of the same stream), on the same schedule.
+On a CPU the tries run in the heap mode the run keeps (plumbing.keep_freed_memory): freed memory kept in the heap
+(faster), or given back to the system under an address-space limit (address_space_limited).
 
-Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. It never
-imports train_gpt2: the run and the step's pieces are handed over.
+Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. Such an
+error (an evaluation, a fragmented allocator) is recorded in the log directory (RECORD), so that the next start with the
+same model on no more memory chooses a smaller micro-batch, not the same one again. It never imports train_gpt2: the run
+and the step's pieces are handed over.
 """
 
 import contextlib
+import dataclasses
 import errno
 import gc
+import json
 import os
 import re
 import resource
 import time
 
 import torch
+import torch.distributed as dist
 
 import plumbing
 import run_files
 from plumbing import UsageError
 
 GIB = 2**30
+RECORD = "out_of_memory.json"  # in the log directory: the micro-batches that ran out of memory after they were chosen
 
 
 def out_of_memory_in(error):
@@ -44,19 +52,25 @@ def is_out_of_memory(error):
     return out_of_memory_in(error) is not None
 
 
-def memory_in_words(device):
-    """How much memory this process may use on device, in words: '23.6 GiB of cuda:0', '6.0 GiB (ulimit -v)'."""
+def memory_of(device):
+    """How much memory this process may use on device: its bytes, and in words ('23.6 GiB of cuda:0', '6.0 GiB of
+    address space (ulimit -v)'), on rank r of several ('... on rank 1')."""
     device = torch.device(device)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-        return f"{fraction * total / GIB:.1f} GiB of {device}"
-    if device.type == "mps":
-        return f"{torch.mps.recommended_max_memory() / GIB:.1f} GiB of mps"
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY:
-        return f"{limit / GIB:.1f} GiB of address space (ulimit -v)"
-    return f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GIB:.1f} GiB of RAM"
+        size, what = fraction * torch.cuda.get_device_properties(device).total_memory, str(device)
+    elif device.type == "mps":
+        size, what = torch.mps.recommended_max_memory(), "mps"
+    elif address_space_limited():
+        size, what = resource.getrlimit(resource.RLIMIT_AS)[0], "address space (ulimit -v)"
+    else:
+        size, what = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "RAM"
+    on_rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+    return size, f"{size / GIB:.1f} GiB of {what}{on_rank}"
+
+
+def memory_in_words(device):
+    return memory_of(device)[1]
 
 
 def next_smaller(batch_size, sequences_per_step):
@@ -122,15 +136,10 @@ def forget_try(run):
 
 
 def largest_that_fits(run, gradient_sync):
-    """The micro-batch to train with, and a line that says how it was chosen (None when it is --batch-size, as
-    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does. Raises
-    UsageError if not even one sequence fits."""
-    on_cpu = run.env.device_type == "cpu"
-    if on_cpu:  # the tries' freed blocks given back, not kept in the heap, where they would count against the next
-        plumbing.keep_freed_memory(False)
-    batch_size, too_large, said = search(run, gradient_sync)
-    if on_cpu and not too_large:  # kept for speed, where memory is not tight
-        plumbing.keep_freed_memory(True)
+    """The micro-batch to train with, and the lines that say how it was chosen (None when it is --batch-size, as
+    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and never one
+    that ran out of memory later before (RECORD). Raises UsageError if not even one sequence fits."""
+    batch_size, said = search(run, gradient_sync)
     if run.micro_batch not in (0, batch_size) and not run.cfg.eval_only:  # the resumed checkpoint's
         said.append(f"the run trained with micro-batch {run.micro_batch} before, {batch_size} now: the same tokens "
                     f"and schedule, their gradients summed in other parts (equal up to rounding)")
@@ -138,53 +147,141 @@ def largest_that_fits(run, gradient_sync):
 
 
 def search(run, gradient_sync):
-    """The micro-batch (--batch-size, or less), those tried that did not fit, and the lines that say so."""
+    """The micro-batch (--batch-size, or less), and the lines that say why it is less."""
     cfg, env = run.cfg, run.env
+    if env.device_type == "cpu":
+        plumbing.keep_freed_memory(not address_space_limited())
     if not cfg.fit_batch_size:
-        return cfg.batch_size, [], []
+        return cfg.batch_size, []
+    sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
+    batch_size, said = below_recorded(run, sequences_per_step)
     if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
         # would leave the others waiting, so the micro-batch given is trained as it is
-        return cfg.batch_size, [], [f"micro-batch {cfg.batch_size}, as given: under --fsdp on several processes it is "
-                                    f"not tried first (if a step does not fit, pass a smaller --batch-size)"]
-    sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
-    batch_size, too_large, t0 = cfg.batch_size, [], time.perf_counter()
-    while plumbing.any_rank(not step_fits(run, batch_size, gradient_sync), env.device):
-        forget_try(run)  # on every rank, the ranks whose own try fitted too
+        return batch_size, said + [f"micro-batch {batch_size}, as given: under --fsdp on several processes it is not "
+                                   f"tried first (if a step does not fit, pass a smaller --batch-size)"]
+    too_large, t0 = [], time.perf_counter()
+    while (where := where_it_does_not_fit(run, batch_size, gradient_sync)) is not None:
         too_large.append(batch_size)
         if batch_size == 1:
-            raise UsageError(nothing_fits(cfg, env))
-        batch_size = next_smaller(batch_size, sequences_per_step)
-    if not too_large:
-        return batch_size, [], []
-    tried = ", ".join(map(str, too_large[:-1])) + (" and " if len(too_large) > 1 else "") + str(too_large[-1])
-    where = memory_in_words(env.device) + ("" if env.world_size == 1 else " on some rank")
-    return batch_size, too_large, [f"micro-batch {batch_size}, as {tried} did not fit in {where}: found in "
-                                   f"{time.perf_counter() - t0:.1f} s; --batch-size {batch_size} starts there"]
+            raise UsageError(nothing_fits(cfg, env, where))
+        batch_size, last_where = next_smaller(batch_size, sequences_per_step), where
+    if too_large:
+        tried = ", ".join(map(str, too_large[:-1])) + (" and " if len(too_large) > 1 else "") + str(too_large[-1])
+        said.append(f"micro-batch {batch_size}, as {tried} did not fit in {last_where}: found in "
+                    f"{time.perf_counter() - t0:.1f} s; --batch-size {batch_size} starts there")
+    return batch_size, said
 
 
-def nothing_fits(cfg, env):
-    """What to do when not even one sequence's step fits, in words."""
+def address_space_limited():
+    """Whether this process's address space is limited (ulimit -v, prlimit --as). Freed memory kept in the heap, as a
+    CPU run keeps it to be faster, takes up to twice the address space a step uses, by an amount that varies from run
+    to run with the heap's fragments: no try can say whether it fits under such a limit, so there the tries and the
+    run give freed memory back to the system, and what a try measures is what the run takes."""
+    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+
+
+def where_it_does_not_fit(run, batch_size, gradient_sync):
+    """None if a try of batch_size fits on every rank; else, on every rank, the memory of the first rank it did not
+    fit on, in words. The ranks vote, so that none is left waiting in a collective."""
+    fits = step_fits(run, batch_size, gradient_sync)
+    where = plumbing.first_error_of_any_rank(None if fits else memory_in_words(run.env.device))
+    if where is not None:
+        forget_try(run)  # on every rank, the ranks whose own try fitted too
+    return where
+
+
+def nothing_fits(cfg, env, where):
+    """What to do when not even one sequence's step fits in where (a rank's memory, in words)."""
     shard = "" if cfg.fsdp or env.device_type != "cuda" else ", shard it over several GPUs with --fsdp"
     chunked = "" if cfg.loss == "chunked" else ", --loss chunked (never all the logits at once)"
     return (f"out of memory: not even a micro-batch of 1 sequence of {cfg.seq_len} tokens fits a training step of "
-            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {memory_in_words(env.device)}; train a smaller "
+            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {where}; train a smaller "
             f"model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}")
 
 
+# -----------------------------------------------------------------------------
+# Out-of-memory errors past the micro-batch's choice, and their record in the log directory
+
+
+def step_shape(run):
+    """What a training step's memory depends on, as JSON reads it back: a record in RECORD holds for runs of the
+    same shape."""
+    cfg, env = run.cfg, run.env
+    shape = {"model": dataclasses.asdict(run.model.config), "seq_len": cfg.seq_len, "dtype": cfg.dtype,
+             "compile": cfg.compile, "compile_mode": cfg.compile_mode, "fused_adamw": cfg.fused_adamw,
+             "fsdp": cfg.fsdp, "device": env.device_type, "world_size": env.world_size}
+    return json.loads(json.dumps(shape))
+
+
+def read_records(log_dir):
+    """The records of RECORD in log_dir; [] if there is none, or it cannot be read (at worst, a micro-batch that ran
+    out of memory is chosen again)."""
+    try:
+        with open(os.path.join(log_dir, RECORD)) as f:
+            records = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return [r for r in records if isinstance(r, dict) and isinstance(r.get("micro_batch"), int)
+            and isinstance(r.get("memory"), (int, float))] if isinstance(records, list) else []
+
+
+def recorded_on_this_rank(run):
+    """The record of the smallest micro-batch that ran out of memory in a run of this step shape, on as much memory
+    as this rank's or more (to the 0.1 GiB its words give), in this rank's view of the log directory; or None."""
+    shape, memory = step_shape(run), memory_of(run.env.device)[0]
+    held = [r for r in read_records(run.cfg.log_dir)
+            if r.get("shape") == shape and round(memory / GIB, 1) <= round(r["memory"] / GIB, 1)]
+    return min(held, key=lambda r: r["micro_batch"], default=None)
+
+
+def below_recorded(run, sequences_per_step):
+    """--batch-size, or the largest micro-batch below the smallest that ran out of memory after it was chosen on some
+    rank (RECORD), with the line that says so."""
+    cfg, env = run.cfg, run.env
+    records = [r for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
+    record = min(records, key=lambda r: r["micro_batch"], default=None)
+    if record is None or record["micro_batch"] > cfg.batch_size:
+        return cfg.batch_size, []
+    failed, where = record["micro_batch"], record.get("memory_words", "as little memory")
+    if failed == 1:
+        raise UsageError(nothing_fits(cfg, env, where))
+    batch_size = next_smaller(failed, sequences_per_step)
+    return batch_size, [f"micro-batch at most {batch_size}: {failed} ran out of memory in {where} at step "
+                        f"{record.get('step')}, after it was chosen ({os.path.join(cfg.log_dir, RECORD)} says so; "
+                        f"delete it to try {failed} again)"]
+
+
+def record_out_of_memory(run):
+    """Adds run's micro-batch to RECORD in the log directory, with this rank's memory and the step shape, so that the
+    next start of such a step on no more memory starts below it: the path, or None if it cannot be written. The rank
+    that ran out of memory writes it (rank 0 may be waiting in a collective with it), and every rank reads it."""
+    path = os.path.join(run.cfg.log_dir, RECORD)
+    size, words = memory_of(run.env.device)
+    records = read_records(run.cfg.log_dir) + [{"micro_batch": run.micro_batch, "step": run.step, "memory": size,
+                                               "memory_words": words, "shape": step_shape(run)}]
+    try:
+        plumbing.write_atomically(path, lambda f: f.write(json.dumps(records, indent=1).encode()),
+                                  f"{path}.{os.getpid()}.tmp", lambda: "")
+    except (OSError, UsageError):  # the out-of-memory line matters more: it says to pass a smaller --batch-size
+        return None
+    return path
+
+
 @contextlib.contextmanager
-def out_of_memory_in_one_line(cfg):
-    """An out-of-memory error past the micro-batch's choice (a training step that the allocator's fragments no longer
-    fit, an evaluation, samples, a command) raised inside becomes a UsageError: one line that names the checkpoint
-    kept and what to do."""
+def out_of_memory_in_one_line(cfg, run=None):
+    """An out-of-memory error raised inside (a training step that the allocator's fragments no longer fit, an
+    evaluation, samples, a command) becomes a UsageError: one line that names the memory, the checkpoint kept and
+    what to do. Past the micro-batch's choice (run given), the micro-batch is recorded (RECORD): the same command then
+    chooses a smaller one."""
     try:
         yield
     except Exception as e:  # any allocator's error: see is_out_of_memory
-        if not is_out_of_memory(e):
+        if isinstance(e, UsageError) or not is_out_of_memory(e):  # a UsageError: the line of an inner one already
             raise
-        raise UsageError(out_of_memory_later(e, cfg)) from None
+        raise UsageError(out_of_memory_later(e, cfg, run)) from None
 
 
-def out_of_memory_later(error, cfg):
+def out_of_memory_later(error, cfg, run):
     """out_of_memory_in_one_line's line."""
     error = out_of_memory_in(error)
     device = f"cuda:{torch.cuda.current_device()}" if isinstance(error, torch.cuda.OutOfMemoryError) else (
@@ -194,6 +291,13 @@ def out_of_memory_later(error, cfg):
     if cfg.sample or cfg.export_hf:  # --sample draws its samples --batch-size at a time
         return f"{what}; pass a smaller --batch-size" if cfg.sample else what
     latest = run_files.latest_checkpoint(cfg.log_dir)
-    kept = f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
-    return (f"{what}; {kept}; run the same command again (it chooses its micro-batch again), or pass a smaller "
-            f"--batch-size")
+    what += f"; the latest checkpoint, {latest}, is kept" if latest else "; no checkpoint was written yet"
+    if run is None:  # before the micro-batch was chosen: the model, its checkpoint, the data
+        return what
+    recorded = record_out_of_memory(run)
+    if not cfg.fit_batch_size:
+        return (f"{what}; pass a --batch-size below {run.micro_batch}, or drop --no-fit-batch-size (a step is then "
+                f"tried first)")
+    if recorded is None:
+        return f"{what}; pass a --batch-size below {run.micro_batch}"
+    return f"{what}; run the same command again: it chooses a micro-batch below {run.micro_batch} ({recorded} says why)"

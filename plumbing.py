@@ -2,7 +2,7 @@
 The plumbing of a training run: what train_gpt2.py, hellaswag.py and fineweb.py need that teaches nothing about GPT-2.
 
 - the GPT-2 tokenizer from the shipped gpt2.tiktoken;
-- one-line errors, agreed on by every rank;
+- one-line errors, agreed on by every rank, or taken from a rank that failed alone;
 - shard files: how their names say their split, and their two formats (.npy, and llm.c's .bin);
 - files written whole or not at all, and what to say when the disk, a quota or a file-size limit stops a write;
 - directory locks (run_files.py holds the log directory's, with all else a run writes there);
@@ -63,16 +63,49 @@ class UsageError(Exception):
     """A mistake or a problem the user can fix: the command line prints it as one line, without a traceback."""
 
 
+def every_rank(value):
+    """[each rank's value], on every rank; [value] in a single process. All ranks must call it."""
+    import torch.distributed as dist  # here, not at the top: see the module's docstring
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def first_error_of_any_rank(error):
     """The first rank's error message (or None), on every rank: a rank that stopped alone would leave the others
     waiting in their next collective, forever under NCCL, or dying in it with tracebacks. All ranks must call it."""
+    return next((e for e in every_rank(error) if e is not None), None)
+
+
+@contextlib.contextmanager
+def failing_alone():
+    """For work that one rank may fail in alone while the others wait in a collective of it (out of memory in a
+    training step, whose backward pass the others reduce gradients in), where the ranks cannot vote as in
+    failing_together: a UsageError raised inside leaves its line in the process group's store (torchrun's agent's, or
+    rank 0's), and a rank whose collective broke as that rank left (gloo's "Connection closed by peer") raises that
+    line instead. Under NCCL such a collective hangs until torchrun stops the rank."""
     import torch.distributed as dist  # here, not at the top: see the module's docstring
 
-    if dist.is_available() and dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    return error
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    store = dist.distributed_c10d._get_default_store() if several else None  # no public name for the group's own
+    try:
+        yield
+    except UsageError as e:
+        if store is not None:
+            store.set(f"error/{dist.get_rank()}", str(e))
+        raise
+    except Exception:
+        keys = [f"error/{rank}" for rank in range(dist.get_world_size())] if store else []
+        try:
+            error = next((store.get(key).decode() for key in keys if store.check([key])), None)
+        except RuntimeError:  # the store left with its rank (rank 0's, outside torchrun)
+            error = None
+        if error is None:
+            raise
+        raise UsageError(error) from None
 
 
 def any_rank(flag, device):

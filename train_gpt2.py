@@ -868,7 +868,7 @@ def start(cfg, given):
     with checkpoints.holding_log_dir(cfg, env):
         run = set_up(cfg, given, env)
         if run is not None:
-            with reporting.wandb(run):
+            with reporting.wandb(run), plumbing.failing_alone(), microbatch.out_of_memory_in_one_line(cfg, run):
                 evaluate(run) if cfg.eval_only else train(run)
 
 
