@@ -35,14 +35,18 @@ GIB = 2**30
 RECORD = "out_of_memory.json"  # in the log directory: the micro-batches that ran out of memory after they were chosen
 
 
+OUT_OF_MEMORY_MESSAGES = r"can't allocate memory|out of memory|_STATUS_ALLOC_FAILED"  # CPU's; CUDA's, MPS's; cuBLAS's
+
+
 def out_of_memory_in(error):
     """The allocator's refusal that error is, or was raised from (a compiler's error may wrap it): CUDA's
-    torch.OutOfMemoryError, the CPU's and MPS's RuntimeError, Python's MemoryError (numpy's too), the kernel's
-    ENOMEM; None if there is none."""
+    torch.OutOfMemoryError, the CPU's and MPS's RuntimeError, a CUDA library's failed allocation (cuBLAS's first
+    handle in the backward's thread, under a capped memory: seen on an H100), Python's MemoryError (numpy's too), the
+    kernel's ENOMEM; None if there is none."""
     while error is not None:
         if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or getattr(error, "errno", None) == errno.ENOMEM:
             return error
-        if isinstance(error, RuntimeError) and re.search(r"can't allocate memory|out of memory", str(error)):
+        if isinstance(error, RuntimeError) and re.search(OUT_OF_MEMORY_MESSAGES, str(error)):
             return error
         error = error.__cause__ or error.__context__
     return None
@@ -140,6 +144,8 @@ def largest_that_fits(run, gradient_sync):
     given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and never one
     that ran out of memory later before (RECORD). Raises UsageError if not even one sequence fits."""
     batch_size, said = search(run, gradient_sync)
+    if run.env.device_type == "cuda":  # the peak the log reports is the training's, not a failed try's
+        torch.cuda.reset_peak_memory_stats(run.env.device)
     if run.micro_batch not in (0, batch_size) and not run.cfg.eval_only:  # the resumed checkpoint's
         said.append(f"the run trained with micro-batch {run.micro_batch} before, {batch_size} now: the same tokens "
                     f"and schedule, their gradients summed in other parts (equal up to rounding)")

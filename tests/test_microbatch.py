@@ -61,6 +61,9 @@ def test_what_runs_out_of_memory():
     assert microbatch.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert microbatch.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."))
     assert microbatch.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.2 GB)"))
+    # on an H100 capped to 37 GiB, the search's try of 64 (the backward's first cuBLAS handle)
+    assert microbatch.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                                                    "`cublasCreate(handle)`"))
     assert microbatch.is_out_of_memory(raised(RuntimeError("compiled graph failed"), MemoryError()))
     assert microbatch.is_out_of_memory(OSError(12, "Cannot allocate memory"))
     assert not microbatch.is_out_of_memory(RuntimeError("shape '[4, 32]' is invalid for input of size 100"))
