@@ -286,10 +286,10 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, at=None):
         """The logits (B, T, vocab_size) of the tokens idx (B, T), which follow those in kv_cache if any, the padding
-        ids at -inf; given targets, (None, the mean loss over those that are not -1): the training step never needs
-        the (B, T, V) logits, which as an output would have to be written out whole."""
+        ids at -inf (at: of the B*T positions, these alone, as CORE scores a few); given targets, (None, the mean loss
+        over those that are not -1): the training step never needs the (B, T, V) logits, written out whole."""
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         pos = torch.arange(past, past + idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
@@ -297,7 +297,7 @@ class GPT(nn.Module):
             x = block(x, None if kv_cache is None else kv_cache[i])
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is None:
-            return self.logits(x), None
+            return self.logits(x if at is None else x.flatten(0, 1)[at]), None
         if self.config.loss == "chunked":  # a chunk of rows at a time: no (B*T, V) logits in memory
             return None, chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
         return None, F.cross_entropy(self.logits(x).flatten(0, 1), targets.flatten(), ignore_index=-1)
