@@ -8,17 +8,19 @@ task's accuracy centered on its random baseline b, (acc - b) / (1 - b). nanochat
     python train_gpt2.py --eval-only --resume log/ckpt_019073.pt --core-every 1   # a checkpoint, or an export:
     python train_gpt2.py --eval-only --init-from hf/run1 --core-every 1
 
-What is nanochat's, as read in karpathy/nanochat (nanochat/core_eval.py, scripts/base_eval.py, scripts/base_train.py,
-nanochat/tokenizer.py) and, for the bundle's format, in mlfoundations/dclm (eval/*.yaml, eval/eval_meta_data_v1.csv):
-- the bundle: eval_bundle.zip (CORE_BUNDLE_URL, nanochat's EVAL_BUNDLE_URL; the sha256 that projects using it pin),
+What is nanochat's, as read in karpathy/nanochat (nanochat/core_eval.py, scripts/base_eval.py, nanochat/tokenizer.py;
+scripts/base_train.py's CORE settings as its forks quote them) and, for the bundle's format, in mlfoundations/dclm
+(eval/*.yaml, eval/eval_meta_data_v1.csv):
+- the bundle: eval_bundle.zip (CORE_BUNDLE_URL, nanochat's EVAL_BUNDLE_URL; CORE_BUNDLE_SHA256, the sha256 that
+  several projects using it pin: there was no internet here to fetch it),
   holding eval_bundle/core.yaml, whose `icl_tasks` each give a label, a dataset_uri under eval_data/, num_fewshot (a
   list: its first number), an icl_task_type (multiple_choice, schema or language_modeling) and an optional
   continuation_delimiter (" " if not given); eval_meta_data.csv, whose "Random baseline" of each "Eval Task" is in
   percent; and the task files, a JSON example a line: multiple choice {query, choices, gold}, schema {context_options,
   continuation, gold}, language modeling {context, continuation}.
-- the examples: a task's lines shuffled by random.Random(1337), then the first max_per_task (nanochat's training logs
-  CORE on 500 a task; base_eval on every one). The few-shot examples of the example at index i of that list are
-  random.Random(1234 + i).sample() of the others' indices, so a subset's prompts are not those of the whole task.
+- the examples: a task's lines shuffled by random.Random(1337), then the first max_per_task (nanochat's training
+  scores 500 a task every 2000 steps; base_eval every one). The few-shot examples of the example at index i of that
+  list are random.Random(1234 + i).sample() of the others' indices, so a subset's prompts are not the whole task's.
 - the prompts (Jinja templates there, string concatenation here; the tests render nanochat's templates to check): each
   few-shot example, then a blank line ("\n\n"), then the example. Multiple choice: query + delimiter + choice, a
   few-shot example with its gold choice. Schema: context option + delimiter + continuation. Language modeling: the
@@ -33,10 +35,11 @@ nanochat/tokenizer.py) and, for the bundle's format, in mlfoundations/dclm (eval
 
 What is ours, and changes no choice: the rows of many examples and options go through each forward pass, sorted by
 length and padded on the right with <|endoftext|> (a causal model's scored positions never see it), at a fixed set of
-shapes under torch.compile; the log-softmax runs at the scored positions only; a prompt is tokenized in pieces split
-where GPT-2's pre-tokenizer splits anyway, so that the few-shot examples a task's prompts share are tokenized once;
-the examples are split over the ranks, and their choices gathered. Where nanochat would stop on an assertion (a crop
-cutting into the scored range, a language modeling prompt whose continuation adds no token), the rest is scored.
+shapes under torch.compile; the output layer and its softmax run at the scored positions alone (the models' at=); a
+prompt is tokenized in pieces split where GPT-2's pre-tokenizer splits anyway, so that the few-shot examples a task's
+prompts share are tokenized once; the examples are split over the ranks, and their choices gathered. Where nanochat
+stops on an assertion (a crop cutting into the scored range; a language modeling prompt whose continuation adds no
+token, or whose tokens without it are not the start of its tokens with it), what its indices say is scored.
 The text's "<|endoftext|>" is text, as hellaswag.py has it (nanochat's own tokenizer reads it so; a Hugging Face one
 would make it the special token).
 """

@@ -563,8 +563,8 @@ def write_directory(out_dir, fill):
 def export(out_dir, fmt, state_dict, config, n_tokens, about):
     """Writes out_dir as the Hugging Face model of Format fmt: the weights of train_gpt2.py's state_dict in its
     layout, the shapes of its model config (dict) with its first n_tokens token ids (the padding rows are left out),
-    GPT-2's tokenizer, and a model card with about's facts: source, trained, validation, hellaswag, command. Returns
-    the number of parameters."""
+    GPT-2's tokenizer, and a model card with about's facts: source, trained, validation, hellaswag, core, command.
+    Returns the number of parameters."""
     weights = fmt.layout(state_dict, n_tokens)
     shape = dict({k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}, vocab_size=n_tokens)
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")

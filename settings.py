@@ -262,8 +262,7 @@ def check_config(cfg, world_size):
                   "muon_lr", "embed_lr", "head_lr", "logit_softcap"),
             lambda v: v > 0, "positive")
     require(cfg, ("max_steps", "warmup_steps", "eval_every", *BENCHMARKS, "core_max_per_task", "checkpoint_every",
-                  "num_samples",
-                  "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
+                  "num_samples", "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
     require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
     require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
