@@ -3,7 +3,7 @@ CORE's speed: examples per second of core.py's evaluation against a plain one of
 examples, one example (its options together) a forward pass with the softmax over every position, as nanochat's
 core_eval runs. Both must choose alike; the plain one is timed on fewer examples when it would take long.
 
-    python benchmarks/core_speed.py                     # the quick start's model, 12 examples a task: ~2 min on 2 cores
+    python benchmarks/core_speed.py                     # the quick start's model, 12 examples a task: ~3 min on a core
     python benchmarks/core_speed.py --core-data DIR     # the real bundle (an unzipped eval_bundle.zip)
     python benchmarks/core_speed.py --device cuda       # GPT-2 124M's shapes, every example: the full CORE's time
 
@@ -11,7 +11,8 @@ Without --core-data the tasks are a synthetic bundle of the real one's shape, wr
 22 tasks with their kinds, few-shot counts, delimiters, numbers of options and of examples (91,037 in all), and
 about their lengths, in words of the play. The weights are random (timing needs no training) unless --init-from
 names OpenAI's (gpt2, ...) or an --export-hf directory. On CUDA, as in a run: bf16 autocast and torch.compile, the
-first evaluation's time (its prompts tokenized, its shapes compiled) apart from the second's.
+first evaluation's time (its prompts tokenized, its shapes compiled) apart from the second's. On a CPU that other work
+shares, set OMP_NUM_THREADS=1: threads that wait for each other slow the small matrix products of ours the most.
 """
 
 import argparse

@@ -27,8 +27,11 @@ import core
 import hf_export
 import plumbing
 import train_gpt2
-from helpers import TINY, expect_usage_error, read_log, run_main, run_script, tiny_gpt, write_shards
+from helpers import REPO, TINY, expect_usage_error, read_log, run_main, run_script, tiny_gpt, write_shards
 from plumbing import EOT, UsageError, gpt2_tokenizer
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import core_speed  # noqa: E402
 
 BLOCK = 32  # the tiny models' context: the few-shot prompts outgrow it
 
@@ -38,7 +41,7 @@ BLOCK = 32  # the tiny models' context: the few-shot prompts outgrow it
 
 def phrases(seed, count, words=(3, 9)):
     """Text from the play, count phrases of a few words each."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "input.txt")) as f:
+    with open(os.path.join(REPO, "input.txt")) as f:
         vocabulary = f.read(60000).split()
     rng = random.Random(seed)
     return [" ".join(rng.choice(vocabulary) for _ in range(rng.randint(*words))) for _ in range(count)]
@@ -258,6 +261,19 @@ def test_choices_match_a_plain_one_example_at_a_time_reference(bundle, recipe):
                 for label, a in eager.accuracy.items()}
     assert eager.centered == pytest.approx(centered) and eager.core == pytest.approx(sum(centered.values()) / 6)
     assert eager.examples == 52 and eager.line().startswith(f"core {eager.core:.4f} (6 tasks, 52 examples, ")
+
+
+def test_the_benchmarks_bundle_has_the_real_shape_and_its_plain_evaluation_chooses_as_ours(tmp_path):
+    """benchmarks/core_speed.py: a synthetic bundle of DCLM's 22 tasks and 91,037 examples, and the one-example-a-pass
+    evaluation it times ours against, which must choose as ours does (here on the tasks of one kind each)."""
+    assert len(core_speed.REAL_SHAPE) == 22 and sum(shape[4] for shape in core_speed.REAL_SHAPE.values()) == 91037
+    loaded = core.load(core_speed.synthetic_bundle(str(tmp_path), 11), "", 0)
+    loaded = core.Bundle([task for task in loaded.tasks if task.label in ("copa", "winograd", "lambada_openai")], {})
+    model = tiny_model()
+    ours = core.evaluate(model, loaded, "cpu", contextlib.nullcontext(), block_size=BLOCK, fixed_shapes=False)
+    plain = {task.label: core_speed.plain_outcomes(model, task, None, BLOCK, "cpu", contextlib.nullcontext())
+             for task in loaded.tasks}
+    assert plain == ours.outcomes and len(plain) == 3
 
 
 # -----------------------------------------------------------------------------
