@@ -307,7 +307,8 @@ def eval_only(checkpoint, shards, log_dir, *flags):
 def test_eval_only_compiled_then_two_ranks_under_fsdp(bundle, checkpoint, tmp_path, capsys, monkeypatch):
     """--eval-only --core-every 1 logs the line and record of core.evaluate's (eager) on the checkpoint's weights,
     compiled (dynamo traces, its graphs run eagerly): a graph a shape; 2 ranks under --fsdp, each scoring half the
-    examples, log the same; an export of the checkpoint names it in its model card."""
+    examples, log the same; an export of the checkpoint names it in its model card, and scores the same with
+    --init-from."""
     ckpt, shards = checkpoint
     log_dir = os.path.dirname(ckpt)
     expected = core.evaluate(tiny_model(), core.load(bundle, "", 0), "cpu", contextlib.nullcontext(),
@@ -335,6 +336,10 @@ def test_eval_only_compiled_then_two_ranks_under_fsdp(bundle, checkpoint, tmp_pa
     assert code == 0, err
     card = open(tmp_path / "hf" / "README.md").read()
     assert f"- CORE: {expected.core:.4f} at step 1, on 52 examples of 6 tasks, scored as nanochat" in card
+    code, _, err = run_main(["--eval-only", "--init-from", tmp_path / "hf", "--core-every", "1", "--core-data", bundle,
+                             "--data", shards, "--log-dir", tmp_path / "evals", *FLAGS], capsys)
+    assert code == 0, err  # the export's weights: GPT-2's 50,257 token rows of the checkpoint's 50,304
+    assert read_log(tmp_path / "evals")[-1]["core_accuracy"] == expected.accuracy
 
 
 def test_training_evaluates_every_n_steps_and_at_the_end(bundle, checkpoint, tmp_path, capsys):
