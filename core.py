@@ -580,9 +580,9 @@ def evaluate(model, bundle, device, autocast_ctx, rank=0, world_size=1, max_per_
     outcomes, offset, accuracy, centered, by_task = (outcomes - 1).tolist(), 0, {}, {}, {}
     for task, count in zip(bundle.tasks, prepared.counts):
         by_task[task.label] = outcomes[offset:offset + count]
-        golds = [None] * count if task.kind == "language_modeling" else \
-            [example["gold"] for example in chosen_examples(task, max_per_task)]
-        right = [outcome == 1 if gold is None else outcome == gold for outcome, gold in zip(by_task[task.label], golds)]
+        rights = [1 if task.kind == "language_modeling" else example["gold"]  # a language model's outcome: 1 if right
+                  for example in chosen_examples(task, max_per_task)]
+        right = [outcome == gold for outcome, gold in zip(by_task[task.label], rights)]
         accuracy[task.label] = sum(right) / count
         centered[task.label] = (accuracy[task.label] - task.baseline) / (1 - task.baseline)
         offset += count
