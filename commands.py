@@ -64,8 +64,10 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
         model = checkpoints.model_from_checkpoint(ckpt, source, model_of)
         init_from = ckpt["train_config"]["init_from"]
         about = hf_export.checkpoint_facts(source, ckpt["step"], ckpt["train_config"],
-                                           checkpoints.val_loss_in_words(ckpt), logged_hellaswag(source, ckpt["step"]),
-                                           None if init_from == "scratch" else settings.pretrained_in_words(init_from))
+                                           checkpoints.val_loss_in_words(ckpt),
+                                           logged_evaluation(source, ckpt["step"], "hellaswag_acc_norm"),
+                                           None if init_from == "scratch" else settings.pretrained_in_words(init_from),
+                                           logged_evaluation(source, ckpt["step"], "core"))
     fmt = recipes[model.config.recipe].hf_format
     command = shlex.join(["python", "train_gpt2.py", *argv])
     n_params = hf_export.export(cfg.export_hf, fmt, model.state_dict(), asdict(model.config), model.n_tokens,
@@ -74,9 +76,9 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
           f"Face's transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
 
 
-def logged_hellaswag(checkpoint, step):
-    """The HellaSwag record that the run logged of the weights at step (its log.jsonl, beside the checkpoint): the
-    latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
+def logged_evaluation(checkpoint, step, key):
+    """The record holding key (hellaswag_acc_norm, core) that the run logged of the weights at step (its log.jsonl,
+    beside the checkpoint): the latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
     records = []
     with contextlib.suppress(OSError):
         with open(os.path.join(os.path.dirname(os.path.normpath(checkpoint)), run_files.LOG_FILE), "rb") as f:
@@ -84,5 +86,5 @@ def logged_hellaswag(checkpoint, step):
                 with contextlib.suppress(ValueError):  # a line cut short by a crash, or a byte that is not UTF-8
                     records.append(json.loads(line.decode("utf-8")))
     measured = [record for record in records if isinstance(record, dict) and record.get("step") == step
-                and "hellaswag_acc_norm" in record and record.get("init_from", checkpoint) == checkpoint]
+                and key in record and record.get("init_from", checkpoint) == checkpoint]
     return measured[-1] if measured else None

@@ -19,7 +19,6 @@ output directory and produces the same bytes as an uninterrupted run.
 
 import argparse
 import ctypes
-import hashlib
 import json
 import multiprocessing
 import os
@@ -52,6 +51,7 @@ from plumbing import (
     directory_lock,
     gpt2_tokenizer,
     no_room,
+    sha256_of,
     write_atomically,
 )
 
@@ -275,13 +275,6 @@ def list_hub_files(args, stop):
     if not files:
         raise UsageError(f"no parquet files in {args.dataset}/{args.subset} at {args.endpoint}; check --subset")
     return sorted(files, key=lambda f: f["path"])
-
-def sha256_of(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 def intact(path, source):
     return os.path.getsize(path) == source["size"] and source["sha256"] in (None, sha256_of(path))

@@ -29,6 +29,7 @@ from plumbing import BadFile, UsageError, default_cache_dir, download_once_per_n
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data"
 HELLASWAG_VAL_EXAMPLES = 10042
+EVERY = "hellaswag_every"  # the training run's setting of the steps between its evaluations
 EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
 
 
@@ -93,6 +94,11 @@ def load(path, cache_dir, block_size):
     """The validation examples, from path or downloaded into cache_dir (load_examples; "" for either: the default),
     tokenized once (prepare)."""
     return prepare(load_examples(path or None, cache_dir or None), gpt2_tokenizer(), block_size)
+
+
+def load_run(cfg):
+    """The examples of a training run's HellaSwag evaluations, per its settings (train_gpt2.py's TrainConfig)."""
+    return load(cfg.hellaswag_file, cfg.cache_dir, cfg.block_size)
 
 
 # -----------------------------------------------------------------------------
@@ -186,3 +192,14 @@ def evaluate(model, prepared, device, autocast_ctx, rank=0, world_size=1, exampl
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     correct, correct_norm, n = counts.tolist()
     return correct_norm / n, correct / n, n
+
+
+def evaluate_run(run, prepared):
+    """The HellaSwag evaluation of a training run (train_gpt2.py's Run) at its step, on its prepared examples (those
+    load_run read), at its micro-batch: (its log record's results, its line)."""
+    cfg, env = run.cfg, run.env
+    per_batch = examples_per_batch(prepared, run.micro_batch * cfg.seq_len)
+    acc_norm, acc, n = evaluate(run.compiled, prepared, env.device, run.autocast_ctx, env.rank, env.world_size,
+                                per_batch)
+    return ({"hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc},
+            f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")

@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple
 from safetensors.torch import load_file, save_file
 from tiktoken.load import load_tiktoken_bpe
 
+import core
 import plumbing
 from plumbing import EOT, GPT2_VOCAB, UsageError
 
@@ -414,20 +415,28 @@ def tokenizer_files(block_size):
 
 
 def published_facts(name):
-    """The model card's facts of OpenAI's own weights."""
+    """The model card's facts of OpenAI's own weights: their CORE as nanochat measured it."""
+    measured = core.OPENAI_CORE.get(name)
     return dict(source=f"OpenAI's {name}, as published", trained="WebText, by OpenAI",
-                validation="not evaluated by train_gpt2.py", hellaswag=None)
+                validation="not evaluated by train_gpt2.py", hellaswag=None,
+                core=None if measured is None else f"{measured}, as nanochat measured OpenAI's {name} (its 22 tasks)")
 
 
-def checkpoint_facts(source, step, train_config, validation, hellaswag, start):
+def checkpoint_facts(source, step, train_config, validation, hellaswag, start, core_record=None):
     """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config that
-    started from start (--init-from's weights in words, or None); hellaswag: its logged record at that step, or
-    None."""
+    started from start (--init-from's weights in words, or None); hellaswag, core_record: their logged records at
+    that step, or None."""
     batch = train_config["total_batch_size"]
     fine_tuned = "" if start is None else f", fine-tuning {start}"
     return dict(source=f"the checkpoint {source} (step {step} of {train_config['max_steps']})",
                 trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {train_config['data']}{fine_tuned}",
-                validation=validation, hellaswag=hellaswag)
+                validation=validation, hellaswag=hellaswag, core=core_record and core_in_words(core_record))
+
+
+def core_in_words(record):
+    """A logged CORE record, for the model card."""
+    return (f"{record['core']:.4f} at step {record['step']}, on {record['core_examples']:,} examples of "
+            f"{len(record['core_accuracy'])} tasks, scored as nanochat scores it (train_gpt2.py's log.jsonl)")
 
 
 def model_card(fmt, shape, model_config, n_params, about):
@@ -449,6 +458,8 @@ def model_card(fmt, shape, model_config, n_params, about):
         hellaswag = (f"acc_norm {hellaswag['hellaswag_acc_norm']:.4f}, acc {hellaswag['hellaswag_acc']:.4f} at step "
                      f"{hellaswag['step']}, as train_gpt2.py scores it (its log.jsonl); {lm_eval} the harness's way")
     needs = f"- needs: {fmt.needs}\n" if fmt.needs else ""
+    core_unmeasured = ("not measured at these weights; `python train_gpt2.py --eval-only --init-from "
+                       "path/to/this/directory --core-every 1` measures it (DCLM's CORE, as nanochat scores it)")
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -465,6 +476,7 @@ tags:
 - trained on: {about["trained"]}
 - validation: {about["validation"]}
 - HellaSwag: {hellaswag}
+- CORE: {about["core"] or core_unmeasured}
 {needs}
 ```python
 from transformers import pipeline
@@ -575,8 +587,8 @@ def write_directory(out_dir, fill):
 def export(out_dir, fmt, state_dict, config, n_tokens, about):
     """Writes out_dir as the Hugging Face model of Format fmt: the weights of train_gpt2.py's state_dict in its
     layout, the shapes of its model config (dict) with its first n_tokens token ids (the padding rows are left out),
-    GPT-2's tokenizer, and a model card with about's facts: source, trained, validation, hellaswag, command. Returns
-    the number of parameters."""
+    GPT-2's tokenizer, and a model card with about's facts: source, trained, validation, hellaswag, core, command.
+    Returns the number of parameters."""
     weights = fmt.layout(state_dict, n_tokens)
     shape = dict({k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}, vocab_size=n_tokens)
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")

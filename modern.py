@@ -164,9 +164,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=1.0)
 
-    def forward(self, idx, targets=None, kv_cache=None):
-        """As GPT-2's: the logits (B, T, vocab_size), the padding ids at -inf, or given targets, (None, the mean
-        loss)."""
+    def forward(self, idx, targets=None, kv_cache=None, at=None):
+        """As GPT-2's: the logits (B, T, vocab_size), the padding ids at -inf (at: of the B*T positions, these alone),
+        or given targets, (None, the mean loss)."""
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         pos = torch.arange(past, past + idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
         x = rms_norm(self.transformer.wte(idx))  # (B, T, C) the embedding normed
@@ -175,7 +175,7 @@ class GPT(nn.Module):
             x = block(x, rotary, None if kv_cache is None else kv_cache[i])
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is None:
-            return self.logits(x), None
+            return self.logits(x if at is None else x.flatten(0, 1)[at]), None
         if self.config.loss == "chunked":  # the soft-cap inside the chunks
             return None, chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                                self.vocab_mask, self.config.logit_softcap)

@@ -6,14 +6,16 @@ Plots train_gpt2.py runs next to OpenAI's GPT-2 124M:
     python plot.py LOG_A LOG_B      # both runs on the same axes, with one legend; writes compare.png here
     options: --out PATH, --x step,tokens,time (the columns), --recipe NAME (once per LOG_DIR, for logs that lack it)
 
-Top row: train loss (faint: each step's; solid: its running mean) and val loss. Bottom row: HellaSwag acc_norm.
+Top row: train loss (faint: each step's; solid: its running mean) and val loss. Below it: HellaSwag acc_norm, and
+the CORE score (core.py), each where a run has its points.
 Columns: against steps, with the tokens the evaluated weights had trained on along the top (a run of constant batch
 is the same curve against either); against tokens, in a column of its own where runs compared train different
 batches; and, when the log records it ("elapsed_s"), against the training time they had taken. The loss axis tops
 out below the first steps' losses (~11 at init), so that the rest of the run is not squeezed into the bottom of the
 panel: ▲ marks the val points above it, and a note lists what it leaves out.
-Reference lines: GPT-2 124M's val loss and HellaSwag acc_norm as measured by an `--eval-only --init-from gpt2` run
-logged into the same log.jsonl, else the published HellaSwag acc_norm of GPT-2 124M (0.2945); and GPT-3 124M's (0.337).
+Reference lines: GPT-2 124M's val loss, HellaSwag acc_norm and CORE as measured by an `--eval-only --init-from gpt2`
+run logged into the same log.jsonl, else the published HellaSwag acc_norm of GPT-2 124M (0.2945) and its CORE as
+nanochat measured it (0.1139); and GPT-3 124M's HellaSwag (0.337) and GPT-2 1.5B's CORE (0.2565, nanochat's).
 """
 
 import argparse
@@ -35,12 +37,21 @@ except ImportError:  # matplotlib is optional for the project: only this script 
 
 GPT2_124M_HELLASWAG = 0.2945
 GPT3_124M_HELLASWAG = 0.337  # GPT-3 paper, table F: the 125M model, trained on 300B tokens
-CURVES = ("train_loss", "val_loss", "hellaswag_acc_norm")
+GPT2_124M_CORE, GPT2_XL_CORE = 0.1139, 0.2565  # as nanochat measured OpenAI's GPT-2 124M and 1.5B (core.py)
+BENCHMARKS = ("hellaswag_acc_norm", "core")  # a row each, under the losses
+# each benchmark's reference lines, (model, value, whose measure): GPT-2 124M's (unless measured in the log), another's
+REFERENCES = {
+    "hellaswag_acc_norm": (("OpenAI GPT-2 124M", GPT2_124M_HELLASWAG, "published"),
+                           ("OpenAI GPT-3 124M", GPT3_124M_HELLASWAG, "published")),
+    "core": (("OpenAI GPT-2 124M", GPT2_124M_CORE, "nanochat's"), ("OpenAI GPT-2 1.5B", GPT2_XL_CORE, "nanochat's")),
+}
+CURVES = ("train_loss", "val_loss", *BENCHMARKS)
 SERIES = CURVES + ("elapsed_s",)  # elapsed_s: the training seconds a step line logs, read for the time axis
 X_AXES = ("step", "tokens", "time")
 SKIP_FRACTION = 0.05  # the loss axis shows the losses after this fraction of the run's steps
 SMOOTHING_FRACTION = 0.02  # the train loss' running mean spans this fraction of its points
-LABELS = {"train_loss": "train loss", "val_loss": "val loss", "hellaswag_acc_norm": "HellaSwag acc_norm"}
+LABELS = {"train_loss": "train loss", "val_loss": "val loss", "hellaswag_acc_norm": "HellaSwag acc_norm",
+          "core": "CORE"}
 RUN_COLORS = ("C0", "C1", "C2", "C5", "C6", "C8", "C9", "C7")  # runs compared: not the reference lines' red, purple
 
 # curves: {series: {step: (tokens, value)}}; gpt2: {curve: GPT-2 124M's value}; name: for titles and legends
@@ -84,7 +95,7 @@ def read_log(path, name="run"):
             step = record["step"]
             if record.get("eval_only"):  # evaluations of other models: references, not points of this run
                 if record.get("init_from") == "gpt2":
-                    references = {curve: finite(record.get(curve)) for curve in ("val_loss", "hellaswag_acc_norm")}
+                    references = {curve: finite(record.get(curve)) for curve in ("val_loss", *BENCHMARKS)}
                     gpt2.update((curve, value) for curve, value in references.items() if value is not None)
                 continue
             if record.get("event") == "resume":  # the steps after the checkpoint are being trained again
@@ -233,7 +244,7 @@ def styles(runs, index):
     """{curve: (colour, label)} for runs[index]: one run gets a colour per curve; several, a colour per run, and
     labels that name the run."""
     if len(runs) == 1:
-        colors = {"train_loss": "C0", "val_loss": "C1", "hellaswag_acc_norm": "green"}
+        colors = {"train_loss": "C0", "val_loss": "C1", "hellaswag_acc_norm": "green", "core": "C9"}
         return {curve: (colors[curve], LABELS[curve]) for curve in CURVES}
     color = RUN_COLORS[index % len(RUN_COLORS)]
     return {curve: (color, f"{display_name(runs[index])}: {LABELS[curve]}") for curve in CURVES}
@@ -261,28 +272,26 @@ def draw_losses(ax, runs, x_axis, gpt2, top, seconds_per_unit):
         ax.axhline(gpt2["val_loss"], color="red", ls="--", label=f"OpenAI GPT-2 124M val loss ({gpt2['val_loss']:.4f})")
 
 
-def draw_hellaswag(ax, runs, x_axis, gpt2, seconds_per_unit):
+def draw_benchmark(ax, runs, curve, x_axis, gpt2, seconds_per_unit):
+    """A benchmark's row (curve: HellaSwag's acc_norm, or CORE): each run's points, and its REFERENCES."""
     for index, run in enumerate(runs):
-        color, label = styles(runs, index)["hellaswag_acc_norm"]
-        ax.plot(*points(run, "hellaswag_acc_norm", x_axis, None, seconds_per_unit), lw=2, marker=".", color=color,
-                label=label)
-    if "hellaswag_acc_norm" in gpt2:
-        gpt2_label = f"OpenAI GPT-2 124M, measured ({gpt2['hellaswag_acc_norm']:.4f})"
-    else:
-        gpt2_label = f"OpenAI GPT-2 124M, published ({GPT2_124M_HELLASWAG})"
-    ax.axhline(gpt2.get("hellaswag_acc_norm", GPT2_124M_HELLASWAG), color="red", ls="--", label=gpt2_label)
-    ax.axhline(GPT3_124M_HELLASWAG, color="purple", ls="--",
-               label=f"OpenAI GPT-3 124M, published ({GPT3_124M_HELLASWAG})")
+        color, label = styles(runs, index)[curve]
+        ax.plot(*points(run, curve, x_axis, None, seconds_per_unit), lw=2, marker=".", color=color, label=label)
+    for (model, value, source), color in zip(REFERENCES[curve], ("red", "purple")):
+        if model == "OpenAI GPT-2 124M" and curve in gpt2:
+            value, source = gpt2[curve], "measured"
+        ax.axhline(value, color=color, ls="--", label=f"{model} {LABELS[curve]}, {source} ({value:.4g})")
 
 
 def plot_runs(runs, x_axes=("step",)):
     """
-    The figure: a loss row, a HellaSwag row when a run has HellaSwag points, and a column per x axis; the tokens
-    along the top of the step column where the runs all train one batch. Runs compared share the panels (and so
-    their axes), each in its colour, and one legend below them. GPT-2's measured values come from the first log
-    that has them.
+    The figure: a loss row, a row for HellaSwag and one for CORE when a run has their points, and a column per x
+    axis; the tokens along the top of the step column where the runs all train one batch. Runs compared share the
+    panels (and so their axes), each in its colour, and one legend below them. GPT-2's measured values come from the
+    first log that has them.
     """
-    rows = 2 if any(run.curves["hellaswag_acc_norm"] for run in runs) else 1  # the CPU default has no HellaSwag
+    benchmarks = [curve for curve in BENCHMARKS if any(run.curves[curve] for run in runs)]  # none by CPU default
+    rows = 1 + len(benchmarks)
     # one column is wider than a column of several: the legend below spans it
     fig, axes = plt.subplots(rows, len(x_axes), figsize=(max(7 * len(x_axes), 10), 4.5 * rows), sharex="col",
                              sharey="row", squeeze=False, layout="constrained")
@@ -298,9 +307,9 @@ def plot_runs(runs, x_axes=("step",)):
             tokens_axis.set_xlabel("tokens")
             tokens_axis.xaxis.set_major_formatter(lambda x, _: tokens_label(x))
         draw_losses(axes[0][column], runs, x_axis, gpt2, top, unit[0] if x_axis == "time" else 1)
-        if rows == 2:
-            draw_hellaswag(axes[1][column], runs, x_axis, gpt2, unit[0] if x_axis == "time" else 1)
-        for ax, y_label in zip([row[column] for row in axes], ["loss", "HellaSwag acc_norm"]):
+        for row, curve in enumerate(benchmarks, start=1):
+            draw_benchmark(axes[row][column], runs, curve, x_axis, gpt2, unit[0] if x_axis == "time" else 1)
+        for ax, y_label in zip([row[column] for row in axes], ["loss", *(LABELS[curve] for curve in benchmarks)]):
             ax.set_xlabel(f"training time ({unit[1]})" if x_axis == "time" else x_axis)
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
@@ -351,7 +360,7 @@ def read_runs(log_dirs, recipes):
         if run.bad_lines:
             print(f"warning: skipped {run.bad_lines} line(s) of {log_path} that are not log records")
         if not any(run.curves[curve] for curve in CURVES):
-            raise UsageError(f"{log_path} has no train_loss, val_loss or hellaswag_acc_norm lines to plot")
+            raise UsageError(f"{log_path} has no {', '.join(CURVES[:-1])} or {CURVES[-1]} lines to plot")
         if recipe and run.recipe and recipe != run.recipe:
             raise UsageError(f"--recipe {recipe}, but {log_path} says the run's recipe is {run.recipe}")
         runs.append(run._replace(recipe=run.recipe or recipe))
@@ -378,7 +387,7 @@ def default_out(log_dirs):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Plot the loss and HellaSwag curves of train_gpt2.py runs.")
+    parser = argparse.ArgumentParser(description="Plot the loss, HellaSwag and CORE curves of train_gpt2.py runs.")
     parser.add_argument("log_dirs", nargs="*", default=["log"], metavar="LOG_DIR",
                         help="a run's --log-dir, holding log.jsonl (default: log); several: drawn on the same axes")
     parser.add_argument("--out", help="the PNG to write (default: LOG_DIR/curves.png; for several runs, compare.png)")

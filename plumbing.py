@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -440,6 +441,22 @@ def directory_lock(directory, refusal, unwritable):
                         os.rmdir(path)
 
 
+@contextlib.contextmanager
+def waiting_for_lock(path, unwritable):
+    """Holds the lock file path while inside, waiting first for any other process that holds it: the runs that share
+    a cache download a file into it once, the others waiting for it. The kernel drops the lock of a process that
+    dies. Raises UsageError unwritable.format(reason=...) if the file cannot be made."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        lock_file = open(path, "a")
+    except OSError as e:
+        raise UsageError(unwritable.format(reason=e.strerror or e)) from None
+    with lock_file:
+        if fcntl:
+            fcntl.lockf(lock_file, fcntl.LOCK_EX)
+        yield
+
+
 # -----------------------------------------------------------------------------
 # Downloads, once per node, into a cache
 
@@ -455,6 +472,14 @@ def check_safetensors(path):
             f.keys()
     except Exception as e:  # safetensors raises its own error types, not OSError
         raise BadFile(str(e))
+
+
+def sha256_of(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def default_cache_dir():

@@ -242,7 +242,9 @@ def require(cfg, names, ok, what):
             raise UsageError(f"{flag(name)} must be {what}, not {getattr(cfg, name)}")
 
 
-PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "cache_dir", "sample", "export_hf", "resume", "init_from")
+PATH_SETTINGS = ("data", "log_dir", "hellaswag_file", "core_data", "cache_dir", "sample", "export_hf", "resume",
+                 "init_from")
+BENCHMARKS = {"hellaswag_every": "HellaSwag", "core_every": "CORE"}  # their text needs every GPT-2 token
 
 
 def check_paths(cfg, given, model_sizes):
@@ -264,8 +266,8 @@ def check_config(cfg, world_size):
                   "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip",
                   "muon_lr", "embed_lr", "head_lr", "logit_softcap"),
             lambda v: v > 0, "positive")
-    require(cfg, ("max_steps", "warmup_steps", "eval_every", "hellaswag_every", "checkpoint_every", "num_samples",
-                  "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
+    require(cfg, ("max_steps", "warmup_steps", "eval_every", *BENCHMARKS, "core_max_per_task", "checkpoint_every",
+                  "num_samples", "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
     # Adam divides its rate by 1 - beta1 (10 or 5 times it at the first step), Muon multiplies its own by up to 2:
     # near float32's largest number, the optimizer's step overflows (a traceback inside torch)
     most = torch.finfo(torch.float32).max / 100
@@ -281,9 +283,10 @@ def check_config(cfg, world_size):
                          f"--wandb-project too")
     if cfg.wandb_project:
         run_files.import_wandb(cfg.wandb_project)  # now rather than after the set-up: a missing package costs no time
-    if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
-        raise UsageError(f"--hellaswag-every {cfg.hellaswag_every} needs GPT-2's whole vocabulary, but --vocab-size "
-                         f"is {cfg.vocab_size}; pass --hellaswag-every 0")
+    for key in BENCHMARKS:
+        if getattr(cfg, key) > 0 and cfg.vocab_size < GPT2_VOCAB:
+            raise UsageError(f"{flag(key)} {getattr(cfg, key)} needs GPT-2's whole vocabulary, but --vocab-size is "
+                             f"{cfg.vocab_size}; pass {flag(key)} 0")
     if cfg.loss == "chunked" and cfg.dtype == "fp16":  # its gradients exist before the loss is scaled
         raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the "
                          "gradient scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, "
@@ -345,11 +348,12 @@ def take_model_settings(cfg, given, model_config, path):
     if cfg.seq_len > cfg.block_size:
         raise UsageError(f"--seq-len {cfg.seq_len} is longer than {path}'s block of {cfg.block_size} tokens; pass "
                          f"--seq-len {cfg.block_size}")
-    if cfg.hellaswag_every > 0 and cfg.vocab_size < GPT2_VOCAB:
-        if "hellaswag_every" in given:
-            raise UsageError(f"--hellaswag-every needs GPT-2's whole vocabulary, and {path} has {cfg.vocab_size} "
-                             f"tokens; drop it")
-        cfg.hellaswag_every = 0
+    for key in BENCHMARKS:
+        if getattr(cfg, key) > 0 and cfg.vocab_size < GPT2_VOCAB:
+            if key in given:
+                raise UsageError(f"{flag(key)} needs GPT-2's whole vocabulary, and {path} has {cfg.vocab_size} "
+                                 f"tokens; drop it")
+            setattr(cfg, key, 0)
 
 
 # -----------------------------------------------------------------------------
@@ -392,10 +396,12 @@ def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
     if cfg.compile_mode != "default" and not cfg.compile:
         raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass "
                          f"--compile or drop it")
-    if "hellaswag_every" not in given and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
+    off = [key for key in BENCHMARKS if key not in given and getattr(cfg, key) != 0]
+    if off and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
         why = (f"on {env.device_type} (too slow without CUDA)" if env.device_type != "cuda" else
-               f"with --vocab-size {cfg.vocab_size} (its text needs every GPT-2 token)")
-        overrule(cfg, changes, f"no HellaSwag {why}", "hellaswag_every", 0)
+               f"with --vocab-size {cfg.vocab_size} (their text needs every GPT-2 token)")
+        for key in off:
+            overrule(cfg, changes, f"no {' or '.join(BENCHMARKS[key] for key in off)} {why}", key, 0)
     if master:
         for line in say_changes(changes, cfg.model, model_sizes[cfg.model]):
             print(line)

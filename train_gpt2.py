@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 import checkpoints
 import commands
+import core
 import fsdp
 import hellaswag
 import hf_export
@@ -54,7 +55,7 @@ if dist.is_available():  # builds without torch.distributed have none
 # what benchmarks/ may use of this file (tests/test_structure.py checks it): every other name may change freely
 __all__ = ["TrainConfig", "parse_args", "resolve_config", "MODEL_SIZES", "PADDED_VOCAB", "GPTConfig", "GPT", "model_of",
            "make_model", "make_optimizers", "set_lr", "set_up_distributed", "tear_down_distributed", "set_tf32",
-           "autocast_context", "compile_model", "train_step", "evaluate_val"]
+           "autocast_context", "compile_model", "train_step", "evaluate_val", "SHAKESPEARE"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
 
@@ -87,8 +88,7 @@ class TrainConfig:
     n_embd: int = setting(0, "embedding width (0: from --model)")
     block_size: int = setting(1024, "longest context the model can take (the rows of its position table)")
     vocab_size: int = setting(PADDED_VOCAB, "embedding rows: GPT-2's 50257 tokens padded to a multiple of 128")
-    attn: str = setting("sdpa", "sdpa (flash attention) or naive (explicit masked softmax, for tests)",
-                        ["sdpa", "naive"])
+    attn: str = setting("sdpa", "sdpa (flash attention), naive (explicit masked softmax, for tests)", ["sdpa", "naive"])
     recipe: str = setting("gpt2", "gpt2: GPT-2 exactly; modern: rotary, QK-norm, ReLU², an untied zero-init head, "
                           "logit soft-cap, Muon, a constant rate then a cool-down (modern.py)", ["gpt2", "modern"])
     init_from: str = setting("scratch", "random weights, OpenAI's (gpt2, gpt2-medium, ...) or an --export-hf directory")
@@ -117,6 +117,9 @@ class TrainConfig:
     val_tokens: int = setting(10485760, "validation tokens: a fixed set, the same for any number of processes")
     hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)")
     hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
+    core_every: int = setting(2000, "steps between CORE evaluations (0: never; the default is 0 without CUDA)")
+    core_max_per_task: int = setting(0, "examples a CORE task (0: nanochat's 500 in training, all at the end)")
+    core_data: str = setting("", "a local CORE bundle (an unzipped eval_bundle.zip), for machines with no internet")
     cache_dir: str = setting("", "for downloads (empty: $GPT2_CACHE_DIR, else ~/.cache/train_gpt2)")
     eval_only: bool = setting(False, "evaluate the latest checkpoint in --log-dir (or --resume's), log it, and stop")
     prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
@@ -136,9 +139,8 @@ class TrainConfig:
     dtype: str = setting("auto", "auto: bf16 on Ampere and newer, fp16 on older GPUs, fp32 elsewhere",
                          ["auto", "fp32", "tf32", "bf16", "fp16"])
     compile: Optional[bool] = setting(None, "torch.compile the model (default: on for CUDA)")
-    compile_mode: str = setting("default", "max-autotune: faster kernels (compiles for minutes); reduce-overhead: "
-                                "CUDA graphs",
-                                ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
+    compile_mode: str = setting("default", "max-autotune: faster kernels (compiles for minutes); reduce-overhead: CUDA "
+                                "graphs", ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
     fsdp: bool = setting(False, "shard weights, gradients, optimizer state over the processes (FSDP2), not copy them")
     loss: str = setting("full", "full: one cross-entropy over all (B*T, vocab) logits; chunked: a chunk of rows at a "
@@ -153,7 +155,8 @@ class TrainConfig:
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=8, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
     batch_size=8, seq_len=128, total_batch_size=1024, max_steps=900, warmup_steps=50, max_lr=2e-3, eval_every=150,
-    val_tokens=16384, hellaswag_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48, num_samples=3,
+    val_tokens=16384, hellaswag_every=0, core_every=0, checkpoint_every=0, prompt="\n", max_new_tokens=48,
+    num_samples=3,
 )
 # Fine-tuning OpenAI's GPT-2 on it instead (--init-from gpt2): a far gentler learning rate, and fewer steps.
 SHAKESPEARE_FINETUNE = dict(max_steps=100, warmup_steps=10, max_lr=3e-5, eval_every=25)
@@ -286,10 +289,10 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, at=None):
         """The logits (B, T, vocab_size) of the tokens idx (B, T), which follow those in kv_cache if any, the padding
-        ids at -inf; given targets, (None, the mean loss over those that are not -1): the training step never needs
-        the (B, T, V) logits, which as an output would have to be written out whole."""
+        ids at -inf (at: of the B*T positions, these alone, as CORE scores a few); given targets, (None, the mean loss
+        over those that are not -1): the training step never needs the (B, T, V) logits, written out whole."""
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         pos = torch.arange(past, past + idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
@@ -297,7 +300,7 @@ class GPT(nn.Module):
             x = block(x, None if kv_cache is None else kv_cache[i])
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is None:
-            return self.logits(x), None
+            return self.logits(x if at is None else x.flatten(0, 1)[at]), None
         if self.config.loss == "chunked":  # a chunk of rows at a time: no (B*T, V) logits in memory
             return None, chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.vocab_mask)
         return None, cross_entropy(self.logits(x).flatten(0, 1), targets.flatten())  # compiled: 6 GiB less at B=64
@@ -703,17 +706,17 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=
 
 
 def evaluations_due(run):
-    """Whether the validation loss (with samples) and HellaSwag are due at run.step."""
+    """Whether the validation loss (with samples) is due at run.step, and the benchmarks that are, of those on."""
     cfg, step = run.cfg, run.step
     final = cfg.eval_only or step == cfg.max_steps
     return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
-            run.hellaswag_data is not None and (final or step % cfg.hellaswag_every == 0))
+            [module for module in run.benchmarks if final or step % getattr(cfg, module.EVERY) == 0])
 
 
 def evaluate(run):
-    """The evaluations due at run.step, logged: the validation loss with samples, and HellaSwag."""
+    """The evaluations due at run.step, logged: the validation loss with samples, HellaSwag and CORE."""
     cfg, env, step = run.cfg, run.env, run.step
-    val_due, hellaswag_due = evaluations_due(run)
+    val_due, benchmarks_due = evaluations_due(run)
     if val_due:
         run.val_loss = evaluate_val(run.compiled, run.val, run.micro_batch, cfg.seq_len, env.device, run.autocast_ctx,
                                     env.rank, env.world_size)
@@ -722,12 +725,8 @@ def evaluate(run):
         if cfg.num_samples > 0:  # eager, so that growing lengths never recompile
             print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
                           run.micro_batch, show=run.master)
-    if hellaswag_due:
-        per_batch = hellaswag.examples_per_batch(run.hellaswag_data, run.micro_batch * cfg.seq_len)
-        acc_norm, acc, n = hellaswag.evaluate(run.compiled, run.hellaswag_data, env.device, run.autocast_ctx, env.rank,
-                                              env.world_size, per_batch)
-        reporting.log_evaluation(run, {"hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc},
-                                 f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+    for benchmark in benchmarks_due:  # each at the micro-batch, on every rank
+        reporting.log_evaluation(run, *benchmark.evaluate_run(run, run.benchmarks[benchmark]))
 
 
 def evaluate_unless_stopped(run, stop_signal):
@@ -752,7 +751,7 @@ class Run:
     env: Env
     stream: TokenStream  # the training tokens
     val: np.ndarray  # the fixed validation tokens
-    hellaswag_data: Optional[dict]  # tokenized once; None when HellaSwag is off
+    benchmarks: dict  # {hellaswag or core: its examples, read once (load_run)} of those on
     model: nn.Module  # its weights are what checkpoints save and samples come from
     compiled: nn.Module  # the model compiled, and in DDP under torchrun: what trains and evaluates
     optimizers: list
@@ -797,10 +796,10 @@ def set_up(cfg, given, env):
         settings.check_recipe(cfg, given, RECIPES)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
-    hellaswag_data = hellaswag.load(cfg.hellaswag_file, cfg.cache_dir, cfg.block_size) if cfg.hellaswag_every else None
+    benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core) if getattr(cfg, module.EVERY)}
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
     compiled = wrap_model(model, cfg, env)
-    run = Run(cfg, env, stream, val, hellaswag_data, model, compiled,
+    run = Run(cfg, env, stream, val, benchmarks, model, compiled,
               optimizers=make_optimizers(model, cfg, env.device_type),
               scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow
               autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_files.RunLog(cfg.log_dir))

@@ -255,7 +255,7 @@ def trainer_command(args, data_dir, log_dir, fsdp):
         "--batch-size", str(B), "--no-fit-batch-size",  # B itself, or the run says it does not fit
         "--seq-len", str(T), "--total-batch-size", str(B * T * W * args.accumulation_steps),
         "--dtype", "bf16", "--max-steps", str(MEASURED_STEPS), "--eval-every", "0", "--hellaswag-every", "0",
-        "--num-samples", "0", "--checkpoint-every", "0", "--val-tokens", str(T),
+        "--core-every", "0", "--num-samples", "0", "--checkpoint-every", "0", "--val-tokens", str(T),
     ] + (["--fsdp"] if fsdp else [])
 
 

@@ -40,7 +40,8 @@ SEARCH_LINE = re.compile(r"^micro-batch (\d+), as .* found in ([\d.]+) s", re.M)
 def trainer_args(data_dir, log_dir, steps, extra):
     """The default run, on random shards, for steps steps, with no evaluation but the final one."""
     return ["--data", data_dir, "--log-dir", log_dir, "--no-resume", "--max-steps", str(steps), "--eval-every", "0",
-            "--hellaswag-every", "0", "--num-samples", "0", "--checkpoint-every", "0", "--val-tokens", "8192", *extra]
+            "--hellaswag-every", "0", "--core-every", "0", "--num-samples", "0", "--checkpoint-every", "0",
+            "--val-tokens", "8192", *extra]
 
 
 def run_capped(gib, history, args):

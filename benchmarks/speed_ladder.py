@@ -135,8 +135,8 @@ def run_rung(settings, B, args, data_dir, log_dir):
         "--seq-len", str(T), "--block-size", str(T), "--total-batch-size", str(B * T),
         # one step more than is read: the run is stopped before its final evaluation and checkpoint
         "--max-steps", str(n_steps + 1),
-        "--eval-every", "0", "--val-tokens", str(T), "--hellaswag-every", "0", "--num-samples", "0",
-        "--checkpoint-every", "0",
+        "--eval-every", "0", "--val-tokens", str(T), "--hellaswag-every", "0", "--core-every", "0",
+        "--num-samples", "0", "--checkpoint-every", "0",
         *as_flags(settings),
     ]
     steps = train_until_logged(command, os.path.join(log_dir, "log.jsonl"), n_steps, log_dir + ".out",

@@ -32,7 +32,7 @@ VOCAB = 128
 # 2 layers, width 64, T=32, vocab 128: 4 x 32 x 2 accumulation steps = 256 tokens a step on one process
 TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32", "--vocab-size", str(VOCAB),
         "--batch-size", "4", "--seq-len", "32", "--total-batch-size", "256", "--val-tokens", "256",
-        "--num-samples", "0", "--eval-every", "0", "--device", "cpu", "--hellaswag-every", "0"]
+        "--num-samples", "0", "--eval-every", "0", "--device", "cpu", "--hellaswag-every", "0", "--core-every", "0"]
 
 
 def write_shards(directory, train_lengths=(3000, 2500), val_length=1000, vocab=VOCAB, seed=0, ext="npy"):

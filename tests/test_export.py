@@ -603,8 +603,8 @@ def test_the_model_card_reads_hellaswag_past_a_damaged_log_line(tmp_path):
     record = {"step": 5, "hellaswag_acc_norm": 0.25, "hellaswag_acc": 0.5}
     (tmp_path / "log.jsonl").write_bytes(b'{"step": 5, "hellaswag_acc_norm": 0.9\n\xff\xfe{}\n' +
                                          json.dumps(record).encode() + b"\n")
-    assert commands.logged_hellaswag(str(tmp_path / "ckpt_000005.dcp") + "/", 5) == record
-    assert commands.logged_hellaswag(str(tmp_path / "ckpt_000004.pt"), 4) is None
+    assert commands.logged_evaluation(str(tmp_path / "ckpt_000005.dcp") + "/", 5, "hellaswag_acc_norm") == record
+    assert commands.logged_evaluation(str(tmp_path / "ckpt_000004.pt"), 4, "hellaswag_acc_norm") is None
 
 
 def test_an_unreadable_checkpoint_is_refused(tmp_path, capsys):

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import core
 import plot
 from helpers import REPO, run_command
 
@@ -98,8 +99,9 @@ def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
                   {"step": 0, "tokens": 0, "val_loss": 2.9, "hellaswag_acc_norm": 0.4, "eval_only": True,
                    "init_from": "gpt2-medium"}]
     for extra, expected, label in [
-        (gpt2_lines, {"val_loss": 3.29, "hellaswag_acc_norm": 0.2955}, "OpenAI GPT-2 124M, measured (0.2955)"),
-        (gpt2_lines[:1], {"val_loss": 3.29}, "OpenAI GPT-2 124M, published (0.2945)"),
+        (gpt2_lines, {"val_loss": 3.29, "hellaswag_acc_norm": 0.2955},
+         "OpenAI GPT-2 124M HellaSwag acc_norm, measured (0.2955)"),
+        (gpt2_lines[:1], {"val_loss": 3.29}, "OpenAI GPT-2 124M HellaSwag acc_norm, published (0.2945)"),
     ]:
         write_log(tmp_path, run_log() + extra)
         curves, gpt2, _ = plot.read_log(tmp_path / "log.jsonl")[:3]
@@ -107,7 +109,30 @@ def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
         fig = plot.plot_runs([plot.Run(curves, gpt2)])
         hellaswag_lines = {line.get_label(): line.get_ydata()[0] for line in fig.axes[1].get_lines()}
         assert hellaswag_lines[label] == gpt2.get("hellaswag_acc_norm", 0.2945)
-        assert hellaswag_lines["OpenAI GPT-3 124M, published (0.337)"] == 0.337
+        assert hellaswag_lines["OpenAI GPT-3 124M HellaSwag acc_norm, published (0.337)"] == 0.337
+        plot.plt.close(fig)
+
+
+def test_core_has_a_row_of_its_own_with_gpt2s_lines(tmp_path):
+    """CORE against the step, under HellaSwag, with GPT-2 124M's line (nanochat's measure, as core.py has it, or the
+    log's own of --eval-only --init-from gpt2) and GPT-2 1.5B's; without HellaSwag points, right under the losses."""
+    pytest.importorskip("matplotlib")
+    assert (plot.GPT2_124M_CORE, plot.GPT2_XL_CORE) == (core.OPENAI_CORE["gpt2"], core.OPENAI_CORE["gpt2-xl"])
+    core_lines = [{"step": step, "tokens": step * 1024, "core": 0.01 * step, "core_accuracy": {"copa": 0.5},
+                   "core_centered": {"copa": 0.0}, "core_examples": 100} for step in (0, 2)]
+    gpt2_line = {"step": 0, "tokens": 0, "core": 0.1142, "eval_only": True, "init_from": "gpt2"}
+    for records, rows, gpt2 in [
+        (run_log() + core_lines, 3, ("nanochat's", 0.1139)),
+        ([r for r in run_log() if "hellaswag_acc_norm" not in r] + core_lines + [gpt2_line], 2, ("measured", 0.1142)),
+    ]:
+        write_log(tmp_path, records)
+        fig = plot.plot_runs([plot.read_log(tmp_path / "log.jsonl")])
+        core_panel = fig.axes[rows - 1]
+        assert len(fig.axes) == rows and core_panel.get_ylabel() == "CORE"
+        references = {line.get_label(): line.get_ydata()[0] for line in core_panel.get_lines()}
+        assert references[f"OpenAI GPT-2 124M CORE, {gpt2[0]} ({gpt2[1]})"] == gpt2[1]
+        assert references["OpenAI GPT-2 1.5B CORE, nanochat's (0.2565)"] == 0.2565
+        assert drawn(fig, "CORE") == [(0, 0.0), (2, 0.02)]
         plot.plt.close(fig)
 
 
@@ -119,7 +144,7 @@ def test_loss_axis_leaves_out_the_first_steps(steps, loss, reference):
     """The ~11 of the first steps would squeeze the rest of the run into the bottom of the loss panel: the axis
     starts at the losses after the first 5% of the steps, and a late spike does not move it."""
     curves = {"train_loss": {s: (s * 1024, loss(s)) for s in range(steps)},
-              "val_loss": {s: (s * 1024, loss(s)) for s in range(0, steps, 25)}, "hellaswag_acc_norm": {}}
+              "val_loss": {s: (s * 1024, loss(s)) for s in range(0, steps, 25)}, "hellaswag_acc_norm": {}, "core": {}}
     curves["train_loss"][steps * 3 // 4] = (0, 9.0)
     bottom, top = plot.loss_axis_limits([curves], reference)
     assert loss(int(0.06 * steps)) < top < loss(int(0.04 * steps))
@@ -153,7 +178,7 @@ def test_non_finite_values_are_skipped_and_the_finite_points_drawn(tmp_path):
     assert "NaN" in (tmp_path / "log.jsonl").read_text()
     result = run_command([sys.executable, PLOT, str(tmp_path)], None, dict(os.environ), timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "6 train_loss, 2 val_loss, 4 hellaswag_acc_norm, GPT-2 hellaswag_acc_norm 0.2955" in result.stdout
+    assert "6 train_loss, 2 val_loss, 4 hellaswag_acc_norm, 0 core, GPT-2 hellaswag_acc_norm 0.2955" in result.stdout
     png = (tmp_path / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -205,7 +230,7 @@ def test_failed_write_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch,
 
 def test_errors_are_one_line(tmp_path):
     for log_dir, culprit in [(tmp_path / "nothing_here", "log.jsonl not found"),
-                             (tmp_path / "empty", "no train_loss, val_loss or hellaswag_acc_norm")]:
+                             (tmp_path / "empty", "no train_loss, val_loss, hellaswag_acc_norm or core")]:
         if log_dir.name == "empty":
             write_log(log_dir, [{"step": 0, "event": "resume"}])
         result = run_command([sys.executable, PLOT, str(log_dir)], None, dict(os.environ), timeout=120)
@@ -249,7 +274,8 @@ def shakespeare_curves(seed=0):
     rng = random.Random(seed)
     train = {s: (s * 1024, 4.8 + 6.1 * math.exp(-s / 38) + rng.gauss(0, 0.45 if s > 40 else 0.1)) for s in range(900)}
     val = dict(zip(range(0, 901, 150), [10.84, 6.11, 5.47, 5.59, 5.19, 5.37, 5.11]))
-    return {"train_loss": train, "val_loss": {s: (s * 1024, v) for s, v in val.items()}, "hellaswag_acc_norm": {}}
+    return {"train_loss": train, "val_loss": {s: (s * 1024, v) for s, v in val.items()}, "hellaswag_acc_norm": {},
+            "core": {}}
 
 
 def test_points_above_the_loss_axis_are_marked_and_listed():
@@ -336,7 +362,8 @@ def test_train_loss_is_drawn_with_its_running_mean():
     assert [y for _, y in mean] == pytest.approx([sum(ys[max(i - 9, 0):i + 10]) / len(ys[max(i - 9, 0):i + 10])
                                                   for i in range(900)])
     plot.plt.close(fig)
-    short = {"train_loss": {s: (s, 11.0 - s / 10) for s in range(60)}, "val_loss": {}, "hellaswag_acc_norm": {}}
+    short = {"train_loss": {s: (s, 11.0 - s / 10) for s in range(60)}, "val_loss": {}, "hellaswag_acc_norm": {},
+             "core": {}}
     fig = plot.plot_runs([plot.Run(short, {})])  # too few points to smooth: the raw line alone
     assert [line.get_label() for line in fig.axes[0].get_lines() if line.get_label().startswith("train")] == [
         "train loss"]
@@ -417,8 +444,8 @@ def test_several_runs_share_the_axes_and_one_legend(tmp_path, monkeypatch, capsy
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["plot.py", "gpt2", "modern", "--recipe", "gpt2", "--recipe", "modern"])
     plot.main()
-    assert capsys.readouterr().out.startswith("wrote compare.png (gpt2: 5 train_loss, 3 val_loss, 3 hellaswag_acc_norm;"
-                                              " modern: 5 train_loss")
+    assert capsys.readouterr().out.startswith("wrote compare.png (gpt2: 5 train_loss, 3 val_loss, "
+                                              "3 hellaswag_acc_norm, 0 core; modern: 5 train_loss")
     assert png_size(tmp_path / "compare.png") == (1400, 900)  # step (tokens along its top) and time
 
     runs = plot.read_runs(["gpt2", "modern"], ["gpt2", None])
@@ -429,7 +456,8 @@ def test_several_runs_share_the_axes_and_one_legend(tmp_path, monkeypatch, capsy
         "gpt2 (recipe gpt2): train loss", "gpt2 (recipe gpt2): val loss", "gpt2 (recipe gpt2): HellaSwag acc_norm",
         "modern (recipe modern): train loss", "modern (recipe modern): val loss",
         "modern (recipe modern): HellaSwag acc_norm",
-        "OpenAI GPT-2 124M, published (0.2945)", "OpenAI GPT-3 124M, published (0.337)", ""]
+        "OpenAI GPT-2 124M HellaSwag acc_norm, published (0.2945)",
+        "OpenAI GPT-3 124M HellaSwag acc_norm, published (0.337)", ""]
     assert [len(column) for column in plot.legend_columns(runs, [label for label in labels if label])] == [3, 3, 3]
     assert drawn(fig, "gpt2 (recipe gpt2): val loss") == drawn(fig, "modern (recipe modern): val loss") == [
         (0, 10.0), (2, 8.0), (4, 6.0)]  # the same run twice: the same points in the same panel

@@ -52,8 +52,8 @@ def test_with_shards_the_edited_file_is_what_runs(edited, tmp_path, capsys):
     assert "preset" not in out
     # but HellaSwag, too slow on a CPU, is off: said so, with the file's value (it was forced to 0 without a word)
     assert cfg.hellaswag_every == 0
-    assert ("no HellaSwag on cpu (too slow without CUDA) sets, over the file's values: --hellaswag-every 0 (file: 100)"
-            in out)
+    assert ("no HellaSwag or CORE on cpu (too slow without CUDA) sets, over the file's values: --hellaswag-every 0 "
+            "(file: 100)" in out)
     cfg, out = resolve(edited, ["--data", str(tmp_path), "--hellaswag-every", "100"], capsys)
     assert cfg.hellaswag_every == 100 and "hellaswag" not in out
 
