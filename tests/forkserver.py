@@ -1,7 +1,8 @@
 """A fork server for the tests: `python SCRIPT ARGS` as a real process of its own, without paying for Python's start
 and torch's import each time (2 to 5 s of CPU on the 2-core test machines, most of a tiny run's cost).
 
-One server per pytest process, started on first use, imports torch and numpy once, then forks a process per command.
+A server, started on first use in each pytest process (one for each set of the environment variables a process reads
+as it starts: READ_AT_START), imports torch and numpy once, then forks a process per command.
 That process becomes what `python SCRIPT ARGS` would be: the command's working directory, environment, standard
 streams (the caller's own file descriptors, passed over a Unix socket), sys.argv and sys.path as Python sets them,
 default signal handlers, and Python's normal exit (atexit, threads joined, the exit code of SystemExit or 1 after a
@@ -37,9 +38,21 @@ def forkable(argv):
 # The client: one server per process, and a process it forked, seen as a Popen
 
 
+# what a process reads of its environment as it starts (the C library's allocator, OpenMP, Python, torch's import), so
+# that a command forked from a server started with other values would not be the process it asks for: it gets a server
+# of its own values (the tests that limit a process's address space set MALLOC_ARENA_MAX, say)
+READ_AT_START = ("PYTHON", "MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH")
+SET_PER_COMMAND = ("PYTHONPATH", "PYTHONUNBUFFERED")  # become() applies these to each command
+
+
+def read_at_start(env):
+    return frozenset((key, value) for key, value in env.items()
+                     if key.startswith(READ_AT_START) and key not in SET_PER_COMMAND)
+
+
 class Server:
     lock = threading.Lock()
-    current = None
+    started = {}  # read_at_start(env) -> the Server started with those values
 
     def __init__(self, env):
         self.directory = tempfile.mkdtemp(prefix="forkserver_")
@@ -52,10 +65,12 @@ class Server:
 
     @classmethod
     def get(cls, env):
+        """The server for a command of this environment, started with it if there is none yet."""
+        key = read_at_start(env)
         with cls.lock:
-            if cls.current is None or cls.current.process.poll() is not None:
-                cls.current = Server(env)
-            return cls.current
+            if key not in cls.started or cls.started[key].process.poll() is not None:
+                cls.started[key] = Server(env)
+            return cls.started[key]
 
 
 class Process:
