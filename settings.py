@@ -164,8 +164,8 @@ def presets_help(presets, recipes):
             lines[-1] += f" {flag(key)} {shown(value)}"
         return lines
 
-    lines = ["presets: what a kind of run changes in the defaults above. A flag given keeps its own value, and a "
-             "run's", "first lines name every setting a preset changed from the file's value.",
+    lines = ["presets: what a kind of run changes in the defaults above. A flag overrides any preset, and a run's "
+             "first", "lines name every setting a preset changed, with its default.",
              "  SHAKESPEARE, when --data (not given) does not exist: python train_gpt2.py with no FineWeb shards",
              *as_flags(presets["SHAKESPEARE"]),
              "  SHAKESPEARE_FINETUNE, over it with --init-from (fine-tuning OpenAI's GPT-2 on tiny Shakespeare)",
@@ -211,24 +211,25 @@ def overrule(cfg, changes, why, key, value):
 
 
 def say_changes(changes, model, sizes, width=120):
-    """The lines that name each setting changed from the file's value, by what changed it, a setting never split over
-    two. sizes: those of --model (its name), which a file's 0 stands for."""
+    """The lines that name each setting changed from its default (the file's value), under what changed it, a setting
+    never split over two. sizes: those of --model (its name), which a default of 0 stands for."""
+    shown_changes = [change for change in changes if not (change[1] in sizes and change[2] == 0
+                                                           and change[3] == sizes[change[1]])]  # what 0 meant anyway
     lines = []
-    for why in dict.fromkeys(change[0] for change in changes):
-        lines.append(f"{why} sets, over the file's values:")
-        for made_by, key, before, value in changes:
+    for why in dict.fromkeys(change[0] for change in shown_changes):
+        lines.append(f"{why} sets:")
+        for made_by, key, before, value in shown_changes:
             if made_by != why:
                 continue
-            implied = f", meaning --model {model}'s {sizes[key]}" if key in sizes and before == 0 else ""
-            item = f"{flag(key)} {shown(value)} (file: {shown(before)}{implied})"
+            default = f"--model {model}'s {sizes[key]}" if key in sizes and before == 0 else shown(before)
+            item = f"{flag(key)} {shown(value)} (default: {default})"
             if len(lines[-1]) + len(item) + 2 > width:
                 lines.append("   ")
             lines[-1] += f" {item},"
         lines[-1] = lines[-1].removesuffix(",")
-    free = [change for change in changes if not change[0].startswith("preset --init-from")]  # a flag for its: refused
-    if free:
-        _, key, before, _ = free[-1]
-        lines.append(f"    (a flag keeps the file's value instead: {flag(key)} {shown(before)})")
+    if lines:
+        fixed = any(change[0].startswith("preset --init-from") for change in shown_changes)  # a flag for those: refused
+        lines.append(f"    (a flag overrides any of these{' but what --init-from fixes' if fixed else ''})")
     return lines
 
 

@@ -350,6 +350,32 @@ def write_jsonl(path, examples):
     path.write_text("".join(json.dumps(example) + "\n" for example in examples))
 
 
+HARNESS_TASK = "hellaswag_as_train_gpt2"
+HARNESS_TASK_YAML = """task: hellaswag_as_train_gpt2
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {path}
+  cache_dir: {cache}
+output_type: multiple_choice
+validation_split: validation
+doc_to_text: ctx
+doc_to_choice: endings
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_harness_task(directory, hellaswag_file):
+    """An lm-evaluation-harness task in directory (its --include_path) that gives the harness hellaswag_file's text
+    as hellaswag.py does: each ending after its context and a space; its datasets cache in directory/cache."""
+    (directory / f"{HARNESS_TASK}.yaml").write_text(HARNESS_TASK_YAML.format(path=hellaswag_file,
+                                                                              cache=directory / "cache"))
+
+
 def serve_hellaswag(served, monkeypatch, examples):
     """Serves examples as HELLASWAG_URL's hellaswag_val.jsonl; a download must hold that many (not 10042) examples."""
     www, base_url = served

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import shlex
 import shutil
 from dataclasses import asdict
 
@@ -28,6 +27,7 @@ import settings
 import test_pretrained
 import train_gpt2
 from helpers import (
+    HARNESS_TASK,
     REPO,
     TINY,
     check_usage_error,
@@ -42,6 +42,7 @@ from helpers import (
     synthetic_examples,
     train_records,
     val_records,
+    write_harness_task,
     write_jsonl,
     write_shards,
 )
@@ -304,108 +305,20 @@ def one_liner(text):
     return (re.search(python_c, text) or re.search(block, text, re.S)).group(1)
 
 
-@pytest.mark.parametrize("readme, model_path", [("README.md", "hf/run1"), ("the model card", "path/to/this/directory")])
-def test_the_readmes_pipeline_runs_as_written(quick_start_export, capsys, readme, model_path):
-    """The one-liner of README.md and of the exported model card, with the export's path for the model's: it samples
-    to the end of the model's context, not past it (transformers' pipeline would add 256 tokens to the prompt)."""
-    text = open(os.path.join(REPO, "README.md") if readme == "README.md" else
-                os.path.join(quick_start_export, "README.md")).read()
-    code = one_liner(text)
-    assert code.count(f'model="{model_path}"') == 1, code
+def test_the_model_cards_pipeline_runs_as_written(quick_start_export, capsys):
+    """The exported model card's one-liner, with the export's path for the model's: it samples to the end of the
+    model's context, not past it (transformers' pipeline would add 256 tokens to the prompt). The README's own
+    one-liners are tests/test_readme.py's."""
+    code = one_liner(open(os.path.join(quick_start_export, "README.md")).read())
+    assert code.count('model="path/to/this/directory"') == 1, code
     torch.manual_seed(0)  # the sampling
-    exec(code.replace(model_path, quick_start_export), {})
+    exec(code.replace("path/to/this/directory", quick_start_export), {})
     printed = capsys.readouterr().out
     assert "Hello, I" in printed and len(printed) > 500, printed  # 250 new tokens or so
 
 
 # -----------------------------------------------------------------------------
-# The README's commands, lm-evaluation-harness, and the way back (--init-from DIR)
-
-
-def readme_section(title):
-    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    return text[text.index(f"\n## {title}\n"):].split("\n## ")[1]
-
-
-def readme_lines(section, start):
-    """The lines of the section's bash blocks that start so, without their comments."""
-    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", section, re.S))
-    return [line.split("  #")[0].strip() for line in blocks.splitlines() if line.startswith(start)]
-
-
-@pytest.fixture(scope="module")
-def readme_dir(exports, tmp_path_factory):
-    """A directory where the README's export commands find what they expect, a run of each recipe in log/ and
-    log_modern/ (GPT-2's checkpoint as ckpt_000900.pt), after its `python train_gpt2.py --export-hf` lines that read
-    them ran there as written (--init-from gpt2's, which downloads, is test_the_readmes_export_commands_run's)."""
-    root = tmp_path_factory.mktemp("readme")
-    os.makedirs(root / "log")
-    shutil.copy(exports["gpt2"][0], root / "log" / "ckpt_000900.pt")
-    if "modern" in exports:
-        os.makedirs(root / "log_modern")
-        shutil.copy(exports["modern"][0], root / "log_modern")
-    lines = readme_lines(readme_section("Export to Hugging Face"), "python train_gpt2.py --export-hf")
-    assert len(lines) == 4, lines
-    before = os.getcwd()
-    os.chdir(root)
-    try:
-        for line in lines:
-            if "--init-from" not in line and ("log_modern" not in line or "modern" in exports):
-                train_gpt2.main(shlex.split(line)[2:])
-    finally:
-        os.chdir(before)
-    return root
-
-
-def test_the_readmes_export_commands_run_as_written(readme_dir, gpt2_server, exports, monkeypatch, capsys):
-    """Each export line of the README's export section, its pipeline one-liners on what they wrote, and its
-    --init-from lines on that (the fine-tuning for 2 of its 100 steps)."""
-    monkeypatch.chdir(readme_dir)
-    monkeypatch.setenv("GPT2_CACHE_DIR", str(readme_dir / "cache"))
-    section = readme_section("Export to Hugging Face")
-    line = readme_lines(section, "python train_gpt2.py --export-hf hf/gpt2")[0]
-    code, printed, err = run_main(shlex.split(line)[2:], capsys)
-    assert code == 0, err
-    init_from = readme_lines(section, "python train_gpt2.py --init-from")
-    for line in init_from + readme_lines(section, "python train_gpt2.py --eval-only"):
-        if "modern" in line and "modern" not in exports:
-            continue
-        code, printed, err = run_main(shlex.split(line)[2:] + (["--max-steps", "2"] if "--eval-only" not in line
-                                                               else []), capsys)
-        assert code == 0, err
-        assert "the weights in hf/" in printed and "val loss" in printed
-    written = {"hf/run1": "GPT2LMHeadModel", "hf/step900": "GPT2LMHeadModel", "hf/gpt2": "GPT2LMHeadModel"}
-    if "modern" in exports:
-        written["hf/modern"] = "NanoChatForCausalLM"
-    for path, architecture in written.items():
-        assert json.load(open(readme_dir / path / "config.json"))["architectures"] == [architecture]
-    one_liners = re.findall(r"python -c '(.*pipeline\(.*)'", readme_section("Export to Hugging Face"))
-    assert [re.search(r'model="([^"]+)"', code).group(1) for code in one_liners] == ["hf/run1", "hf/modern"]
-    for code in one_liners:
-        if re.search(r'model="([^"]+)"', code).group(1) in written:
-            torch.manual_seed(0)  # the sampling
-            exec(code, {})
-            printed = capsys.readouterr().out
-            assert "'generated_text': " in printed and "Hello, I" in printed and len(printed) > 60, printed
-
-
-TASK = "hellaswag_as_train_gpt2"
-TASK_YAML = """task: hellaswag_as_train_gpt2
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: {path}
-  cache_dir: {cache}
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: ctx
-doc_to_choice: endings
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
+# lm-evaluation-harness, and the way back (--init-from DIR)
 
 
 @pytest.fixture(scope="module")
@@ -413,7 +326,7 @@ def harness(hellaswag_file, tmp_path_factory):
     """lm-evaluation-harness (None where it is not installed) and the directory of a task of it that gives it
     hellaswag_file's text as hellaswag.py does: each ending after its context and a space."""
     tasks = tmp_path_factory.mktemp("tasks")
-    (tasks / f"{TASK}.yaml").write_text(TASK_YAML.format(path=hellaswag_file, cache=tasks / "cache"))
+    write_harness_task(tasks, hellaswag_file)
     with pytest.MonkeyPatch.context() as patch:
         for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # read when the datasets library is imported
             patch.setenv(name, "1")
@@ -423,7 +336,7 @@ def harness(hellaswag_file, tmp_path_factory):
         except ImportError:
             yield None, tasks
             return
-        yield functools.partial(lm_eval.simple_evaluate, tasks=[TASK], device="cpu", log_samples=True,
+        yield functools.partial(lm_eval.simple_evaluate, tasks=[HARNESS_TASK], device="cpu", log_samples=True,
                                 task_manager=TaskManager(include_path=str(tasks), include_defaults=False)), tasks
 
 
@@ -452,8 +365,8 @@ def accuracy(likelihoods, examples):
 
 @pytest.mark.parametrize("name", ON_INPUT_ONLY)
 def test_lm_eval_scores_the_export_as_eval_only(exports, harness, hellaswag_file, name, tmp_path, capsys):
-    """On a HellaSwag-format file: lm-evaluation-harness's acc of the export (the README's lm_eval line for the recipe,
-    its task that file's), where it is installed, and the same computed its way with transformers, is --eval-only's
+    """On a HellaSwag-format file: lm-evaluation-harness's acc of the export (its hf model, its task that file's),
+    where it is installed, and the same computed its way with transformers, is --eval-only's
     acc of the checkpoint; each ending's log-likelihood ours."""
     ckpt, out, _ = exports[name]
     examples = synthetic_examples(HELLASWAG_LABELS)
@@ -471,15 +384,9 @@ def test_lm_eval_scores_the_export_as_eval_only(exports, harness, hellaswag_file
     evaluate, _ = harness
     if evaluate is None:
         pytest.skip("lm-evaluation-harness is not installed (pip install \"lm_eval[hf]\"): checked with transformers")
-    line = readme_lines(readme_section("Export to Hugging Face"), f"lm_eval --model hf --model_args pretrained=hf/"
-                                                                  f"{'run1' if name == 'gpt2' else 'modern'} ")[0]
-    words = shlex.split(line)
-    model_args = words[words.index("--model_args") + 1]
-    assert words[words.index("--tasks") + 1] == "hellaswag"  # the real one; here, the same model on the file's task
-    results = evaluate(model=words[words.index("--model") + 1],
-                       model_args=re.sub(r"pretrained=[^,]*", f"pretrained={out}", model_args))
-    assert results["results"][TASK]["acc,none"] == eval_only
-    samples = sorted(results["samples"][TASK], key=lambda sample: sample["doc_id"])
+    results = evaluate(model="hf", model_args=f"pretrained={out}")  # the README's lm_eval lines: tests/test_readme.py
+    assert results["results"][HARNESS_TASK]["acc,none"] == eval_only
+    samples = sorted(results["samples"][HARNESS_TASK], key=lambda sample: sample["doc_id"])
     theirs_likelihoods = [[float(response[0][0]) for response in sample["resps"]] for sample in samples]
     torch.testing.assert_close(torch.tensor(theirs_likelihoods, dtype=torch.double), -sums.double(), rtol=1e-5,
                                atol=1e-4)
@@ -502,10 +409,8 @@ def test_init_from_the_export_starts_at_its_validation_loss(exports, name, tmp_p
     assert code == 0, err
     assert f"\nfine-tuning the weights in {out} for 2 steps\n" in printed
     assert f"preset --init-from {out} (its recipe and shapes) sets" in printed
-    assert ("--recipe modern (file: gpt2)" in printed) == (name == "modern")
-    hints = re.findall(r"\(a flag keeps the file's value instead: (--[\w-]+)", printed)
-    fixed = {"--recipe", "--n-layer", "--n-head", "--n-embd", "--block-size", "--vocab-size", "--logit-softcap"}
-    assert hints and not fixed & set(hints)  # never a setting that --init-from fixes, which that flag would refuse
+    assert ("--recipe modern (default: gpt2)" in printed) == (name == "modern")
+    assert "(a flag overrides any of these but what --init-from fixes)" in printed  # those flags would be refused
     assert "--vocab-size" not in printed  # 50257 real rows, padded to the file's 50304
     val = val_records(read_log(tmp_path / "log"))
     assert val[0]["val_loss"] == pytest.approx(load_ckpt(ckpt)["val_loss"], abs=1e-6)

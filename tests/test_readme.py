@@ -1,24 +1,457 @@
-"""What the README shows: the files its commands make in a clone stay out of git's way (.gitignore covers them)."""
+"""The README's commands, run as written as far as a CPU with no network can: every command of its bash blocks is
+either run here, in a directory of its own as a fresh clone would be (the training runs cut short and shrunk by flags
+appended to them, which override any preset; a checkpoint the README names by its step, the one the shortened run
+wrote), with the network pointed at a local HTTP server, or skipped with its reason (a GPU, a cluster, the real
+downloads). And the files its commands make in a clone stay out of git's way (.gitignore covers them)."""
+import base64
+import hashlib
+import http.server
+import json
 import os
+import pathlib
 import re
 import shlex
 import shutil
 import subprocess
+import sys
+import threading
+import urllib.parse
+from typing import NamedTuple
 
 import pytest
+import torch
 
 import plot
+import test_pretrained
 import train_gpt2
-from helpers import REPO
+from helpers import HARNESS_TASK, REPO, needs_muon, run_main, synthetic_examples, write_harness_task, write_jsonl
 
+README = os.path.join(REPO, "README.md")
 WRITES = re.compile(r"(?:--export-hf|--output|--log-dir|--json|--trace|mkdir -p) +([^\s`'\"]+)")
+# appended to a README training command: a model small enough for seconds, a few steps, a short validation
+SHRINK = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--max-steps", "3", "--val-tokens", "1024",
+          "--num-samples", "1", "--max-new-tokens", "4"]
+SHORT = ["--max-steps", "2", "--val-tokens", "1024", "--num-samples", "1", "--max-new-tokens", "4"]  # --init-from DIR
+BIN = os.path.dirname(sys.executable)  # the environment's console scripts: lm_eval, hf
+
+gpt2_server = test_pretrained.gpt2_server  # a tiny stand-in for OpenAI's weights, served as the Hub serves them
+
+# Every command of the README's bash blocks: how this file runs it, or why it cannot. A README command that matches
+# none fails test_every_readme_command_is_run_here_or_skipped_with_its_reason.
+HOW = [
+    (r"^pip install", "skip: installs from the network (the tests' environment is installed so)"),
+    (r"^torchrun ", "skip: needs several GPUs (tests/test_fsdp.py and others run 2 processes on the CPU)"),
+    (r"^srun ", "skip: needs a SLURM cluster"),
+    (r"^#!/bin/bash\n#SBATCH", "skip: a SLURM batch script (tests/test_resume.py signals torchrun's workers so)"),
+    (r"^python fineweb\.py( +#|$| --max-tokens)", "skip: downloads FineWeb-Edu (tests/test_fineweb.py runs it "
+                                                  "against a fake hub)"),
+    (r"^python train_gpt2\.py +# one GPU", "skip: needs FineWeb's shards and a GPU"),
+    (r"^python benchmarks/speed_ladder\.py --(json|batch-size)", "skip: GPT-2 124M's steps need a GPU"),
+    (r"^python benchmarks/speed_ladder\.py --tiny", "skip: tests/test_speed_ladder.py runs it (8 runs: too slow to "
+                                                    "run twice)"),
+    (r"^WANDB_MODE=offline|^wandb sync", "skip: a cluster's /scratch, and W&B's sync (tests/test_wandb.py runs W&B "
+                                         "offline)"),
+    (r"--output mydata", "skip: names your own files (books/, notes.jsonl, table.parquet)"),
+    (r"--data shakespeare ", "test_the_local_text_command_runs_the_quick_starts_settings_in_a_log_dir_of_its_own"),
+    (r"^python (train_gpt2|plot)\.py|^python -c|^python benchmarks/memory\.py|^python fineweb\.py --input|^lm_eval|"
+     r"^hf ", "run"),
+]
+
+
+def readme_text():
+    with open(README, encoding="utf-8") as f:
+        return f.read()
+
+
+def section(title):
+    """The README's section whose heading starts with title, up to the next one."""
+    text = readme_text()
+    return re.search(rf"\n## {re.escape(title)}.*?\n(.*?)(?=\n## |\Z)", text, re.S).group(1)
+
+
+def block_commands(text):
+    """The commands of text's bash blocks as a user pastes them: a line with its continuations, a script whole."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        if block.startswith("#!"):
+            commands.append(block.strip())
+            continue
+        commands += [line.strip() for line in re.split(r"(?<!\\)\n", block)
+                     if line.strip() and not line.lstrip().startswith("#")]
+    return commands
+
+
+def how(command):
+    return next((how for pattern, how in HOW if re.search(pattern, command)), None)
+
+
+def words(command):
+    """The words bash passes to a command (its quoting, continuations and comment as bash reads them)."""
+    result = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, check=True)
+    return result.stdout.split("\0")[:-1]
+
+
+def commands_of(title, start):
+    """The commands of a README section's blocks that start so, as words."""
+    found = [words(command) for command in block_commands(section(title)) if command.startswith(start)]
+    assert found, (title, start)
+    return found
 
 
 def readme_commands():
     """The README's commands: its bash blocks, and the ones it shows inline (`python ...`)."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
+    readme = readme_text()
     return "\n".join(re.findall(r"```bash\n(.*?)```", readme, re.S) + re.findall(r"`(python [^`]+)`", readme))
+
+
+def test_every_readme_command_is_run_here_or_skipped_with_its_reason():
+    commands = block_commands(readme_text())
+    assert len(commands) > 30, commands
+    unknown = [command for command in commands if how(command) is None]
+    assert not unknown, f"a README command this file neither runs nor skips with a reason: {unknown}"
+
+
+# -----------------------------------------------------------------------------
+# A clone where the quick start ran
+
+
+def as_here(args, clone):
+    """A command's arguments with the checkpoints the README names by their step (log/ckpt_000900.pt, ckpt_019073.pt)
+    replaced by the one the shortened quick start wrote."""
+    return [clone.checkpoint if re.fullmatch(r"log/ckpt_\d{6}\.pt", arg) else arg for arg in args]
+
+
+def run_python(args, capsys, clone, extra=()):
+    """A README `python X.py ...` command, in this process: train_gpt2.py's and plot.py's main; (code, out, err)."""
+    script, *rest = as_here(args[1:], clone)
+    main = {"train_gpt2.py": train_gpt2.main, "plot.py": plot.main}[script]
+    return run_main(rest + list(extra), capsys, main=main)
+
+
+class Clone(NamedTuple):
+    root: pathlib.Path  # a directory with no shards, where the quick start ran
+    checkpoint: str  # the quick start's last checkpoint, relative to root
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory):
+    """A directory with no shards, where the quick start's `python train_gpt2.py` ran (shortened), as a user's clone
+    after it: log/ holds its log.jsonl and final checkpoint."""
+    root = tmp_path_factory.mktemp("clone")
+    assert "python train_gpt2.py" in block_commands(section("Quick start"))
+    before, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(root)
+    torch.set_num_threads(1)
+    try:
+        train_gpt2.main(SHRINK)
+    finally:
+        os.chdir(before)
+        torch.set_num_threads(threads)
+    return Clone(root, "log/ckpt_000003.pt")
+
+
+def test_the_quick_start_and_what_to_do_next(clone, capsys, monkeypatch):
+    """What `log/` holds after the quick start, as the README says; then its next steps: samples, the plot, the modern
+    recipe in log_modern/, the export."""
+    monkeypatch.chdir(clone.root)
+    assert {"log.jsonl", "ckpt_000003.pt"} <= set(os.listdir("log"))
+    for args in commands_of("Quick start", "python ")[1:]:  # after the quick start itself
+        if "--recipe" in args and not hasattr(torch.optim, "Muon"):
+            continue  # needs PyTorch 2.9
+        if args[1] == "plot.py" and plot.plt is None:
+            continue  # matplotlib: optional
+        extra = SHRINK if args[1] == "train_gpt2.py" and "--sample" not in args and "--export-hf" not in args else ()
+        code, out, err = run_python(args, capsys, clone, extra)
+        assert code == 0, (args, err)
+        if "--sample" in args:
+            assert "--- sample 3/3 (step 3) ---" in out and "ROMEO:" in out
+    assert json.load(open("hf/run1/config.json"))["architectures"] == ["GPT2LMHeadModel"]
+    assert plot.plt is None or os.path.isfile("log/curves.png")
+
+
+# -----------------------------------------------------------------------------
+# Reproducing GPT-2: the memory estimate
+
+
+def test_the_memory_estimate_gives_the_readmes_numbers(tmp_path):
+    """`benchmarks/memory.py` needs no GPU: the per-GPU GiB of GPT-2 XL on 8 GPUs the README quotes are its own."""
+    [args] = commands_of("Reproducing GPT-2", "python benchmarks/memory.py")
+    result = subprocess.run([sys.executable] + args[1:], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    total = [line for line in result.stdout.splitlines() if line.startswith("total")]
+    assert total and "43.27" in total[0] and "20.24" in total[0], result.stdout
+    text = " ".join(section("Reproducing GPT-2").split())
+    assert "43.3 GiB with DDP" in text and "20.2 GiB with FSDP" in text
+
+
+# -----------------------------------------------------------------------------
+# The modern recipe
+
+
+@needs_muon
+def test_the_modern_recipes_commands(clone, capsys, monkeypatch):
+    monkeypatch.chdir(clone.root)
+    for args in commands_of("The modern recipe", "python train_gpt2.py"):
+        code, out, err = run_python(args, capsys, clone, SHRINK)
+        assert code == 0, (args, err)
+    assert any(name.startswith("ckpt_") for name in os.listdir("log_modern"))
+
+
+# -----------------------------------------------------------------------------
+# Exporting, and evaluating
+
+
+@pytest.fixture(scope="module")
+def exported(clone):
+    """The Export section's `python train_gpt2.py --export-hf` lines that read the clone's runs, run there (OpenAI's,
+    which downloads, is test_the_export_commands'): hf/run1 (the quick start's test made it), hf/modern, hf/step900."""
+    before = os.getcwd()
+    os.chdir(clone.root)
+    try:
+        for args in commands_of("Exporting to Hugging Face", "python train_gpt2.py --export-hf"):
+            made = args[args.index("--export-hf") + 1]
+            if "--init-from" in args or os.path.exists(made) or ("modern" in made and not os.path.isdir("log_modern")):
+                continue
+            train_gpt2.main(as_here(args[2:], clone))
+    finally:
+        os.chdir(before)
+    return clone
+
+
+class FakeHub(http.server.ThreadingHTTPServer):
+    """The Hub's API as `hf upload` and `hf download` use it: a repo created, a model card's metadata checked, its
+    files' upload modes asked, one commit of base64 files (kept in .committed); a dataset's revision, its file tree
+    and each file (.dataset)."""
+    SHA = "c" * 40
+
+    def __init__(self, dataset_name, dataset):
+        super().__init__(("127.0.0.1", 0), FakeHubHandler)
+        self.dataset_name, self.dataset, self.committed = dataset_name, dataset, {}
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class FakeHubHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status, body=b"", content_type="application/json", head=False, headers=()):
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def do_POST(self):
+        hub, path = self.server, urllib.parse.urlsplit(self.path).path
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if path == "/api/repos/create":
+            request = json.loads(body)
+            repo = f"{request['organization']}/{request['name']}"
+            return self.reply(200, {"url": f"{hub.url}/{repo}", "name": repo, "id": repo})
+        if path == "/api/validate-yaml":  # the model card's metadata
+            return self.reply(200, {})
+        if "/preupload/" in path:
+            files = json.loads(body)["files"]
+            return self.reply(200, {"files": [dict(path=f["path"], uploadMode="regular", shouldIgnore=False)
+                                              for f in files]})
+        if "/commit/" in path:
+            for line in body.decode().splitlines():
+                record = json.loads(line)
+                if record["key"] == "file":
+                    hub.committed[record["value"]["path"]] = base64.b64decode(record["value"]["content"])
+            repo = path.removeprefix("/api/models/").partition("/commit/")[0]
+            return self.reply(200, {"commitUrl": f"{hub.url}/{repo}/commit/{hub.SHA}", "commitOid": hub.SHA})
+        self.reply(404, {"error": "not here"})
+
+    def do_GET(self, head=False):
+        hub, path = self.server, urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+        api, files = f"/api/datasets/{hub.dataset_name}/", f"/datasets/{hub.dataset_name}/resolve/{hub.SHA}/"
+        if path.startswith(api + "revision/"):
+            return self.reply(200, {"id": hub.dataset_name, "sha": hub.SHA,
+                                    "siblings": [{"rfilename": name} for name in hub.dataset]}, head=head)
+        if path.startswith(api + "tree/"):
+            return self.reply(200, [dict(type="file", path=name, size=len(data), oid=hashlib.sha1(data).hexdigest())
+                                    for name, data in hub.dataset.items()], head=head)
+        if path.startswith(files) and path[len(files):] in hub.dataset:
+            data = hub.dataset[path[len(files):]]
+            return self.reply(200, data, "application/octet-stream", head, [
+                ("X-Repo-Commit", hub.SHA), ("ETag", f'"{hashlib.sha1(data).hexdigest()}"')])
+        self.reply(404, {"error": "not here"}, head=head)
+
+    def do_HEAD(self):
+        self.do_GET(head=True)
+
+
+@pytest.fixture
+def fake_hub():
+    """A FakeHub in a thread, serving no dataset until its test gives it one."""
+    hub = FakeHub("none/none", {})
+    thread = threading.Thread(target=hub.serve_forever, daemon=True)
+    thread.start()
+    yield hub
+    hub.shutdown()
+    hub.server_close()
+
+
+def console_script(name):
+    path = os.path.join(BIN, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{name} is not installed here")
+    return path
+
+
+def test_the_export_commands(exported, gpt2_server, fake_hub, capsys, monkeypatch):
+    """The Export section's commands: OpenAI's weights exported (from the local stand-in), the transformers one-liners
+    on what the others wrote, `hf upload` against a local hub, which receives hf/run1's files as they are, and the
+    way back: --init-from DIR fine-tuning (2 of its 100 steps) and evaluating."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(exported.root)
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(exported.root / "cache"))
+    [args] = [args for args in commands_of("Exporting to Hugging Face", "python train_gpt2.py --export-hf")
+              if "--init-from" in args]
+    code, _, err = run_python(args, capsys, exported)
+    assert code == 0, err
+    written = {"hf/run1": "GPT2LMHeadModel", "hf/step900": "GPT2LMHeadModel", "hf/gpt2": "GPT2LMHeadModel"}
+    if os.path.isdir("hf/modern"):
+        written["hf/modern"] = "NanoChatForCausalLM"
+    for path, architecture in written.items():
+        assert json.load(open(os.path.join(path, "config.json")))["architectures"] == [architecture]
+    for args in commands_of("Exporting to Hugging Face", "python -c"):
+        if re.search(r'model="([^"]+)"', args[2]).group(1) in written:
+            torch.manual_seed(0)  # the sampling
+            exec(args[2], {})
+            printed = capsys.readouterr().out
+            assert "'generated_text': " in printed and "Hello, I" in printed, printed
+    [upload] = commands_of("Exporting to Hugging Face", "hf upload")
+    result = subprocess.run([console_script("hf")] + upload[1:], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, HF_ENDPOINT=fake_hub.url, HF_TOKEN="hf_test"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert fake_hub.committed == {name: open(os.path.join("hf/run1", name), "rb").read()
+                                  for name in os.listdir("hf/run1")}
+    for args in commands_of("Exporting to Hugging Face", "python train_gpt2.py --"):
+        if "--export-hf" in args or ("hf/modern" in args and "hf/modern" not in written):
+            continue
+        code, printed, err = run_python(args, capsys, exported, () if "--eval-only" in args else SHORT)
+        assert code == 0, (args, err)
+        assert "the weights in hf/" in printed and "val loss" in printed
+
+
+def test_the_evaluating_commands(exported, gpt2_server, capsys, monkeypatch):
+    """--eval-only of OpenAI's GPT-2 (the local stand-in) and of the quick start's checkpoint, GPT-2's validation loss
+    in the run's log directory, and the plots, which draw it."""
+    monkeypatch.chdir(exported.root)
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(exported.root / "cache"))
+    for args in commands_of("Evaluating", "python train_gpt2.py"):
+        code, out, err = run_python(args, capsys, exported, ["--val-tokens", "1024"])
+        assert code == 0, (args, err)
+        assert "val loss" in out
+    assert json.loads(open("log/log.jsonl").readlines()[-1])["init_from"] == "gpt2"
+    if plot.plt is None:
+        pytest.skip("plot.py needs matplotlib, which is not installed")
+    for args in commands_of("Evaluating", "python plot.py"):
+        if "log_modern" in args and not os.path.isdir("log_modern"):
+            continue
+        code, out, err = run_python(args, capsys, exported)
+        assert code == 0, (args, err)
+        assert "GPT-2 val_loss" in out, out  # the dashed line of GPT-2's validation loss
+
+
+def test_lm_eval_as_the_readme_installs_and_runs_it(exported, tmp_path):
+    """`pip install lm-eval` left out the harness's hf model's own dependencies (`lm_eval --model hf` stopped with
+    "No module named 'accelerate'"): its `lm_eval[hf]` brings them. Each `lm_eval` line runs as written, on a local
+    HellaSwag-format task for the network's `--tasks hellaswag`."""
+    [install] = commands_of("Evaluating", "pip install")
+    assert install == ["pip", "install", "lm_eval[hf]"]
+    lm_eval = console_script("lm_eval")
+    examples = tmp_path / "hellaswag_val.jsonl"
+    write_jsonl(examples, synthetic_examples([0, 1, 2, 3]))
+    write_harness_task(tmp_path, examples)
+    for args in commands_of("Evaluating", "lm_eval"):
+        if "pretrained=hf/modern" in args and not os.path.isdir(exported.root / "hf/modern"):
+            continue
+        assert args[args.index("--tasks") + 1] == "hellaswag"
+        args[args.index("--tasks") + 1] = HARNESS_TASK
+        result = subprocess.run([lm_eval] + args[1:] + ["--include_path", str(tmp_path)], cwd=exported.root,
+                                capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        assert re.search(rf"\|{HARNESS_TASK}\s*\|.*\|acc\s*\|", result.stdout), result.stdout
+
+
+# -----------------------------------------------------------------------------
+# Preparing data
+
+
+def write_parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(pa.table({"text": texts}), path)
+
+
+PARQUET = {"sample/10BT/000_00000.parquet": ["To be, or not to be", "that is the question"],
+           "sample/10BT/001_00000.parquet": ["Whether 'tis nobler in the mind to suffer"],
+           "sample/100BT/000_00000.parquet": ["not this sample"]}
+
+
+def parquet_bytes(tmp_path):
+    files = {}
+    for name, texts in PARQUET.items():
+        write_parquet(str(tmp_path / "made" / name), texts)
+        files[name] = (tmp_path / "made" / name).read_bytes()
+    return files
+
+
+def test_parquet_files_fetched_with_hf_download_make_shards(fake_hub, tmp_path):
+    """`hf download` (huggingface-cli's successor: transformers 5 installs no huggingface-cli) fetches the sample's
+    parquet files from a local hub, and the README's `fineweb.py --input` line shards them."""
+    fake_hub.dataset_name, fake_hub.dataset = "HuggingFaceFW/fineweb-edu", parquet_bytes(tmp_path)
+    download, shard = [command for command in commands_of("Preparing data", "")
+                       if command[0] == "hf" or "sample/10BT/" in command]
+    work = tmp_path / "work"
+    work.mkdir()
+    result = subprocess.run([console_script("hf")] + download[1:], cwd=work, capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, HF_ENDPOINT=fake_hub.url))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(os.listdir(work / "sample" / "10BT")) == ["000_00000.parquet", "001_00000.parquet"]
+    result = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py")] + shard[2:], cwd=work,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "edufineweb_val_000000.npy" in os.listdir(work / "edu_fineweb10B")
+
+
+def test_the_local_text_commands_shard_tiny_shakespeare(tmp_path):
+    [args] = commands_of("Preparing data", "python fineweb.py --input input.txt")
+    shutil.copy(os.path.join(REPO, "input.txt"), tmp_path)
+    result = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py")] + args[2:], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    shards = sorted(name for name in os.listdir(tmp_path / "shakespeare") if name.endswith(".npy"))
+    assert shards == ["shakespeare_train_000001.npy", "shakespeare_train_000002.npy", "shakespeare_train_000003.npy",
+                      "shakespeare_val_000000.npy"]  # 1 val + 3 train shards, as its comment says
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="no bash to read the command as a user's shell does")
+def test_the_local_text_command_runs_the_quick_starts_settings_in_a_log_dir_of_its_own(tmp_path, monkeypatch):
+    """The README trains on fineweb.py's shards of tiny Shakespeare with 'the Shakespeare preset's settings': they
+    were only some of them (not its samples' prompt, their number and length, nor its validation tokens), and in
+    log/, where the quick start's run was, it was refused ("the checkpoint's data position is in other training
+    shards"). Every setting must be what `python train_gpt2.py` without shards resolves, but --data and --log-dir."""
+    [command] = commands_of("Preparing data", "python train_gpt2.py --data shakespeare")
+    monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here: the quick start's preset
+    env = train_gpt2.Env(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
+    quick_start = vars(train_gpt2.resolve_config(*train_gpt2.parse_args([]), env))
+    local_text = vars(train_gpt2.resolve_config(*train_gpt2.parse_args(command[2:]), env))
+    assert {k for k in quick_start if local_text[k] != quick_start[k]} == {"data", "log_dir"}
+    assert local_text["data"] == "shakespeare"
+
+
+# -----------------------------------------------------------------------------
+# What the commands write
 
 
 def plot_outputs(commands):
@@ -44,26 +477,3 @@ def test_what_the_readmes_commands_write_is_ignored_by_git():
         if result.returncode != 0:  # a file rather than a directory
             result = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO)
         assert result.returncode == 0, f"{path}, which a README command writes, is not in .gitignore"
-
-
-def shell_words(command):
-    """The words bash passes to a README command (its quoting, continuations and comment as bash reads them)."""
-    program, _, args = command.partition(" train_gpt2.py ")
-    assert program == "python", command
-    result = subprocess.run(["bash", "-c", f"printf '%s\\0' {args}"], capture_output=True, text=True, check=True)
-    return result.stdout.split("\0")[:-1]
-
-
-@pytest.mark.skipif(not shutil.which("bash"), reason="no bash to read the command as a user's shell does")
-def test_the_local_text_command_runs_the_quick_starts_settings_in_a_log_dir_of_its_own(tmp_path, monkeypatch):
-    """The README trains on fineweb.py's shards of tiny Shakespeare with 'the Shakespeare preset's settings': they
-    were only some of them (not its samples' prompt, their number and length, nor its validation tokens), and in
-    log/, where the quick start's run was, it was refused ("the checkpoint's data position is in other training
-    shards"). Every setting must be what `python train_gpt2.py` without shards resolves, but --data and --log-dir."""
-    [command] = re.findall(r"^python train_gpt2\.py --data shakespeare .*?[^\\]$", readme_commands(), re.M | re.S)
-    monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here: the quick start's preset
-    env = train_gpt2.Env(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
-    quick_start = vars(train_gpt2.resolve_config(*train_gpt2.parse_args([]), env))
-    local_text = vars(train_gpt2.resolve_config(*train_gpt2.parse_args(shell_words(command)), env))
-    assert {k for k in quick_start if local_text[k] != quick_start[k]} == {"data", "log_dir"}
-    assert local_text["data"] == "shakespeare"

@@ -1,15 +1,16 @@
 """The settings at the top of train_gpt2.py against the presets: a constant edited in the file takes effect, and
 whatever changes it (a preset for a kind of run: no shards, --recipe modern, --init-from; the device; the other
-settings) says so in the run's first lines, with the file's value, where the preset is, and how to keep the file's
-value. And --help lists what each preset changes."""
+settings) says so in the run's first lines, with its default (the file's value) and where the preset is, and says
+once that a flag overrides them. And --help lists what each preset changes."""
 import importlib.util
+import json
 import os
 
 import pytest
 
 import settings
 import train_gpt2
-from helpers import SCRIPT, write_shards
+from helpers import SCRIPT, needs_muon, write_shards
 
 # a user's edits to the defaults at the top of the file (each must match the file, or the test stops)
 EDITS = {
@@ -21,6 +22,17 @@ EDITS = {
     'muon_lr: float = setting(0.02,': 'muon_lr: float = setting(0.05,',
     'hellaswag_every: int = setting(250,': 'hellaswag_every: int = setting(100,',
     'batch_size: int = setting(64,': 'batch_size: int = setting(8,',
+}
+
+
+# what an export of the modern recipe's Shakespeare model says of it (--export-hf's config.json, NanoChatForCausalLM's)
+NANOCHAT_CONFIG = {
+    "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat", "num_hidden_layers": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 128, "intermediate_size": 512,
+    "max_position_embeddings": 256, "vocab_size": 50257, "hidden_act": "relu2", "rms_norm_eps": 1.1920928955078125e-07,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "final_logit_softcapping": 15.0,
+    "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "bos_token_id": 50256,
+    "eos_token_id": 50256, "pad_token_id": None, "dtype": "float32",
 }
 
 
@@ -52,8 +64,7 @@ def test_with_shards_the_edited_file_is_what_runs(edited, tmp_path, capsys):
     assert "preset" not in out
     # but HellaSwag, too slow on a CPU, is off: said so, with the file's value (it was forced to 0 without a word)
     assert cfg.hellaswag_every == 0
-    assert ("no HellaSwag or CORE on cpu (too slow without CUDA) sets, over the file's values: --hellaswag-every 0 "
-            "(file: 100)" in out)
+    assert "no HellaSwag or CORE on cpu (too slow without CUDA) sets: --hellaswag-every 0 (default: 100)" in out
     cfg, out = resolve(edited, ["--data", str(tmp_path), "--hellaswag-every", "100"], capsys)
     assert cfg.hellaswag_every == 100 and "hellaswag" not in out
 
@@ -63,7 +74,7 @@ def test_a_batch_size_derived_from_the_others_is_named(edited, tmp_path, capsys,
     monkeypatch.chdir(tmp_path)
     cfg, out = resolve(edited, ["--seq-len", "64"], capsys)
     assert (cfg.batch_size, cfg.seq_len, cfg.total_batch_size) == (16, 64, 1024)
-    assert "--batch-size 16 (file: 8)" in out
+    assert "--batch-size 16 (default: 8)" in out
 
 
 @pytest.mark.parametrize("flags", [[], ["--seq-len", "64"], ["--data", "."], ["--recipe", "modern"],
@@ -79,16 +90,16 @@ def test_every_setting_that_differs_from_the_file_is_named_with_the_files_value(
     for name, before in vars(file).items():
         value = getattr(cfg, name)
         if value != before and name not in given and before not in (None, "auto", 0) and name != "warmup_steps":
-            assert f"{settings.flag(name)} {settings.shown(value)} (file: {settings.shown(before)}" in out, name
+            assert f"{settings.flag(name)} {settings.shown(value)} (default: {settings.shown(before)})" in out, name
 
 
 def test_the_preset_lines_say_where_each_preset_is_and_never_name_a_flag_the_recipe_refuses(edited, tmp_path, capsys,
                                                                                             monkeypatch):
-    """An edited max_steps = 3 shown as --max-steps 900 (file: 3) said nothing of where the 900 is; the modern
+    """An edited max_steps = 3 shown as --max-steps 900 (default: 3) said nothing of where the 900 is; the modern
     recipe's lines named --max-lr 0.002, a flag it refuses."""
     monkeypatch.chdir(tmp_path)
     _, out = resolve(edited, [], capsys)
-    assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets, over the file's values:" in out
+    assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets:" in out
     cfg, out = resolve(edited, ["--recipe", "modern"], capsys)
     assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets" in out
     assert "preset --recipe modern's PRESETS['shakespeare'] (in modern.py) sets" in out
@@ -103,22 +114,22 @@ def test_the_shakespeare_preset_names_each_edit_it_replaces(edited, tmp_path, ca
     monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here
     cfg, out = resolve(edited, [], capsys)
     assert (cfg.n_layer, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (8, 128, 900, 2e-3)
-    assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets, over the file's values:" in out
-    for named in ("--n-layer 8 (file: 2)", "--n-embd 128 (file: 64)", "--max-steps 900 (file: 3)",
-                  "--max-lr 0.002 (file: 1e-05)", "input.txt (file: edu_fineweb10B)"):
+    assert "preset SHAKESPEARE (at the top of train_gpt2.py) sets:" in out
+    for named in ("--n-layer 8 (default: 2)", "--n-embd 128 (default: 64)", "--max-steps 900 (default: 3)",
+                  "--max-lr 0.002 (default: 1e-05)", "input.txt (default: edu_fineweb10B)"):
         assert named in out, named
-    assert "(a flag keeps the file's value instead: --" in out
+    assert out.count("a flag overrides any of these") == 1
     cfg, out = resolve(edited, ["--n-layer", "2", "--max-steps", "3"], capsys)  # the way the line gives
     assert (cfg.n_layer, cfg.max_steps) == (2, 3)
-    assert "--n-layer 8" not in out and "--max-steps 900" not in out and "--n-embd 128 (file: 64)" in out
+    assert "--n-layer 8" not in out and "--max-steps 900" not in out and "--n-embd 128 (default: 64)" in out
 
 
 def test_a_file_value_of_0_is_named_with_the_size_it_stands_for(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the file as it ships: --n-layer 0, taken from --model gpt2
     _, out = resolve(train_gpt2, [], capsys)
-    assert "--n-layer 8 (file: 0, meaning --model gpt2's 12)" in out
-    assert "--n-embd 128 (file: 0, meaning --model gpt2's 768)" in out
-    assert "--block-size 256 (file: 1024)" in out
+    assert "--n-layer 8 (default: --model gpt2's 12)" in out
+    assert "--n-embd 128 (default: --model gpt2's 768)" in out
+    assert "--block-size 256 (default: 1024)" in out
 
 
 def test_the_modern_recipes_presets_name_each_edit_they_replace(edited, tmp_path, capsys, monkeypatch):
@@ -126,9 +137,9 @@ def test_the_modern_recipes_presets_name_each_edit_they_replace(edited, tmp_path
     cfg, out = resolve(edited, ["--recipe", "modern", "--data", str(tmp_path)], capsys)  # FineWeb: fewer steps
     assert (cfg.max_steps, cfg.muon_lr, cfg.n_layer) == (3815, 0.05, 2)
     assert "preset --recipe modern's PRESETS['fineweb'] (in modern.py) sets" in out
-    assert "--max-steps 3815 (file: 3)" in out
+    assert "--max-steps 3815 (default: 3)" in out
     cfg, out = resolve(edited, ["--recipe", "modern"], capsys)  # tiny Shakespeare: its searched rates
-    assert cfg.muon_lr == 0.02 and "--muon-lr 0.02 (file: 0.05)" in out
+    assert cfg.muon_lr == 0.02 and "--muon-lr 0.02 (default: 0.05)" in out
 
 
 def test_the_modern_recipe_runs_in_a_log_dir_of_its_own(tmp_path, capsys, monkeypatch):
@@ -137,7 +148,7 @@ def test_the_modern_recipe_runs_in_a_log_dir_of_its_own(tmp_path, capsys, monkey
     monkeypatch.chdir(tmp_path)
     for flags in (["--recipe", "modern"], ["--recipe", "modern", "--data", str(tmp_path)]):
         cfg, out = resolve(train_gpt2, flags, capsys)
-        assert cfg.log_dir == "log_modern" and "--log-dir log_modern (file: log)" in out
+        assert cfg.log_dir == "log_modern" and "--log-dir log_modern (default: log)" in out
     cfg, out = resolve(train_gpt2, ["--recipe", "modern", "--log-dir", "log"], capsys)  # a flag still says where
     assert cfg.log_dir == "log"
 
@@ -147,12 +158,55 @@ def test_init_from_names_the_shapes_and_the_fine_tuning_it_sets(edited, tmp_path
     cfg, out = resolve(edited, ["--init-from", "gpt2", "--data", str(tmp_path)], capsys)
     assert (cfg.n_layer, cfg.n_embd, cfg.max_steps, cfg.max_lr) == (12, 768, 3, 1e-5)  # the rest: the file's
     assert "preset --init-from gpt2 (OpenAI's shapes, OPENAI_SHAPES at the top of train_gpt2.py) sets" in out
-    assert "--n-layer 12 (file: 2)" in out and "--n-embd 768 (file: 64)" in out
+    assert "--n-layer 12 (default: 2)" in out and "--n-embd 768 (default: 64)" in out
     cfg, out = resolve(edited, ["--init-from", "gpt2"], capsys)  # fine-tuning on tiny Shakespeare
     assert (cfg.n_layer, cfg.max_steps, cfg.max_lr) == (12, 100, 3e-5)
     assert "preset SHAKESPEARE_FINETUNE (at the top of train_gpt2.py) sets" in out
-    assert "--max-lr 3e-05 (file: 1e-05)" in out
-    assert "--max-steps 100 (file: 3)" in out
+    assert "--max-lr 3e-05 (default: 1e-05)" in out
+    assert "--max-steps 100 (default: 3)" in out
+
+
+def said_by(out):
+    """The run's first lines as {what changed the settings: the settings it names}, continuation lines included."""
+    groups, last = {}, None
+    for line in out.splitlines():
+        if " sets:" in line and not line.startswith(" "):
+            last, _, line = line.partition(" sets:")
+            groups[last] = ""
+        if last is not None and not line.startswith("    ("):
+            groups[last] += line
+    return groups
+
+
+@needs_muon
+def test_a_modern_fine_tune_names_each_setting_under_the_preset_that_set_it(tmp_path, capsys, monkeypatch):
+    """A fine-tune of the modern recipe's export on tiny Shakespeare: SHAKESPEARE_FINETUNE's warmup and rate are not
+    what it runs at (the modern recipe's preset replaces the one and refuses the other), so they must not appear
+    under it; and the one line for flags says that a flag overrides any of them, naming no arbitrary setting."""
+    monkeypatch.chdir(tmp_path)
+    export = tmp_path / "hf_modern"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps(NANOCHAT_CONFIG))
+    (export / "model.safetensors").touch()  # the settings never read the weights
+    cfg, out = resolve(train_gpt2, ["--init-from", str(export), "--log-dir", "log_finetune"], capsys)
+    assert (cfg.recipe, cfg.warmup_steps, cfg.embed_lr, cfg.max_steps) == ("modern", 0, 0.3, 100)
+    groups = said_by(out)
+    finetune = groups["preset SHAKESPEARE_FINETUNE (at the top of train_gpt2.py)"]
+    modern_preset = groups["preset --recipe modern's PRESETS['shakespeare'] (in modern.py)"]
+    assert "--max-steps 100 (default: 19073)" in finetune and "--eval-every 25" in finetune
+    assert "--warmup-steps" not in finetune and "-lr" not in finetune
+    assert "--warmup-steps 0 (default: 715)" in modern_preset and "--embed-lr 0.3 (default: 0.2)" in modern_preset
+    assert out.splitlines()[-1] == "    (a flag overrides any of these but what --init-from fixes)"
+    assert "instead:" not in out
+
+
+def test_a_default_that_means_the_value_set_is_no_change(tmp_path, capsys, monkeypatch):
+    """--init-from gpt2 listed --n-layer 12 (file: 0, meaning --model gpt2's 12): a change to the value it had."""
+    monkeypatch.chdir(tmp_path)
+    cfg, out = resolve(train_gpt2, ["--init-from", "gpt2", "--data", str(tmp_path)], capsys)
+    assert (cfg.n_layer, cfg.n_embd) == (12, 768) and "--n-layer" not in out and "--n-embd" not in out
+    cfg, out = resolve(train_gpt2, ["--init-from", "gpt2-medium", "--data", str(tmp_path)], capsys)
+    assert cfg.n_layer == 24 and "--model gpt2-medium (default: gpt2)" in out and "--n-layer" not in out
 
 
 def test_help_lists_what_each_preset_changes(capsys):
