@@ -499,8 +499,8 @@ def resolved(flags, device_type, capsys):
 def test_core_is_off_without_cuda_and_on_with_it(shards, capsys):
     cfg, out = resolved(["--data", shards], "cpu", capsys)
     assert cfg.core_every == cfg.hellaswag_every == 0
-    assert ("no HellaSwag or CORE on cpu (too slow without CUDA) sets, over the file's values: --hellaswag-every 0 "
-            "(file: 250), --core-every 0 (file: 2000)") in " ".join(out.split())  # the lines wrapped
+    assert ("no HellaSwag or CORE on cpu (too slow without CUDA) sets: --hellaswag-every 0 (default: 250), "
+            "--core-every 0 (default: 2000)") in " ".join(out.split())  # the lines wrapped
     cfg, out = resolved(["--data", shards, "--core-every", "10"], "cpu", capsys)
     assert (cfg.core_every, cfg.hellaswag_every) == (10, 0) and "no HellaSwag on cpu" in out and "CORE" not in out
     cfg, out = resolved(["--data", shards, "--dtype", "fp32"], "cuda", capsys)
