@@ -26,10 +26,6 @@ import settings
 from plumbing import UsageError, failing_together
 
 FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
-# the model settings GPTConfig gained after this format's first checkpoints, each with the value an older checkpoint's
-# model had, for one that lacks them (a setting added later goes here too): these two came with the modern recipe, so
-# such a checkpoint holds a GPT-2 model, which reads no soft-cap (15.0 is GPTConfig's default, as the flags give it)
-MISSING_MODEL_SETTINGS = {"recipe": "gpt2", "logit_softcap": 15.0}
 
 
 @contextlib.contextmanager
@@ -165,7 +161,6 @@ def read_checkpoint(path):
                          f"format {FORMAT} only; use the train_gpt2.py that wrote it")
     if ckpt["sharded"]:
         fsdp.check_complete(path)
-    ckpt["model_config"] = {**MISSING_MODEL_SETTINGS, **ckpt["model_config"]}
     return ckpt
 
 
@@ -252,11 +247,12 @@ def find_resume_checkpoint(cfg, rank, world_size):
 
 
 def check_same_model(ckpt, model, path):
-    """Refuses a checkpoint of another model than the flags describe, naming the settings that differ. Only how the
-    model computes (attention kernel, loss) may change."""
-    saved, flags = ckpt["model_config"], asdict(model.config)
-    differ = [f"{k}: checkpoint {saved.get(k)}, flags {flags.get(k)}" for k in dict.fromkeys([*flags, *saved])
-              if k not in ("attn", "loss") and saved.get(k) != flags.get(k)]
+    """Refuses a checkpoint of another model than the flags describe, naming the settings that differ (one it does not
+    hold, being older, means its default). Only how the model computes (COMPUTE_ONLY) may change."""
+    flags = asdict(model.config)
+    saved = asdict(type(model.config)(**{k: v for k, v in ckpt["model_config"].items() if k in flags}))
+    differ = [f"{k}: checkpoint {saved[k]}, flags {flags[k]}" for k in flags
+              if k not in settings.COMPUTE_ONLY and saved[k] != flags[k]]
     if differ:
         raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe "
                          f"({'; '.join(differ)}); pass matching flags, or another --log-dir to keep that run where it "
@@ -320,14 +316,11 @@ def restore(run, ckpt, path, get_lr):
     check_same_model(ckpt, run.model, path)
     load_weights(run.model, ckpt, path)
     run.step, run.resumed_from = ckpt["step"], path
-    run.micro_batch = ckpt.get("micro_batch", 0)  # the one it trained with (not kept before it was chosen): the
-    # micro-batch is chosen again for this launch, which may be on another machine
     run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
     # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
     run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
-    if cfg.eval_only:  # its steps stand for the tokens of the batch it was trained with, whatever the flags say
+    if cfg.eval_only:  # its settings are the checkpoint's (settings.take_model_settings)
         release(ckpt)
-        cfg.total_batch_size = ckpt["train_config"]["total_batch_size"]
         return
     if run.step > cfg.max_steps:
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "

@@ -20,17 +20,20 @@ import settings
 from plumbing import UsageError
 
 
-def sample(cfg, env, model_of, autocast_context, print_samples):
-    """--sample PATH: prints samples from the checkpoint's model, and says which it is. Under torchrun every rank
-    samples, as print_samples asks of them, and rank 0 alone prints."""
-    model, step = model_to_sample(cfg, env, model_of)
+def sample(cfg, given, env, model_of, autocast_context, print_samples):
+    """--sample PATH: prints samples from the checkpoint's model, and says which it is, as many at a time as its run's
+    micro-batch (which fitted its training), or --batch-size if given. Under torchrun every rank samples, as
+    print_samples asks of them, and rank 0 alone prints."""
+    model, step, micro_batch = model_to_sample(cfg, env, model_of)
+    rows = cfg.batch_size if "batch_size" in given or not micro_batch else micro_batch
     autocast_ctx = autocast_context(env.device_type, settings.resolve_dtype(cfg.dtype, env.device_type))
-    print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step, cfg.batch_size,
+    print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step, rows,
                   show=env.rank == 0)
 
 
 def model_to_sample(cfg, env, model_of):
-    """The checkpoint of --sample PATH's model on this process's device, and its step; rank 0 says which it is."""
+    """The checkpoint of --sample PATH's model on this process's device, its step and its run's micro-batch (None if
+    it kept none); rank 0 says which it is."""
     settings.require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
     try:
         ckpt = checkpoints.load(cfg.sample)
@@ -39,7 +42,7 @@ def model_to_sample(cfg, env, model_of):
     model = checkpoints.model_from_checkpoint(ckpt, cfg.sample, model_of).to(env.device)
     if env.rank == 0:
         print(f"checkpoint of step {ckpt['step']} ({checkpoints.val_loss_in_words(ckpt)}), prompt {cfg.prompt!r}")
-    return model, ckpt["step"]
+    return model, ckpt["step"], ckpt.get("micro_batch")
 
 
 def export_hf(cfg, argv, recipes, model_of, from_pretrained):

@@ -159,7 +159,7 @@ def load_gpt2_layout(path, state_dict, n_tokens, name, fix):
         raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; {fix}")
 
 
-def gpt2_config(shape, model_config, dtype):
+def gpt2_config(shape, model_config, dtype, layer_norm_eps):
     """config.json of GPT2LMHeadModel. A vocabulary smaller than GPT-2's (a toy model's --vocab-size 128) has no
     <|endoftext|>, so it names no bos or eos token (transformers warns of one beyond the vocabulary)."""
     eot = EOT if shape["vocab_size"] > EOT else None
@@ -169,7 +169,7 @@ def gpt2_config(shape, model_config, dtype):
         "n_inner": None,  # None: 4 * n_embd
         "n_positions": shape["block_size"], "n_ctx": shape["block_size"], "vocab_size": shape["vocab_size"],
         "activation_function": "gelu_new",  # GELU's tanh approximation, as GPT-2 and train_gpt2.py have it
-        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        "layer_norm_epsilon": layer_norm_eps, "initializer_range": 0.02,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # trained without dropout: fine-tune it the same
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
         "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "use_cache": True,
@@ -177,8 +177,9 @@ def gpt2_config(shape, model_config, dtype):
     }
 
 
-def gpt2_settings(config, path):
-    """The model settings of a GPT2LMHeadModel's config.json, ours or one from the Hub (OpenAI's own among them)."""
+def gpt2_settings(config, path, layer_norm_eps):
+    """The model settings of a GPT2LMHeadModel's config.json, ours or one from the Hub (OpenAI's own among them), whose
+    layer norms must be ours (layer_norm_eps)."""
     try:
         shape = shape_fields(config, path, ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"))
     except KeyError as e:
@@ -187,19 +188,19 @@ def gpt2_settings(config, path):
     activation = config.get("activation_function", "gelu_new")
     found = {"activation_function": {"gelu_pytorch_tanh": "gelu_new"}.get(activation, activation),  # the same GELU
              "n_inner": config.get("n_inner") or 4 * n_embd,
-             "layer_norm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+             "layer_norm_epsilon": config.get("layer_norm_epsilon", 1e-5),  # GPT2Config's default
              "scale_attn_weights": config.get("scale_attn_weights", True),
              "scale_attn_by_inverse_layer_idx": config.get("scale_attn_by_inverse_layer_idx", False),
              "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-    ours = {"activation_function": "gelu_new", "n_inner": 4 * n_embd, "layer_norm_epsilon": 1e-5,
+    ours = {"activation_function": "gelu_new", "n_inner": 4 * n_embd, "layer_norm_epsilon": layer_norm_eps,
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "tie_word_embeddings": True}
     check_computes_as_ours(found, ours, path, "GPT-2")
     return shape
 
 
-def read_shape(directory):
+def read_shape(directory, layer_norm_eps):
     """The model settings of a Hugging Face GPT-2's directory (GPT.from_pretrained's, given no config)."""
-    return gpt2_settings(*read_config(directory, "a Hugging Face GPT-2"))
+    return gpt2_settings(*read_config(directory, "a Hugging Face GPT-2"), layer_norm_eps)
 
 
 def gpt2_about(shape, model_config, n_params):
@@ -208,8 +209,11 @@ def gpt2_about(shape, model_config, n_params):
             f"token embedding).")
 
 
-GPT2 = Format(architecture="GPT2LMHeadModel", model_type="gpt2", needs="", layout=gpt2_layout,
-              load_layout=load_gpt2_layout, config=gpt2_config, model_settings=gpt2_settings, about=gpt2_about)
+def gpt2(layer_norm_eps):
+    """The Format of train_gpt2.py's model, whose layer norms add layer_norm_eps to the variance."""
+    return Format(architecture="GPT2LMHeadModel", model_type="gpt2", needs="", layout=gpt2_layout,
+                  load_layout=load_gpt2_layout, config=functools.partial(gpt2_config, layer_norm_eps=layer_norm_eps),
+                  model_settings=functools.partial(gpt2_settings, layer_norm_eps=layer_norm_eps), about=gpt2_about)
 
 # modern.py's names of a block's weights, and NanoChatForCausalLM's (its c_attn is theirs q_proj, k_proj, v_proj)
 NANOCHAT_NAMES = {"attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}

@@ -139,15 +139,16 @@ def forget_try(run):
         torch.cuda.empty_cache()
 
 
-def largest_that_fits(run, gradient_sync):
+def largest_that_fits(run, gradient_sync, trained_with=None):
     """The micro-batch to train with, and the lines that say how it was chosen (None when it is --batch-size, as
     given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and never one
-    that ran out of memory later before (RECORD). Raises UsageError if not even one sequence fits."""
+    that ran out of memory later before (RECORD). trained_with: the resumed checkpoint's, if it kept one. Raises
+    UsageError if not even one sequence fits."""
     batch_size, said = search(run, gradient_sync)
     if run.env.device_type == "cuda":  # the peak the log reports is the training's, not a failed try's
         torch.cuda.reset_peak_memory_stats(run.env.device)
-    if run.micro_batch not in (0, batch_size) and not run.cfg.eval_only:  # the resumed checkpoint's
-        said.append(f"the run trained with micro-batch {run.micro_batch} before, {batch_size} now: the same tokens "
+    if trained_with not in (None, batch_size) and not run.cfg.eval_only:
+        said.append(f"the run trained with micro-batch {trained_with} before, {batch_size} now: the same tokens "
                     f"and schedule, their gradients summed in other parts (equal up to rounding)")
     return batch_size, "\n".join(said) or None
 

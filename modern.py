@@ -21,6 +21,7 @@ never imports train_gpt2, which runs as __main__.
 
 import contextlib
 import os
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -32,9 +33,22 @@ import hf_export
 import settings
 from chunked_loss import chunked_cross_entropy, soft_cap
 from plumbing import GPT2_VOCAB, UsageError
+from settings import setting
 
-# the settings only this recipe reads (train_gpt2.py's TrainConfig has them), refused with GPT-2's recipe
-SETTINGS = ("muon_lr", "embed_lr", "head_lr", "cooldown_frac", "logit_softcap")
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings only this recipe reads: train_gpt2.py's TrainConfig inherits them, so each is a flag of its own
+    (--muon-lr), and GPT-2's recipe refuses them."""
+    muon_lr: float = setting(0.02, "--recipe modern: Muon's learning rate, for the blocks' matrices")
+    embed_lr: float = setting(0.2, "--recipe modern: Adam's learning rate for the token embedding")
+    head_lr: float = setting(0.004, "--recipe modern: Adam's learning rate for the output layer")
+    cooldown_frac: float = setting(0.4, "--recipe modern: the last fraction of the run, over which the learning rate "
+                                        "falls linearly to --min-lr-ratio of its peak")
+    logit_softcap: float = setting(15.0, "--recipe modern: logits are squashed smoothly into (-cap, cap)", model=True)
+
+
+SETTINGS = tuple(f.name for f in fields(Settings))
 # Each in a log directory of its own, so that a modern run never meets GPT-2's run in log/ (it would refuse it).
 PRESETS = {
     # on FineWeb: a fifth of GPT-2's steps (the speedrun's plain-attention trainer reached GPT-2's loss in 3,250; not

@@ -9,6 +9,7 @@ read, and never silently: the run's first lines name every setting whose value i
 device's, or one derived from the others), with the file's value it replaced.
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -20,6 +21,38 @@ import hf_export
 import plumbing
 import run_files
 from plumbing import GPT2_VOCAB, UsageError
+
+# -----------------------------------------------------------------------------
+# Declaring settings: train_gpt2.py's TrainConfig, and a recipe's own (modern.py's Settings, which it inherits)
+
+
+def setting(default, help, choices=None, model=False):
+    """A field of the settings: its default, its --help, its choices. model: the model's (GPTConfig has it, and
+    checkpoints and exports carry it: a checkpoint or pretrained weights fix it, but for how it computes,
+    COMPUTE_ONLY)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "model": model})
+
+
+COMPUTE_ONLY = ("attn", "loss")  # model settings of how the model computes, not what it is: a checkpoint fixes neither
+
+
+def in_order(config_class):
+    """Its settings in the order a reader meets them: its own, top to bottom, then those it inherits (a recipe's)."""
+    own = config_class.__dict__.get("__annotations__", {})
+    return sorted(dataclasses.fields(config_class), key=lambda f: f.name not in own)
+
+
+def model_config_class(config_class):
+    """The model's settings (those marked model=True) as a frozen dataclass of their own, GPTConfig: what a model is
+    built from and a checkpoint keeps (a checkpoint older than one of them means its default)."""
+    model = [(f.name, f.type, dataclasses.field(default=f.default)) for f in in_order(config_class)
+             if f.metadata["model"]]
+    home = {"__module__": config_class.__module__}  # where it is defined, as for a class written there
+    return dataclasses.make_dataclass("GPTConfig", model, frozen=True, namespace=home)
+
+
+# -----------------------------------------------------------------------------
+# Recipes
 
 
 class Recipe(NamedTuple):
@@ -102,7 +135,7 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
     elif "fineweb" in recipe:
         chosen.append((f"--recipe {recipe_name}'s PRESETS['fineweb'] ({where})", recipe["fineweb"]))
     if pretrained:
-        fixed = pretrained[1]
+        fixed = {key: value for key, value in pretrained[1].items() if key not in not_read_by(recipe_name, recipes)}
         sizes = model_sizes[cfg.model]
         if "model" in given and any(fixed[key] != value for key, value in sizes.items()):  # a name for three flags
             fixes, says = (", ".join(f"{flag(k)} {v[k]}" for k in sizes) for v in (fixed, sizes))
@@ -110,24 +143,32 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
                              f"--model")
         clash = [key for key, value in fixed.items() if key in given and key != "model" and getattr(cfg, key) != value]
         if clash:
-            fixes, flags = (", ".join(f"{flag(k)} {shown(v[k])}" for k in clash) for v in (fixed, vars(cfg)))
-            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and the flags say {flags}; drop "
+            fixes = ", ".join(f"{flag(k)} {shown(fixed[k])}" for k in clash)
+            says = ", ".join(f"{flag(k)} {shown(getattr(cfg, k))}" for k in clash)
+            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and the flags say {says}; drop "
                              f"{'it' if len(clash) == 1 else 'them'}")
-        chosen.append(pretrained)
+        chosen.append((pretrained[0], fixed))
     return recipe_name, chosen
 
 
+def not_read_by(recipe, recipes):
+    """The settings the recipe does not read: the other recipes' own."""
+    return {name for other, settings in recipes.items() if other != recipe for name in settings.settings}
+
+
 def pretrained_preset(cfg, recipes, model_sizes, presets):
-    """What --init-from's weights fix, (the preset's name, {setting: value}); None from scratch. An export directory
-    (a directory of that name first, as GPT.from_pretrained and --export-hf take it: a clone of the Hub's gpt2 is one):
-    its recipe and shapes (export_settings), GPT-2's whole vocabulary padded as OpenAI's is; else OpenAI's GPT-2
-    `name`: model_sizes[name] and OPENAI_SHAPES."""
+    """What --init-from's weights fix, (the preset's name, {setting: value}): every model setting but how it computes;
+    None from scratch. OpenAI's GPT-2 `name`: model_sizes[name] and OPENAI_SHAPES (GPT-2's model settings at their
+    defaults). An export directory (a directory of that name first, as GPT.from_pretrained and --export-hf take it: a
+    clone of the Hub's gpt2 is one): its recipe and shapes (export_settings), GPT-2's whole vocabulary padded as
+    OpenAI's is, and OPENAI_SHAPES' defaults for the model settings its config.json does not hold."""
     if cfg.init_from == "scratch":
         return None
     if not os.path.isdir(cfg.init_from):
         shapes = dict(model_sizes[cfg.init_from], **presets["OPENAI_SHAPES"], model=cfg.init_from)
         return f"--init-from {cfg.init_from} (OpenAI's shapes, OPENAI_SHAPES {TOP})", shapes
     fixed = export_settings(cfg.init_from, recipes)
+    fixed.update({key: value for key, value in presets["OPENAI_SHAPES"].items() if key not in fixed})
     if fixed["vocab_size"] == GPT2_VOCAB:
         fixed["vocab_size"] = presets["OPENAI_SHAPES"]["vocab_size"]
     return f"--init-from {cfg.init_from} (its recipe and shapes)", fixed
@@ -171,7 +212,8 @@ def presets_help(presets, recipes):
              "  SHAKESPEARE_FINETUNE, over it with --init-from (fine-tuning OpenAI's GPT-2 on tiny Shakespeare)",
              *as_flags(presets["SHAKESPEARE_FINETUNE"]),
              "  OPENAI_SHAPES, with --init-from NAME on any data: NAME's --n-layer, --n-head and --n-embd, and",
-             *as_flags(presets["OPENAI_SHAPES"])]
+             *as_flags({key: value for key, value in presets["OPENAI_SHAPES"].items()
+                        if key not in not_read_by("gpt2", recipes)})]
     for name, recipe in recipes.items():
         for key, when in (("fineweb", "with FineWeb shards"), ("shakespeare", "over SHAKESPEARE")):
             if key in recipe.presets:
@@ -180,34 +222,47 @@ def presets_help(presets, recipes):
     return "\n".join(lines)
 
 
-def apply_presets(cfg, given, chosen, model_sizes, unread):
+class Draft:
+    """The settings while resolve decides them: the flags' config, and each change made to it since (by a preset, the
+    device, the checkpoint resumed), with what made it. Only set changes a setting; done() makes the run's config."""
+
+    def __init__(self, flags):
+        self.flags, self.changes = flags, {}  # {setting: (what made it, or None for no line of its own; value)}
+
+    def __getattr__(self, key):  # a setting's value so far
+        if key in ("flags", "changes"):  # not set yet (a copy being made): no setting has these names
+            raise AttributeError(key)
+        if key in self.changes:
+            return self.changes[key][1]
+        return getattr(self.flags, key)
+
+    def set(self, key, value, why=None):
+        """Sets key to value, for the reason why (None: not worth a line, as a checkpoint's own value); a value
+        already set stays what set it."""
+        if getattr(self, key) != value:
+            self.changes.pop(key, None)  # the lines list the settings in the order they were last changed
+            self.changes[key] = (why, value)
+
+    def named(self):
+        """[(what changed it, setting, its default, its value)] of the settings a reason changed from the flags'."""
+        return [(why, key, getattr(self.flags, key), value) for key, (why, value) in self.changes.items()
+                if why is not None and value != getattr(self.flags, key)]
+
+    def done(self):
+        return dataclasses.replace(self.flags, **{key: value for key, (_, value) in self.changes.items()})
+
+
+def apply_presets(draft, given, chosen, model_sizes, unread):
     """Sets each preset's settings but those given as flags (with --model, its sizes too) and those the run's recipe
-    does not read (unread: another recipe's, which it refuses as flags), the later presets over the earlier. Returns
-    the changes: [(what made it, setting, the file's value, the new value)]."""
-    keep = set(given) | (set(model_sizes[cfg.model]) if "model" in given else set())
+    does not read (unread: another recipe's, which it refuses as flags), the later presets over the earlier."""
+    keep = set(given) | (set(model_sizes[draft.model]) if "model" in given else set())
     final = {}
     for name, preset in chosen:
         for key, value in preset.items():
             if key not in unread and (key not in keep or name.startswith("--init-from")):
                 final[key] = (name, value)
-    changes = []
     for key, (name, value) in final.items():
-        if getattr(cfg, key) != value:
-            changes.append((f"preset {name}", key, getattr(cfg, key), value))
-            setattr(cfg, key, value)
-    return changes
-
-
-def overrule(cfg, changes, why, key, value):
-    """Sets a setting not given as a flag for another reason than a preset (why: the device, the other settings),
-    recorded in changes with the file's value, as a preset's change is; a value a preset set stays the preset's."""
-    if getattr(cfg, key) == value:
-        return
-    before = next((change[2] for change in changes if change[1] == key), getattr(cfg, key))
-    changes[:] = [change for change in changes if change[1] != key]
-    if value != before:
-        changes.append((why, key, before, value))
-    setattr(cfg, key, value)
+        draft.set(key, value, f"preset {name}")
 
 
 def say_changes(changes, model, sizes, width=120):
@@ -313,101 +368,106 @@ def check_recipe(cfg, given, recipes):
                              f"{'it' if len(other) == 1 else 'them'}, or pass --recipe {other_recipe}")
 
 
-def fit_warmup(cfg, given, master, saved=None):
+def fit_warmup(draft, given, resumed):
     """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps
     for FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about. A resumed
-    run (saved: its checkpoint's settings) keeps its own warmup, not the file's again: raising --max-steps would put
-    its rate back into a warmup. Its new schedule is said once restored (checkpoints.say_schedule_change)."""
-    if cfg.eval_only:
-        return
-    if saved is not None and "warmup_steps" not in given:
-        cfg.warmup_steps = saved["warmup_steps"]
-    if cfg.max_steps == 0 or cfg.warmup_steps < cfg.max_steps:
-        return
+    run (resumed: its checkpoint's settings) keeps its own warmup, not the file's again: raising --max-steps would put
+    its rate back into a warmup. Its new schedule is said once restored (checkpoints.say_schedule_change). Returns the
+    lines to say."""
+    if resumed is not None and "warmup_steps" not in given:
+        draft.set("warmup_steps", resumed["warmup_steps"])
+    if draft.max_steps == 0 or draft.warmup_steps < draft.max_steps:
+        return []
     if "warmup_steps" in given:
-        if master:
-            print(f"warning: --warmup-steps {cfg.warmup_steps} is not shorter than --max-steps {cfg.max_steps}: the "
-                  f"learning rate rises for the whole run and never decays")
-        return
-    warmup = cfg.max_steps // 10
-    if master and saved is None:
-        print(f"--max-steps {cfg.max_steps} is no longer than the {cfg.warmup_steps} warmup steps: warming up for "
-              f"{warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
-    cfg.warmup_steps = warmup
+        return [f"warning: --warmup-steps {draft.warmup_steps} is not shorter than --max-steps {draft.max_steps}: the "
+                f"learning rate rises for the whole run and never decays"]
+    warmup = draft.max_steps // 10
+    line = (f"--max-steps {draft.max_steps} is no longer than the {draft.warmup_steps} warmup steps: warming up for "
+            f"{warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
+    draft.set("warmup_steps", warmup)
+    return [line] if resumed is None else []
 
 
-def take_model_settings(cfg, given, model_config, path):
+def take_model_settings(draft, given, train_config, model_config, path):
     """--eval-only evaluates a checkpoint's model as it was trained: its recipe and shapes (model_config), not those
-    the flags and presets say, as --sample does. A flag given that says otherwise is refused."""
-    taken = {k: v for k, v in model_config.items() if k not in ("attn", "loss")}  # how it computes may change
-    clash = [f"{k}: checkpoint {v}, flags {getattr(cfg, k)}" for k, v in taken.items()
-             if k in given and getattr(cfg, k) != v]
+    the flags and presets say, as --sample does, and its steps stand for the tokens of its batch (train_config). A flag
+    given that says otherwise is refused."""
+    taken = {k: v for k, v in model_config.items() if k not in COMPUTE_ONLY}
+    clash = [f"{k}: checkpoint {v}, flags {getattr(draft, k)}" for k, v in taken.items()
+             if k in given and getattr(draft, k) != v]
     if clash:
         raise UsageError(f"--eval-only evaluates {path} as it was trained, and flags say otherwise "
                          f"({'; '.join(clash)}); drop them")
-    cfg.__dict__.update(taken)
-    if cfg.seq_len > cfg.block_size:
-        raise UsageError(f"--seq-len {cfg.seq_len} is longer than {path}'s block of {cfg.block_size} tokens; pass "
-                         f"--seq-len {cfg.block_size}")
+    for key, value in {**taken, "total_batch_size": train_config["total_batch_size"]}.items():
+        draft.set(key, value)
+    if draft.seq_len > draft.block_size:
+        raise UsageError(f"--seq-len {draft.seq_len} is longer than {path}'s block of {draft.block_size} tokens; pass "
+                         f"--seq-len {draft.block_size}")
     for key in BENCHMARKS:
-        if getattr(cfg, key) > 0 and cfg.vocab_size < GPT2_VOCAB:
+        if getattr(draft, key) > 0 and draft.vocab_size < GPT2_VOCAB:
             if key in given:
-                raise UsageError(f"{flag(key)} needs GPT-2's whole vocabulary, and {path} has {cfg.vocab_size} "
+                raise UsageError(f"{flag(key)} needs GPT-2's whole vocabulary, and {path} has {draft.vocab_size} "
                                  f"tokens; drop it")
-            setattr(cfg, key, 0)
+            draft.set(key, 0)
 
 
 # -----------------------------------------------------------------------------
 # The settings resolved
 
 
-def resolve(cfg, given, env, recipes, model_sizes, presets, fsdp_check):
-    """The run's settings: the presets applied, the defaults that depend on the model preset and the device filled
-    in (each value not the file's named on rank 0), then everything checked. fsdp_check: fsdp.py's refusals, for
-    --fsdp."""
-    master = env.rank == 0
-    if cfg.eval_only and cfg.resume == "none":
+def resolve(flags, given, env, recipes, model_sizes, presets, fsdp_check, resumed=None):
+    """The run's settings, decided here alone, in this order: the file's defaults and the flags given (flags), the
+    presets, the defaults that depend on the model preset and the device, then what the checkpoint resumed keeps
+    (resumed: its train_config, model_config and path; None for a new run), all checked. Returns them, frozen, and
+    the lines that name each value that is not its default (a preset's, the device's, one derived from the others),
+    for rank 0 to print. It prints and writes nothing: train_gpt2.start asks it once to find the run's log directory
+    and checkpoint, then again with that checkpoint. fsdp_check: fsdp.py's refusals, for --fsdp."""
+    draft, lines = Draft(flags), []
+    if flags.eval_only and flags.resume == "none":
         raise UsageError("--eval-only evaluates a checkpoint (the latest in --log-dir, or --resume PATH's) or OpenAI's "
                          "weights (--init-from), and --no-resume asks for none; drop --no-resume")
     # the default --data holding only what a stopped `python fineweb.py` left is as good as missing
-    leftovers = None if "data" in given else plumbing.unfinished_preparation(cfg.data)
-    shards_found = "data" in given or (os.path.exists(cfg.data) and leftovers is None)
-    if not shards_found and master:
-        doing = ("evaluating" if cfg.eval_only else "training a small model" if cfg.init_from == "scratch"
-                 else f"fine-tuning {pretrained_in_words(cfg.init_from)}")
+    leftovers = None if "data" in given else plumbing.unfinished_preparation(flags.data)
+    shards_found = "data" in given or (os.path.exists(flags.data) and leftovers is None)
+    if not shards_found:
+        doing = ("evaluating" if flags.eval_only else "training a small model" if flags.init_from == "scratch"
+                 else f"fine-tuning {pretrained_in_words(flags.init_from)}")
         advice = "make them with `python fineweb.py`"
         if leftovers:
             advice = (f"only {', '.join(leftovers)}, left by an unfinished `python fineweb.py`: rerun it to finish "
-                      f"them, or delete {cfg.data}/")
+                      f"them, or delete {flags.data}/")
         elif leftovers == []:
-            advice = f"it is empty: {advice}, or delete {cfg.data}/"
-        print(f"no FineWeb shards in {cfg.data}/ ({advice}): {doing} on tiny Shakespeare instead")
-    recipe, chosen = presets_for(cfg, given, shards_found, recipes, model_sizes, presets)  # --init-from's recipe
-    unread = {name for other, settings in recipes.items() if other != recipe for name in settings.settings}
-    changes = apply_presets(cfg, given, chosen, model_sizes, unread)
-    check_recipe(cfg, given, recipes)  # --init-from's recipe, if it fixes one
-    if not shards_found and "batch_size" not in given and cfg.seq_len > 0:
-        overrule(cfg, changes, "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)",
-                 "batch_size", max(1, cfg.total_batch_size // (cfg.seq_len * env.world_size)))
-    for key, value in model_sizes[cfg.model].items():
-        if getattr(cfg, key) == 0:
-            setattr(cfg, key, value)
-    if cfg.compile is None:
-        cfg.compile = env.device_type == "cuda"
-    if cfg.compile_mode != "default" and not cfg.compile:
-        raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass "
+            advice = f"it is empty: {advice}, or delete {flags.data}/"
+        lines.append(f"no FineWeb shards in {flags.data}/ ({advice}): {doing} on tiny Shakespeare instead")
+    recipe, chosen = presets_for(draft, given, shards_found, recipes, model_sizes, presets)  # --init-from's recipe
+    apply_presets(draft, given, chosen, model_sizes, not_read_by(recipe, recipes))
+    check_recipe(draft, given, recipes)  # --init-from's recipe, if it fixes one
+    if not shards_found and "batch_size" not in given and draft.seq_len > 0:
+        draft.set("batch_size", max(1, draft.total_batch_size // (draft.seq_len * env.world_size)),
+                  "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)")
+    for key, value in model_sizes[draft.model].items():
+        if getattr(draft, key) == 0:
+            draft.set(key, value)
+    if draft.compile is None:
+        draft.set("compile", env.device_type == "cuda")
+    if draft.compile_mode != "default" and not draft.compile:
+        raise UsageError(f"--compile-mode {draft.compile_mode} needs --compile (off by default without CUDA); pass "
                          f"--compile or drop it")
-    off = [key for key in BENCHMARKS if key not in given and getattr(cfg, key) != 0]
-    if off and (env.device_type != "cuda" or cfg.vocab_size < GPT2_VOCAB):
+    off = [key for key in BENCHMARKS if key not in given and getattr(draft, key) != 0]
+    if off and (env.device_type != "cuda" or draft.vocab_size < GPT2_VOCAB):
         why = (f"on {env.device_type} (too slow without CUDA)" if env.device_type != "cuda" else
-               f"with --vocab-size {cfg.vocab_size} (their text needs every GPT-2 token)")
+               f"with --vocab-size {draft.vocab_size} (their text needs every GPT-2 token)")
         for key in off:
-            overrule(cfg, changes, f"no {' or '.join(BENCHMARKS[key] for key in off)} {why}", key, 0)
-    if master:
-        for line in say_changes(changes, cfg.model, model_sizes[cfg.model]):
-            print(line)
-    cfg.dtype = resolve_dtype(cfg.dtype, env.device_type)
+            draft.set(key, 0, f"no {' or '.join(BENCHMARKS[key] for key in off)} {why}")
+    lines += say_changes(draft.named(), draft.model, model_sizes[draft.model])
+    draft.set("dtype", resolve_dtype(draft.dtype, env.device_type))
+    if draft.eval_only and resumed is not None:  # the model as it was trained, whatever the flags' recipe
+        take_model_settings(draft, given, *resumed)
+        check_recipe(draft, given, recipes)
+    elif not draft.eval_only:
+        lines += fit_warmup(draft, given, None if resumed is None else resumed[0])
+    cfg = draft.done()
     check_config(cfg, env.world_size)
     if cfg.fsdp:
         fsdp_check(cfg)
-    return cfg
+    return cfg, lines

@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -46,6 +46,7 @@ import run_files
 import settings
 from chunked_loss import chunked_cross_entropy, cross_entropy
 from plumbing import EOT, GPT2_VOCAB, UsageError
+from settings import setting
 
 # imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
 # the group and its threads alive past destroy_process_group, and a gloo thread alive at exit can abort the process
@@ -64,10 +65,6 @@ PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmul
 # The defaults are the GPT-2 124M recipe on FineWeb-Edu 10B tokens.
 
 
-def setting(default, help, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
 MODEL_SIZES = {  # n_layer, n_head, n_embd of OpenAI's four GPT-2 models
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
@@ -76,21 +73,24 @@ MODEL_SIZES = {  # n_layer, n_head, n_embd of OpenAI's four GPT-2 models
 }
 
 
-@dataclass
-class TrainConfig:
+@dataclass(frozen=True)  # the run's settings are decided once (settings.resolve), then never assigned
+class TrainConfig(modern.Settings):  # the modern recipe's own settings (--muon-lr, ...) are in modern.py
     # data and outputs
     data: str = setting("edu_fineweb10B", "a directory of *train* and *val* shards (.npy or .bin), or a text file")
     log_dir: str = setting("log", "where log.jsonl and checkpoints go")
-    # model
     model: str = setting("gpt2", "size preset for --n-layer/--n-head/--n-embd", list(MODEL_SIZES))
-    n_layer: int = setting(0, "transformer blocks (0: from --model)")
-    n_head: int = setting(0, "attention heads (0: from --model)")
-    n_embd: int = setting(0, "embedding width (0: from --model)")
-    block_size: int = setting(1024, "longest context the model can take (the rows of its position table)")
-    vocab_size: int = setting(PADDED_VOCAB, "embedding rows: GPT-2's 50257 tokens padded to a multiple of 128")
-    attn: str = setting("sdpa", "sdpa (flash attention), naive (explicit masked softmax, for tests)", ["sdpa", "naive"])
+    # model (model=True: GPTConfig's, kept in checkpoints and exports)
+    block_size: int = setting(1024, "longest context the model can take (the rows of its position table)", model=True)
+    vocab_size: int = setting(PADDED_VOCAB, "embedding rows: GPT-2's 50257 tokens padded to a multiple of 128",
+                              model=True)
+    n_layer: int = setting(0, "transformer blocks (0: from --model)", model=True)
+    n_head: int = setting(0, "attention heads (0: from --model)", model=True)
+    n_embd: int = setting(0, "embedding width (0: from --model)", model=True)
+    attn: str = setting("sdpa", "sdpa (flash attention), naive (explicit masked softmax, for tests)", ["sdpa", "naive"],
+                        model=True)
     recipe: str = setting("gpt2", "gpt2: GPT-2 exactly; modern: rotary, QK-norm, ReLU², an untied zero-init head, "
-                          "logit soft-cap, Muon, a constant rate then a cool-down (modern.py)", ["gpt2", "modern"])
+                          "logit soft-cap, Muon, a constant rate then a cool-down (modern.py)", ["gpt2", "modern"],
+                          model=True)
     init_from: str = setting("scratch", "random weights, OpenAI's (gpt2, gpt2-medium, ...) or an --export-hf directory")
     # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
     batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process, halved until a step fits")
@@ -104,12 +104,6 @@ class TrainConfig:
     max_lr: float = setting(6e-4, "peak learning rate; cosine decay then takes it to min_lr_ratio of this")
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --max-lr")
     weight_decay: float = setting(0.1, "AdamW weight decay of the matmul and embedding weights")
-    muon_lr: float = setting(0.02, "--recipe modern: Muon's learning rate, for the blocks' matrices")
-    embed_lr: float = setting(0.2, "--recipe modern: Adam's learning rate for the token embedding")
-    head_lr: float = setting(0.004, "--recipe modern: Adam's learning rate for the output layer")
-    cooldown_frac: float = setting(0.4, "--recipe modern: the last fraction of the run, over which the learning rate "
-                                        "falls linearly to --min-lr-ratio of its peak")
-    logit_softcap: float = setting(15.0, "--recipe modern: logits are squashed smoothly into (-cap, cap)")
     grad_clip: float = setting(1.0, "clip the global gradient norm to this")
     seed: int = setting(1337, "seeds the weights, the shard order and the samples")
     # evaluation, samples, checkpoints
@@ -144,8 +138,10 @@ class TrainConfig:
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
     fsdp: bool = setting(False, "shard weights, gradients, optimizer state over the processes (FSDP2), not copy them")
     loss: str = setting("full", "full: one cross-entropy over all (B*T, vocab) logits; chunked: a chunk of rows at a "
-                        "time, never all the logits (less memory)", ["full", "chunked"])
+                        "time, never all the logits (less memory)", ["full", "chunked"], model=True)
 
+
+GPTConfig = settings.model_config_class(TrainConfig)  # the model's settings: those above marked model=True
 
 # Presets: what a kind of run changes in the settings above, unless a flag gives the setting. The run's first lines
 # name each setting a preset changed from the file's value. modern.py's PRESETS are the modern recipe's.
@@ -160,8 +156,10 @@ SHAKESPEARE = dict(
 )
 # Fine-tuning OpenAI's GPT-2 on it instead (--init-from gpt2): a far gentler learning rate, and fewer steps.
 SHAKESPEARE_FINETUNE = dict(max_steps=100, warmup_steps=10, max_lr=3e-5, eval_every=25)
-# --init-from NAME, on any data: OpenAI's shapes, MODEL_SIZES[NAME] and these (a flag that says otherwise is refused)
-OPENAI_SHAPES = dict(block_size=1024, vocab_size=PADDED_VOCAB, recipe="gpt2")
+# --init-from NAME, on any data: OpenAI's model, MODEL_SIZES[NAME] and the model settings above at their defaults but
+# how it computes (--block-size 1024, --vocab-size 50304, --recipe gpt2); a flag that says otherwise is refused
+OPENAI_SHAPES = {f.name: f.default for f in fields(GPTConfig)
+                 if f.name not in (*MODEL_SIZES["gpt2"], *settings.COMPUTE_ONLY)}
 PRESETS = dict(SHAKESPEARE=SHAKESPEARE, SHAKESPEARE_FINETUNE=SHAKESPEARE_FINETUNE, OPENAI_SHAPES=OPENAI_SHAPES)
 
 
@@ -169,7 +167,7 @@ def parse_args(argv=None):
     """Returns the config and the names of the settings given on the command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=settings.presets_help(PRESETS, RECIPES), argument_default=argparse.SUPPRESS)
-    for f in fields(TrainConfig):
+    for f in settings.in_order(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if f.type in (bool, Optional[bool]):
@@ -185,18 +183,7 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly, so OpenAI's weights load into it one-to-one.
 
-
-@dataclass
-class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = PADDED_VOCAB
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    attn: str = "sdpa"  # or "naive"
-    loss: str = "full"  # or "chunked"
-    recipe: str = "gpt2"  # which model this is: GPT below, or modern.py's GPT (RECIPES)
-    logit_softcap: float = 15.0  # modern.py's only
+LAYER_NORM_EPS = 1e-5  # GPT-2's: added to the variance in every LayerNorm (config.json's layer_norm_epsilon)
 
 
 def naive_attention(q, k, v):
@@ -249,9 +236,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=LAYER_NORM_EPS)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=LAYER_NORM_EPS)
         self.mlp = MLP(config)
 
     def forward(self, x, kv_cache=None):
@@ -272,7 +259,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
+            ln_f=nn.LayerNorm(config.n_embd, eps=LAYER_NORM_EPS),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
@@ -317,7 +304,9 @@ class GPT(nn.Module):
         is a directory, the GPT-2 there (--export-hf's, or the Hub's). A config, if given, has that model's shapes."""
         local = os.path.isdir(name)
         path = os.path.join(name, "model.safetensors") if local else plumbing.download_openai_weights(name, cache_dir)
-        model = cls(config or GPTConfig(**(hf_export.read_shape(name) if local else MODEL_SIZES[name])))
+        if config is None:
+            config = GPTConfig(**(hf_export.read_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
+        model = cls(config)
         with torch.no_grad():  # the keys and shapes checked, OpenAI's Conv1D weights transposed for nn.Linear
             fix = "export it again" if local else "delete it to download it again"
             hf_export.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
@@ -495,7 +484,7 @@ def get_lr(step, max_lr, cfg):
 RECIPES = {
     "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
                             settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: None,
-                            hf_format=hf_export.GPT2, from_pretrained=GPT.from_pretrained, named=""),
+                            hf_format=hf_export.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
     "modern": modern.RECIPE,
 }
 
@@ -781,19 +770,22 @@ class Run:
         return self.seconds_before + time.perf_counter() - self.launch_start
 
 
-def resolve_config(cfg, given, env):
-    """The run's settings: the presets applied, the defaults that depend on the device filled in, all checked."""
-    return settings.resolve(cfg, given, env, RECIPES, MODEL_SIZES, PRESETS, fsdp.check_settings)
+def resolve_config(flags, given, env, ckpt=None, ckpt_path=None, show=True):
+    """The run's settings (settings.resolve: the presets, the device's defaults, what the checkpoint resumed keeps,
+    all checked), frozen; rank 0 prints the lines that say which are not their defaults, and why, if show."""
+    resumed = None if ckpt is None else (ckpt["train_config"], asdict(GPTConfig(**ckpt["model_config"])), ckpt_path)
+    cfg, lines = settings.resolve(flags, given, env, RECIPES, MODEL_SIZES, PRESETS, fsdp.check_settings, resumed)
+    if show and env.rank == 0 and lines:
+        print("\n".join(lines))
+    return cfg
 
 
-def set_up(cfg, given, env):
-    """The run: the data, the model (random, OpenAI's, or its checkpoint's), compiled and wrapped, the optimizers, all
-    restored from the run's checkpoint if it has one; None if that checkpoint is the run's end, evaluated."""
-    ckpt, ckpt_path = checkpoints.find_resume_checkpoint(cfg, env.rank, env.world_size)
-    settings.fit_warmup(cfg, given, env.rank == 0, None if ckpt is None else ckpt["train_config"])
-    if cfg.eval_only and ckpt is not None:  # the model as it was trained, whatever the flags' recipe
-        settings.take_model_settings(cfg, given, ckpt["model_config"], ckpt_path)
-        settings.check_recipe(cfg, given, RECIPES)
+def set_up(flags, given, env, located):
+    """The run: its settings, the data, the model (random, OpenAI's, or its checkpoint's), compiled and wrapped, the
+    optimizers, all restored from the run's checkpoint if it has one (in located's log directory); None if that
+    checkpoint is the run's end, evaluated."""
+    ckpt, ckpt_path = checkpoints.find_resume_checkpoint(located, env.rank, env.world_size)
+    cfg = resolve_config(flags, given, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
     benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core) if getattr(cfg, module.EVERY)}
@@ -803,12 +795,13 @@ def set_up(cfg, given, env):
               optimizers=make_optimizers(model, cfg, env.device_type),
               scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow
               autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_files.RunLog(cfg.log_dir))
+    trained_with = None if ckpt is None else ckpt.get("micro_batch")  # not kept before it was chosen
     if ckpt is not None:
         checkpoints.restore(run, ckpt, ckpt_path, RECIPES[cfg.recipe].get_lr)
         if checkpoints.finished(run):
             return None
     del ckpt  # its tensors are loaded: what it read is no longer held while the micro-batch is tried
-    run.micro_batch, said = microbatch.largest_that_fits(run, gradient_sync)  # before any file of the run moves
+    run.micro_batch, said = microbatch.largest_that_fits(run, gradient_sync, trained_with)  # before any file moves
     reporting.start(run, said, RECIPES[cfg.recipe].named)
     return run
 
@@ -858,17 +851,17 @@ def train(run):
     reporting.finish(run, stopped)
 
 
-def start(cfg, given):
+def start(flags, given):
     """Trains as the settings say (or with --eval-only, evaluates): in its process group, with its log directory held,
     the run set up, then trained to the end. The run lives in this frame alone, which is gone once main tears the
     process group down: a DDP model still alive then would keep gloo's threads running at exit, which can abort it."""
-    env = set_up_distributed(cfg.device, cfg.fsdp)
-    cfg = resolve_config(cfg, given, env)
-    with checkpoints.holding_log_dir(cfg, env):
-        run = set_up(cfg, given, env)
+    env = set_up_distributed(flags.device, flags.fsdp)
+    located = resolve_config(flags, given, env, show=False)  # where the run is: its log directory and checkpoint
+    with checkpoints.holding_log_dir(located, env):
+        run = set_up(flags, given, env, located)
         if run is not None:
-            with reporting.wandb(run), plumbing.failing_alone(), microbatch.out_of_memory_in_one_line(cfg, run):
-                evaluate(run) if cfg.eval_only else train(run)
+            with reporting.wandb(run), plumbing.failing_alone(), microbatch.out_of_memory_in_one_line(run.cfg, run):
+                evaluate(run) if run.cfg.eval_only else train(run)
 
 
 def main(argv=None):
@@ -883,7 +876,7 @@ def main(argv=None):
             if cfg.export_hf:
                 commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
             elif cfg.sample:
-                commands.sample(cfg, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
+                commands.sample(cfg, given, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
             else:
                 start(cfg, given)
     except UsageError as e:

@@ -13,6 +13,7 @@ tokens: forward, backward, gradient clipping and the AdamW update.
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -44,7 +45,7 @@ def main(argv=None):
     args, cfg, given = parse_args(argv)
     try:
         env = train_gpt2.set_up_distributed(cfg.device)
-        cfg.total_batch_size = cfg.batch_size * cfg.seq_len  # one micro-batch per step
+        cfg = dataclasses.replace(cfg, total_batch_size=cfg.batch_size * cfg.seq_len)  # one micro-batch per step
         # no data is read, but marking --data as given keeps the trainer from switching to its Shakespeare preset
         cfg = train_gpt2.resolve_config(cfg, given | {"data"}, env)
     except UsageError as e:

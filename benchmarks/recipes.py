@@ -18,6 +18,7 @@ evaluation are what run here.
 """
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -142,11 +143,10 @@ def recipe_config(args, recipe, seed, vocab_size):
                       warmup_steps=args.steps // 10, dtype=args.dtype, compile=False, device=args.device,
                       loss=args.loss)
     if recipe == "modern":
-        cfg.__dict__.update(modern.PRESETS["shakespeare"])
-        cfg.__dict__.update({k: getattr(args, k) for k in modern.SETTINGS
-                             if getattr(args, k) is not None})
+        cfg = dataclasses.replace(cfg, **modern.PRESETS["shakespeare"])
+        cfg = dataclasses.replace(cfg, **{k: getattr(args, k) for k in modern.SETTINGS if getattr(args, k) is not None})
     if args.warmup_steps is not None:
-        cfg.warmup_steps = args.warmup_steps
+        cfg = dataclasses.replace(cfg, warmup_steps=args.warmup_steps)
     return cfg
 
 

@@ -1,6 +1,7 @@
 """The data side of train_gpt2.py: .npy and .bin shards, the TokenStream's coverage of an epoch across ranks,
 the same global batch for any split of processes and accumulation steps, shard reshuffling, exact state
 restore, and text files."""
+import dataclasses
 import json
 import os
 import resource
@@ -49,7 +50,7 @@ def test_load_data_mixes_formats_and_fixes_val(tmp_path):
     assert train_tokens == 1200 and sorted(len(s) for s in stream.shards) == [500, 700]
     assert len(val) == (500 // 32) * 32 + 1  # 481
     assert np.array_equal(val, np.concatenate([v1, v2])[:481])
-    cfg.val_tokens = 10_000  # more than there is: all of it, in whole sequences
+    cfg = dataclasses.replace(cfg, val_tokens=10_000)  # more than there is: all of it, in whole sequences
     _, val = train_gpt2.load_data(cfg)
     assert len(val) == (599 // 32) * 32 + 1
 

@@ -295,7 +295,8 @@ def quick_start_export(tmp_path_factory):
     model = train_gpt2.model_of(train_gpt2.GPTConfig(**shapes))
     out = str(tmp_path_factory.mktemp("quick_start") / "hf")
     about = dict(hf_export.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1")
-    hf_export.export(out, hf_export.GPT2, model.state_dict(), asdict(model.config), model.n_tokens, about)
+    gpt2 = train_gpt2.RECIPES["gpt2"].hf_format
+    hf_export.export(out, gpt2, model.state_dict(), asdict(model.config), model.n_tokens, about)
     return out
 
 

@@ -163,7 +163,7 @@ def test_names_and_shapes_map_onto_hugging_face_gpt2():
     hf = hf_gpt2_shapes()
     assert sum(math.prod(s) for s in hf.values()) == 124_439_808  # GPT-2 small's known parameter count
     with torch.device("meta"):
-        model = GPT(GPTConfig())  # the 124M defaults, 50304 rows
+        model = GPT(GPTConfig(**train_gpt2.MODEL_SIZES["gpt2"]))  # the 124M model, 50304 rows
     ours = {k.removeprefix("transformer."): tuple(v.shape) for k, v in model.state_dict().items()
             if k != "lm_head.weight"}
     assert set(ours) == set(hf)

@@ -4,6 +4,7 @@ the parameters), its optimizers and schedule, and the trainer with it: exact res
 optimizers, HellaSwag through --eval-only, the Shakespeare preset, the refusals. (DDP and compile with it:
 tests/test_train.py; W&B: tests/test_wandb.py.)"""
 import contextlib
+import dataclasses
 import math
 import shutil
 
@@ -230,7 +231,7 @@ def test_the_schedule_holds_then_cools_down_linearly():
     assert get_lr(100, 0.02, cfg) == pytest.approx(0.002, rel=1e-12)  # the last step: min_lr_ratio of the peak
     lrs = [get_lr(s, 0.02, cfg) for s in range(101)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
-    cfg.warmup_steps = 10
+    cfg = dataclasses.replace(cfg, warmup_steps=10)
     assert get_lr(0, 0.02, cfg) == pytest.approx(0.002) and get_lr(9, 0.02, cfg) == pytest.approx(0.02)
 
 

@@ -5,23 +5,27 @@ once that a flag overrides them. And --help lists what each preset changes."""
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
 import settings
 import train_gpt2
-from helpers import SCRIPT, needs_muon, write_shards
+from helpers import REPO, needs_muon, write_shards
 
-# a user's edits to the defaults at the top of the file (each must match the file, or the test stops)
+# a user's edits to the defaults at the top of the files (each must match its file, or the test stops): train_gpt2.py's,
+# and the modern recipe's own in modern.py
 EDITS = {
-    'n_layer: int = setting(0, "transformer': 'n_layer: int = setting(2, "transformer',
-    'n_head: int = setting(0, "attention': 'n_head: int = setting(4, "attention',
-    'n_embd: int = setting(0, "embedding': 'n_embd: int = setting(64, "embedding',
-    'max_steps: int = setting(19073,': 'max_steps: int = setting(3,',
-    'max_lr: float = setting(6e-4,': 'max_lr: float = setting(1e-5,',
-    'muon_lr: float = setting(0.02,': 'muon_lr: float = setting(0.05,',
-    'hellaswag_every: int = setting(250,': 'hellaswag_every: int = setting(100,',
-    'batch_size: int = setting(64,': 'batch_size: int = setting(8,',
+    "train_gpt2.py": {
+        'n_layer: int = setting(0, "transformer': 'n_layer: int = setting(2, "transformer',
+        'n_head: int = setting(0, "attention': 'n_head: int = setting(4, "attention',
+        'n_embd: int = setting(0, "embedding': 'n_embd: int = setting(64, "embedding',
+        'max_steps: int = setting(19073,': 'max_steps: int = setting(3,',
+        'max_lr: float = setting(6e-4,': 'max_lr: float = setting(1e-5,',
+        'hellaswag_every: int = setting(250,': 'hellaswag_every: int = setting(100,',
+        'batch_size: int = setting(64,': 'batch_size: int = setting(8,',
+    },
+    "modern.py": {'muon_lr: float = setting(0.02,': 'muon_lr: float = setting(0.05,'},
 }
 
 
@@ -38,14 +42,26 @@ NANOCHAT_CONFIG = {
 
 @pytest.fixture(scope="module")
 def edited(tmp_path_factory):
-    """A copy of train_gpt2.py with EDITS made to its defaults, imported as a module of its own."""
-    text = open(SCRIPT).read()
-    for old, new in EDITS.items():
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    path = tmp_path_factory.mktemp("edited") / "train_gpt2.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("edited_train_gpt2", path)
+    """Copies of train_gpt2.py and modern.py with EDITS made to their defaults, the first imported as a module of its
+    own that imports the second (as `modern`, for the time of its import)."""
+    directory = tmp_path_factory.mktemp("edited")
+    for name, edits in EDITS.items():
+        text = open(os.path.join(REPO, name)).read()
+        for old, new in edits.items():
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        (directory / name).write_text(text)
+    modern = import_as("edited_modern", directory / "modern.py")
+    real_modern = sys.modules["modern"]
+    sys.modules["modern"] = modern
+    try:
+        return import_as("edited_train_gpt2", directory / "train_gpt2.py")
+    finally:
+        sys.modules["modern"] = real_modern
+
+
+def import_as(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -74,14 +74,14 @@ def test_a_run_shorter_than_the_warmup_gets_a_warmup_that_fits(shards, tmp_path,
     lrs = [r["lr"] for r in train_records(read_log(tmp_path / "log")).values()]
     # at the peak after 1 step, then down the cosine
     assert lrs[0] == pytest.approx(6e-4) and lrs[-1] == pytest.approx(6e-5)
-    cfg = TrainConfig(max_steps=50, warmup_steps=50)  # as long as the warmup: it said "shorter than" of it
-    settings.fit_warmup(cfg, set(), master=True)
-    assert cfg.warmup_steps == 5
-    assert "--max-steps 50 is no longer than the 50 warmup steps: warming up for 5 steps" in capsys.readouterr().out
-    cfg = TrainConfig(max_steps=10, warmup_steps=20)
-    settings.fit_warmup(cfg, {"warmup_steps"}, master=True)
-    assert cfg.warmup_steps == 20  # the user's choice stands, with a warning
-    assert "warning: --warmup-steps 20 is not shorter than --max-steps 10" in capsys.readouterr().out
+    draft = settings.Draft(TrainConfig(max_steps=50, warmup_steps=50))  # as long as the warmup: "shorter than" of it
+    lines = settings.fit_warmup(draft, set(), resumed=None)
+    assert draft.done().warmup_steps == 5
+    assert "--max-steps 50 is no longer than the 50 warmup steps: warming up for 5 steps" in "\n".join(lines)
+    draft = settings.Draft(TrainConfig(max_steps=10, warmup_steps=20))
+    lines = settings.fit_warmup(draft, {"warmup_steps"}, resumed=None)
+    assert draft.done().warmup_steps == 20  # the user's choice stands, with a warning
+    assert "warning: --warmup-steps 20 is not shorter than --max-steps 10" in "\n".join(lines)
 
 
 def test_adamw_decays_only_the_weight_matrices():
