@@ -2,6 +2,7 @@
 whatever changes it (a preset for a kind of run: no shards, --recipe modern, --init-from; the device; the other
 settings) says so in the run's first lines, with its default (the file's value) and where the preset is, and says
 once that a flag overrides them. And --help lists what each preset changes."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -11,7 +12,16 @@ import pytest
 
 import settings
 import train_gpt2
-from helpers import REPO, needs_muon, write_shards
+from helpers import (
+    REPO,
+    TINY,
+    check_usage_error,
+    checkpoint_path,
+    load_ckpt,
+    needs_muon,
+    run_main,
+    write_shards,
+)
 
 # a user's edits to the defaults at the top of the files (each must match its file, or the test stops): train_gpt2.py's,
 # and the modern recipe's own in modern.py
@@ -270,3 +280,58 @@ def test_a_directory_with_shards_or_other_files_is_data(tmp_path, capsys, monkey
     (tmp_path / "edu_fineweb10B" / "notes.txt").touch()  # not fineweb.py's: the loader says what is missing
     cfg, out = resolve(train_gpt2, [], capsys)
     assert cfg.data == "edu_fineweb10B" and "SHAKESPEARE" not in out
+
+
+# -----------------------------------------------------------------------------
+# Decided once: the settings frozen once resolved, and a model setting declared in one place
+
+
+def test_a_setting_assigned_once_the_settings_are_resolved_raises(shards, capsys):
+    """settings.resolve decides every setting; after it nothing may change one (it would be a silent change)."""
+    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--data", shards]), train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_lr = 1e-3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.muon_lr = 1e-3  # the modern recipe's own settings too, declared in modern.py
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        train_gpt2.GPTConfig(n_layer=2, n_head=2, n_embd=32).n_layer = 3
+
+
+@pytest.fixture(scope="module")
+def with_a_model_setting(tmp_path_factory):
+    """A copy of train_gpt2.py with a model setting added in one line of TrainConfig, as a new one is (a positional
+    encoding's, say, which the model would then read in two more lines), and nothing else."""
+    text = open(os.path.join(REPO, "train_gpt2.py")).read()
+    anchor = '    attn: str = setting("sdpa",'
+    assert text.count(anchor) == 1
+    text = text.replace(anchor, '    dummy: int = setting(0, "a model setting of this test", model=True)\n' + anchor)
+    path = tmp_path_factory.mktemp("with_a_model_setting") / "train_gpt2.py"
+    path.write_text(text)
+    return import_as("train_gpt2_with_a_model_setting", path)
+
+
+def test_a_model_setting_declared_in_one_line_is_checkpointed_resumed_and_fixed_by_pretrained_weights(
+        with_a_model_setting, shards, tmp_path, capsys):
+    main = with_a_model_setting.main
+    args = TINY + ["--data", shards, "--max-steps", "2"]
+    log = tmp_path / "log"
+    code, _, err = run_main(args + ["--log-dir", log, "--dummy", "3"], capsys, main)
+    assert code == 0, err
+    assert load_ckpt(checkpoint_path(log, 2))["model_config"]["dummy"] == 3
+    # resumed with another value: refused, naming it, as any other model setting is
+    longer = args + ["--log-dir", log, "--max-steps", "3"]
+    check_usage_error(*run_main(longer + ["--dummy", "4"], capsys, main), "dummy: checkpoint 3, flags 4")
+    code, _, err = run_main(longer + ["--dummy", "3"], capsys, main)
+    assert code == 0, err
+    assert load_ckpt(checkpoint_path(log, 3))["model_config"]["dummy"] == 3
+    # an export holds the model settings of its format only: the weights it holds are those of the new setting's
+    # default, which --init-from DIR fixes, as OpenAI's weights do
+    code, _, err = run_main(args + ["--log-dir", tmp_path / "plain"], capsys, main)
+    assert code == 0, err
+    export = tmp_path / "hf"
+    code, _, err = run_main(["--log-dir", tmp_path / "plain", "--export-hf", export], capsys, main)
+    assert code == 0, err
+    for source, shapes in ((export, TINY), ("gpt2", [])):  # their own shapes
+        tune = shapes + ["--data", shards, "--log-dir", tmp_path / "tuned", "--init-from", source, "--dummy", "3"]
+        check_usage_error(*run_main(tune, capsys, main), f"--init-from {source} fixes --dummy 0, and the flags say "
+                                                         f"--dummy 3; drop it")
