@@ -284,7 +284,7 @@ def nanochat_settings(config, path, rope_theta, rms_norm_eps):
     except KeyError as e:
         raise UsageError(f"{path}: not the config.json of a NanoChatForCausalLM (KeyError: {e})")
     hidden, heads = shape["n_embd"], shape["n_head"]
-    cap = config.get("final_logit_softcapping", 15.0)
+    cap = config.get("final_logit_softcapping", 15.0)  # NanoChatConfig's default, for a config.json without it
     if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0):  # None: no soft-cap
         raise UsageError(f"{path}: final_logit_softcapping is {cap!r}, and train_gpt2.py's modern recipe soft-caps "
                          f"its logits always; it cannot load this model")
