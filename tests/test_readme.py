@@ -25,6 +25,7 @@ import plot
 import test_pretrained
 import train_gpt2
 from helpers import HARNESS_TASK, REPO, needs_muon, run_main, synthetic_examples, write_harness_task, write_jsonl
+from test_core import bundle_tasks, tiny_model, write_bundle
 
 README = os.path.join(REPO, "README.md")
 WRITES = re.compile(r"(?:--export-hf|--output|--log-dir|--json|--trace|mkdir -p) +([^\s`'\"]+)")
@@ -340,16 +341,19 @@ def test_the_export_commands(exported, gpt2_server, fake_hub, capsys, monkeypatc
         assert "the weights in hf/" in printed and "val loss" in printed
 
 
-def test_the_evaluating_commands(exported, gpt2_server, capsys, monkeypatch):
-    """--eval-only of OpenAI's GPT-2 (the local stand-in) and of the quick start's checkpoint, GPT-2's validation loss
-    in the run's log directory, and the plots, which draw it."""
+def test_the_evaluating_commands(exported, gpt2_server, capsys, monkeypatch, tmp_path):
+    """--eval-only of OpenAI's GPT-2 (the local stand-in) and of the quick start's checkpoint, with CORE (a small
+    bundle of the real one's format for the download), GPT-2's validation loss in the run's log directory, and the
+    plots, which draw it."""
     monkeypatch.chdir(exported.root)
     monkeypatch.setenv("GPT2_CACHE_DIR", str(exported.root / "cache"))
+    bundle = str(write_bundle(tmp_path / "eval_bundle", bundle_tasks(tiny_model())))
     for args in commands_of("Evaluating", "python train_gpt2.py"):
-        code, out, err = run_python(args, capsys, exported, ["--val-tokens", "1024"])
+        core = ["--core-data", bundle] if "--core-every" in args else []
+        code, out, err = run_python(args, capsys, exported, ["--val-tokens", "1024", *core])
         assert code == 0, (args, err)
-        assert "val loss" in out
-    assert json.loads(open("log/log.jsonl").readlines()[-1])["init_from"] == "gpt2"
+        assert "val loss" in out and (not core or re.search(r"\| core -?[\d.]+ \(6 tasks, ", out)), out
+    assert any(json.loads(line).get("init_from") == "gpt2" for line in open("log/log.jsonl"))  # GPT-2's, in the run's
     if plot.plt is None:
         pytest.skip("plot.py needs matplotlib, which is not installed")
     for args in commands_of("Evaluating", "python plot.py"):
