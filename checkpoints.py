@@ -246,11 +246,20 @@ def find_resume_checkpoint(cfg, rank, world_size):
     return ckpt, chosen[0]
 
 
+def saved_model_config(ckpt, config_class, path):
+    """The checkpoint's model settings as config_class (GPTConfig) holds them: one it lacks, being older, means its
+    default; one config_class does not know is refused."""
+    try:
+        return config_class(**ckpt["model_config"])
+    except TypeError as e:
+        raise UsageError(f"{path} has model settings this train_gpt2.py does not know ({e}); use the train_gpt2.py "
+                         f"that wrote it") from None
+
+
 def check_same_model(ckpt, model, path):
     """Refuses a checkpoint of another model than the flags describe, naming the settings that differ (one it does not
     hold, being older, means its default). Only how the model computes (COMPUTE_ONLY) may change."""
-    flags = asdict(model.config)
-    saved = asdict(type(model.config)(**{k: v for k, v in ckpt["model_config"].items() if k in flags}))
+    flags, saved = asdict(model.config), asdict(saved_model_config(ckpt, type(model.config), path))
     differ = [f"{k}: checkpoint {saved[k]}, flags {flags[k]}" for k in flags
               if k not in settings.COMPUTE_ONLY and saved[k] != flags[k]]
     if differ:

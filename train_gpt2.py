@@ -64,7 +64,6 @@ PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmul
 # Settings: edit the defaults here, or pass any of them as a flag (n_layer -> --n-layer).
 # The defaults are the GPT-2 124M recipe on FineWeb-Edu 10B tokens.
 
-
 MODEL_SIZES = {  # n_layer, n_head, n_embd of OpenAI's four GPT-2 models
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
@@ -773,7 +772,8 @@ class Run:
 def resolve_config(flags, given, env, ckpt=None, ckpt_path=None, show=True):
     """The run's settings (settings.resolve: the presets, the device's defaults, what the checkpoint resumed keeps,
     all checked), frozen; rank 0 prints the lines that say which are not their defaults, and why, if show."""
-    resumed = None if ckpt is None else (ckpt["train_config"], asdict(GPTConfig(**ckpt["model_config"])), ckpt_path)
+    resumed = None if ckpt is None else (ckpt["train_config"],
+                                         asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
     cfg, lines = settings.resolve(flags, given, env, RECIPES, MODEL_SIZES, PRESETS, fsdp.check_settings, resumed)
     if show and env.rank == 0 and lines:
         print("\n".join(lines))

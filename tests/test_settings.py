@@ -324,6 +324,9 @@ def test_a_model_setting_declared_in_one_line_is_checkpointed_resumed_and_fixed_
     code, _, err = run_main(longer + ["--dummy", "3"], capsys, main)
     assert code == 0, err
     assert load_ckpt(checkpoint_path(log, 3))["model_config"]["dummy"] == 3
+    # a trainer without the setting cannot know what the checkpoint's model computes: refused, not dropped
+    check_usage_error(*run_main(args + ["--log-dir", log, "--max-steps", "4"], capsys),
+                      "has model settings this train_gpt2.py does not know")
     # an export holds the model settings of its format only: the weights it holds are those of the new setting's
     # default, which --init-from DIR fixes, as OpenAI's weights do
     code, _, err = run_main(args + ["--log-dir", tmp_path / "plain"], capsys, main)
