@@ -60,7 +60,6 @@ class Server:
     def __init__(self, env):
         self.directory = tempfile.mkdtemp(prefix="forkserver_")
         self.path = os.path.join(self.directory, "socket")
-        # OMP_NUM_THREADS is read once, when torch's OpenMP library loads: the server's is every command's
         self.process = subprocess.Popen([sys.executable, HERE, self.path], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env)
         if self.process.stdout.readline() != b"ready\n":
@@ -87,10 +86,9 @@ class Process:
         self.connection.connect(server.path)
         request = json.dumps({"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()), "env": dict(env),
                               "umask": current_umask()}).encode()
-        out = stdout if isinstance(stdout, int) else stdout.fileno() if stdout else 1
+        out = descriptor(stdout, 1)
         with open(os.devnull) as stdin:  # what a test's subprocess reads: nothing
-            err = stderr if isinstance(stderr, int) else stderr.fileno() if stderr else out
-            socket.send_fds(self.connection, [request], [stdin.fileno(), out, err])
+            socket.send_fds(self.connection, [request], [stdin.fileno(), out, descriptor(stderr, out)])
         self.pid = int(self.connection.recv(64))
 
     def poll(self):
@@ -118,6 +116,11 @@ class Process:
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
+
+
+def descriptor(stream, default):
+    """A file's descriptor, or the descriptor itself, or default for None."""
+    return default if stream is None else stream if isinstance(stream, int) else stream.fileno()
 
 
 def current_umask():
@@ -158,8 +161,10 @@ def serve(path):
     os.write(1, b"ready\n")
     while True:
         ready = select.select([listener, sys.stdin], [], [])[0]
-        if sys.stdin in ready:
-            os._exit(0)  # the client is gone
+        if sys.stdin in ready:  # the client is gone
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))
+            os._exit(0)
         connection = listener.accept()[0]
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
         if os.fork() == 0:

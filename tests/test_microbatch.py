@@ -43,6 +43,14 @@ def run_limited(args, cwd, headroom=HEADROOM, nproc=1, limited_rank=-1, **env):
                       MALLOC_ARENA_MAX="1", **env)
 
 
+def the_one_line_of_every_rank(result):
+    """The one error line that every one of 2 ranks ended with, exit 2 and no traceback."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 2 and len(set(errors)) == 1, errors
+    return errors[0]
+
+
 def test_next_smaller_cuts_the_step_exactly():
     assert microbatch.next_smaller(64, 64) == 32
     assert microbatch.next_smaller(12, 48) == 6
@@ -133,13 +141,10 @@ def test_nothing_fits_is_one_line_on_every_rank_and_moves_no_file(shards, tmp_pa
     (log / "notes.txt").write_text("mine")
     args = WIDE + ["--n-embd", "256", "--batch-size", "1", "--total-batch-size", "64", "--data", shards, "--log-dir",
                    log, "--max-steps", "1", "--no-resume"]
-    result = run_limited(args, tmp_path, headroom=250, nproc=2, limited_rank=1)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    errors = result.stderr.strip().splitlines()
-    assert len(errors) == 2 and len(set(errors)) == 1, errors
+    error = the_one_line_of_every_rank(run_limited(args, tmp_path, headroom=250, nproc=2, limited_rank=1))
     assert re.fullmatch(r"error: out of memory: not even a micro-batch of 1 sequence of 32 tokens fits a training step "
                         r"of this 2-layer, width-256 model in [\d.]+ GiB of address space \(ulimit -v\) on rank 1; "
-                        r"train a smaller model .*, a shorter --seq-len, --loss chunked .*", errors[0]), errors[0]
+                        r"train a smaller model .*, a shorter --seq-len, --loss chunked .*", error), error
     assert sorted(os.listdir(log)) == [".lock", "log.jsonl", "notes.txt"]
     assert (log / "log.jsonl").read_text() == '{"step": 0, "val_loss": 10.9}\n'
 
@@ -180,13 +185,10 @@ def test_an_out_of_memory_error_on_one_rank_ends_every_rank_in_its_line(shards, 
     and says what helps: before, rank 0 died in a traceback (gloo's "Connection closed by peer")."""
     args = WIDE + ["--data", shards, "--log-dir", tmp_path / "log", "--max-steps", "1", "--total-batch-size", "2048",
                    "--no-fit-batch-size"]
-    result = run_limited(args, tmp_path, headroom=500, nproc=2, limited_rank=1)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    errors = result.stderr.strip().splitlines()
-    assert len(errors) == 2 and len(set(errors)) == 1, errors
+    error = the_one_line_of_every_rank(run_limited(args, tmp_path, headroom=500, nproc=2, limited_rank=1))
     assert re.fullmatch(r"error: out of memory in [\d.]+ GiB of address space \(ulimit -v\) on rank 1 \(.*\); no "
                         r"checkpoint was written yet; pass a --batch-size below 32, or drop --no-fit-batch-size \(a "
-                        r"step is then tried first\)", errors[0]), errors[0]
+                        r"step is then tried first\)", error), error
 
 
 def test_a_run_resumed_with_another_micro_batch_says_so_and_trains_on_the_same_tokens(shards, tmp_path, capsys):
