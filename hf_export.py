@@ -375,9 +375,14 @@ def recover_merges(ranks):
     return merges
 
 
-def tokenizer_files(block_size):
-    """{file name: contents} of GPT-2's tokenizer, from the shipped BPE ranks: vocab.json and merges.txt (what
-    GPT2Tokenizer reads), the same in tokenizer.json (what the `tokenizers` library reads), and the special token."""
+EOT_SPEC = {"content": EOT_TEXT, "single_word": False, "lstrip": False, "rstrip": False, "normalized": True,
+            "special": True}
+
+
+@functools.cache  # the same for every export, and a second or more of work: made once in a process
+def bpe_files():
+    """{file name: contents} of GPT-2's byte-pair encoding, from the shipped BPE ranks: vocab.json and merges.txt (what
+    GPT2Tokenizer reads), and the same in tokenizer.json (what the `tokenizers` library reads)."""
     ranks = load_tiktoken_bpe(plumbing.GPT2_BPE_FILE)
     stand_in = byte_stand_ins()
 
@@ -387,10 +392,8 @@ def tokenizer_files(block_size):
     vocab = {**{text(token): rank for token, rank in ranks.items()}, EOT_TEXT: EOT}
     merges = [f"{text(left)} {text(right)}" for left, right in recover_merges(ranks)]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    eot = {"content": EOT_TEXT, "single_word": False, "lstrip": False, "rstrip": False, "normalized": True,
-           "special": True}
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [{"id": EOT, **eot}],
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [{"id": EOT, **EOT_SPEC}],
         "normalizer": None,
         "pre_tokenizer": byte_level,  # with use_regex, GPT-2's split into words (plumbing's pattern) comes first
         "post_processor": byte_level, "decoder": byte_level,
@@ -398,20 +401,25 @@ def tokenizer_files(block_size):
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
                   "merges": merges},
     }
+    return {
+        "vocab.json": json.dumps(vocab, ensure_ascii=False),
+        "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
+        "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
+    }
+
+
+def tokenizer_files(block_size):
+    """{file name: contents} of GPT-2's tokenizer: its byte-pair encoding (bpe_files), the context length, and the
+    special token."""
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
     tokenizer_config = {
         "tokenizer_class": "GPT2Tokenizer", **special, "add_prefix_space": False, "add_bos_token": False,
         "model_max_length": block_size, "errors": "replace",
         "clean_up_tokenization_spaces": False,  # decoding gives the text back as it was, " ." and " 's" included
-        "added_tokens_decoder": {str(EOT): eot},
+        "added_tokens_decoder": {str(EOT): EOT_SPEC},
     }
-    return {
-        "vocab.json": json.dumps(vocab, ensure_ascii=False),
-        "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
-        "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
-        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
-        "special_tokens_map.json": json.dumps(special, indent=2),
-    }
+    return {**bpe_files(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
+            "special_tokens_map.json": json.dumps(special, indent=2)}
 
 
 # -----------------------------------------------------------------------------

@@ -2,18 +2,22 @@
 and torch's import each time (2 to 5 s of CPU on the 2-core test machines, most of a tiny run's cost).
 
 A server, started on first use in each pytest process (one for each set of the environment variables a process reads
-as it starts: READ_AT_START), imports torch and numpy once, then forks a process per command.
-That process becomes what `python SCRIPT ARGS` would be: the command's working directory, environment, standard
-streams (the caller's own file descriptors, passed over a Unix socket), sys.argv and sys.path as Python sets them,
-default signal handlers, and Python's normal exit (atexit, threads joined, the exit code of SystemExit or 1 after a
-traceback). It is a process like any other: signals reach it by its pid, limits set inside it are its own, and it dies
-on its own. Its parent, a small supervisor forked beside it, reports its exit status back; the server never runs torch
-itself, so every fork starts from a process with no threads.
+as it starts: READ_AT_START), imports torch and numpy once, then forks a process per command: `python SCRIPT ARGS`,
+`python -c CODE ARGS`, `python -m MODULE ARGS` (torchrun's launcher), or a console script of this environment.
+That process becomes what the command would be: the command's working directory, environment, standard streams (the
+caller's own file descriptors, passed over a Unix socket), sys.argv and sys.path as Python sets them, default signal
+handlers, no other open file, and Python's normal exit (atexit, threads joined, the exit code of SystemExit or 1 after
+a traceback). It is a process like any other: signals reach it by its pid, limits set inside it are its own, and it
+dies on its own. What a preexec_fn would do before the command runs is asked for by name: resource limits, ignored
+signals, a session of its own. Its parent, a small supervisor forked beside it, reports its exit status back; the
+server never runs torch itself, so every fork starts from a process with no threads.
 
 The project's own modules are not imported by the server: a test may run an edited copy of them.
 
-    run(argv, cwd, env, timeout)  ->  a CompletedProcess, as subprocess.run(..., capture_output=True, text=True)
-    Process(argv, cwd, env, stdout)  ->  .pid .poll() .wait() .send_signal() .kill() .returncode, as a Popen
+    run(argv, cwd, env, timeout, **how)  ->  a CompletedProcess, as subprocess.run(..., capture_output=True, text=True)
+    Process(argv, cwd, env, stdout, stderr, **how)  ->  a Popen's pid, poll, wait, communicate, send_signal, kill,
+        returncode, and stdout and stderr where they are PIPE
+    how: limits={"RLIMIT_NOFILE": (256, 256)}, ignore=("SIGXFSZ",), start_new_session=True (as Popen's)
 """
 import atexit
 import contextlib
@@ -33,8 +37,25 @@ HERE = os.path.abspath(__file__)
 
 
 def forkable(argv):
-    """Whether argv is `python SCRIPT ...` with this interpreter, which the server can run (not `python -m ...`)."""
-    return len(argv) >= 2 and argv[0] == sys.executable and str(argv[1]).endswith(".py")
+    """Whether the server can run argv: `python SCRIPT ...`, `python -c CODE ...` or `python -m MODULE ...` with this
+    interpreter, or a console script of its environment (its #! line names this interpreter)."""
+    argv = [str(a) for a in argv]
+    if len(argv) >= 2 and argv[0] == sys.executable:
+        return argv[1].endswith(".py") or (argv[1] in ("-c", "-m") and len(argv) >= 3)
+    return len(argv) >= 1 and runs_here(argv[0])
+
+
+def runs_here(path):
+    """Whether path is a console script of this environment: a file whose #! line names this interpreter in this
+    environment's bin directory (pip may write python3 there for python)."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(4096).rstrip()
+        named = os.fsdecode(line[2:])
+        return (line.startswith(b"#!") and os.path.samefile(os.path.dirname(named), os.path.dirname(sys.executable))
+                and os.path.samefile(named, sys.executable))
+    except OSError:
+        return False
 
 
 # -----------------------------------------------------------------------------
@@ -76,20 +97,34 @@ class Server:
 
 
 class Process:
-    """argv run by the fork server, its stdout and stderr the given files or file descriptors (stderr None: stdout's;
-    stdout None: this process's own)."""
+    """argv run by the fork server, its stdout and stderr the given files or file descriptors, or PIPE (then read
+    from .stdout and .stderr, text if text), or STDOUT for stderr (stdout None: this process's own; stderr None:
+    stdout's). limits, ignore, start_new_session: see become()."""
 
-    def __init__(self, argv, cwd, env, stdout=None, stderr=None):
-        self.args, self.returncode = argv, None
+    def __init__(self, argv, cwd, env, stdout=None, stderr=None, text=False, limits=None, ignore=(),
+                 start_new_session=False):
+        self.args, self.returncode, self.stdout, self.stderr = argv, None, None, None
         server = Server.get(env)
         self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.connection.connect(server.path)
         request = json.dumps({"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()), "env": dict(env),
-                              "umask": current_umask()}).encode()
-        out = descriptor(stdout, 1)
-        with open(os.devnull) as stdin:  # what a test's subprocess reads: nothing
-            socket.send_fds(self.connection, [request], [stdin.fileno(), out, descriptor(stderr, out)])
+                              "umask": current_umask(), "limits": limits or {}, "ignore": list(ignore),
+                              "new_session": start_new_session}).encode()
+        with contextlib.ExitStack() as sent:  # the descriptors the command gets, closed here once they are sent
+            stdin = sent.enter_context(open(os.devnull))  # what a test's subprocess reads: nothing
+            out = self._descriptor(stdout, 1, "stdout", text, sent)
+            err = out if stderr in (None, subprocess.STDOUT) else self._descriptor(stderr, 2, "stderr", text, sent)
+            socket.send_fds(self.connection, [request], [stdin.fileno(), out, err])
         self.pid = int(self.connection.recv(64))
+
+    def _descriptor(self, stream, default, name, text, sent):
+        """The descriptor to send for stream: a pipe's write end for PIPE, its read end kept as self.<name>."""
+        if stream == subprocess.PIPE:
+            read_end, write_end = os.pipe()
+            setattr(self, name, open(read_end, "r" if text else "rb"))
+            sent.callback(os.close, write_end)
+            return write_end
+        return default if stream is None else stream if isinstance(stream, int) else stream.fileno()
 
     def poll(self):
         if self.returncode is None and select.select([self.connection], [], [], 0)[0]:
@@ -107,6 +142,23 @@ class Process:
         self.returncode = int(self.connection.recv(64))
         self.connection.close()
 
+    def communicate(self, timeout=None):
+        """(stdout, stderr) read to their ends, where they are pipes, once the process ended; as Popen's, it may be
+        called again after its timeout expired."""
+        if not hasattr(self, "_readers"):
+            self._read = {}
+            self._readers = [threading.Thread(target=lambda pipe=pipe: self._read.update({pipe: pipe.read()}),
+                                              daemon=True) for pipe in (self.stdout, self.stderr) if pipe is not None]
+            for reader in self._readers:
+                reader.start()
+        self.wait(timeout)
+        for reader in self._readers:
+            reader.join()
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.close()
+        return self._read.get(self.stdout), self._read.get(self.stderr)
+
     def send_signal(self, sig):
         if self.returncode is None:
             os.kill(self.pid, sig)
@@ -118,21 +170,17 @@ class Process:
         self.send_signal(signal.SIGKILL)
 
 
-def descriptor(stream, default):
-    """A file's descriptor, or the descriptor itself, or default for None."""
-    return default if stream is None else stream if isinstance(stream, int) else stream.fileno()
-
-
 def current_umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-def run(argv, cwd, env, timeout=None):
-    """subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), forked."""
+def run(argv, cwd, env, timeout=None, **how):
+    """subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), forked; how: as
+    Process's."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        process = Process(argv, cwd, env, stdout=out, stderr=err)
+        process = Process(argv, cwd, env, stdout=out, stderr=err, **how)
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -186,10 +234,13 @@ def serve(path):
 
 
 def become(request, fds, base_path):
-    """This process becomes `python SCRIPT ARGS` as request describes it; returns the script's path."""
+    """This process becomes the command request describes, as a preexec_fn would leave it: in a session of its own
+    if start_new_session, under the resource limits named in limits, with the signals named in ignore ignored. Returns
+    what to run: ("script", path), ("code", source) or ("module", name)."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # as subprocess's close_fds
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     os.environ.clear()
@@ -197,10 +248,25 @@ def become(request, fds, base_path):
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it: KeyboardInterrupt
-    script, args = request["argv"][1], request["argv"][2:]
-    sys.argv = [script, *args]
+    if request["new_session"]:
+        os.setsid()
+    for name, (soft, hard) in request["limits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    for name in request["ignore"]:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    argv = request["argv"]
+    if argv[0] != sys.executable:  # a console script: python runs it as a script
+        argv = [sys.executable, *argv]
+    if argv[1] in ("-c", "-m"):
+        kind, target = {"-c": "code", "-m": "module"}[argv[1]], argv[2]
+        sys.argv = [argv[1], *argv[3:]]  # for -m, runpy puts the module's path in sys.argv[0]
+        first = "" if kind == "code" else os.getcwd()  # sys.path[0], as python sets it
+    else:
+        kind, target = "script", argv[1]
+        sys.argv = argv[1:]
+        first = os.path.dirname(os.path.abspath(target))
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *base_path]
+    sys.path[:] = [first, *extra, *base_path]
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = io.TextIOWrapper(io.open(0, "rb", closefd=False), encoding="utf-8")
     sys.stdout = io.TextIOWrapper(io.open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
@@ -211,17 +277,29 @@ def become(request, fds, base_path):
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    return script
+    return kind, target
 
 
-def run_then_exit(script):
-    """Runs the script as __main__, then ends the process as Python would, but for the teardown of every module it
+def run_as_main(kind, target):
+    """The script, the source or the module run as __main__, as python's SCRIPT, -c and -m run them."""
+    if kind == "script":
+        runpy.run_path(target, run_name="__main__")
+    elif kind == "module":
+        runpy.run_module(target, run_name="__main__", alter_sys=True)  # sys.argv[0]: the module's file, as -m sets
+    else:
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(target, "<string>", "exec"), main.__dict__)
+
+
+def run_then_exit(kind, target):
+    """Runs the command as __main__, then ends the process as Python would, but for the teardown of every module it
     inherited: the exit code of SystemExit, or 1 after the traceback; the non-daemon threads waited for, the atexit
     functions run, the script's own garbage collected (its open files closed), the streams flushed. Tearing the
     inherited modules down would touch every page the process shares with the server, copying them all (1 to 2 s)."""
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        run_as_main(kind, target)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, (int, type(None))):
@@ -245,7 +323,9 @@ def run_then_exit(script):
 
 if __name__ == "__main__":
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    import resource
     import runpy
+    import types
 
     import numpy  # noqa: F401
     import requests  # noqa: F401 (plumbing.py's downloads)
@@ -256,4 +336,4 @@ if __name__ == "__main__":
 
     gc.freeze()  # what is imported stays out of every collection: a forked process's collector never touches it
     request, fds = serve(sys.argv[1])
-    run_then_exit(become(request, fds, base_path))
+    run_then_exit(*become(request, fds, base_path))

@@ -108,12 +108,22 @@ def script_command(args, nproc=1, script=SCRIPT, torchrun=False):
     return [sys.executable, os.path.join(REPO, "tests", "scripts", "ranks.py"), str(nproc)] + args
 
 
-def run_command(command, cwd, env, timeout):
-    """subprocess.run(command, capture_output=True, text=True, ...): `python SCRIPT ...` forked by the fork server
-    (forkserver.py), any other command run as it is."""
+def run_command(command, cwd, env, timeout, **how):
+    """subprocess.run(command, capture_output=True, text=True, ...): forked by the fork server where it can be (a
+    python command, or a console script: forkserver.py), any other command run as it is; how: the resource limits,
+    ignored signals or new session the fork server gives the command (forkserver.Process's)."""
     if forkserver.forkable(command):
-        return forkserver.run(command, cwd, env, timeout)
+        return forkserver.run(command, cwd, env, timeout, **how)
+    assert not how, f"only the fork server's commands take {how}"
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_command(command, cwd, env, **popen):
+    """subprocess.Popen(command, cwd=cwd, env=env, **popen): forked by the fork server where it can be (popen: its
+    stdout, stderr, text, and run_command's how)."""
+    if forkserver.forkable(command):
+        return forkserver.Process(command, cwd, env, **popen)
+    return subprocess.Popen(command, cwd=cwd, env=env, **popen)
 
 
 def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, torchrun=False, **env):

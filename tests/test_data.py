@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 from collections import Counter
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 import plumbing
 import train_gpt2
-from helpers import TINY, read_log, save_tokens, script_command, script_env, train_records, write_shards
+from helpers import TINY, read_log, run_command, save_tokens, script_command, script_env, train_records, write_shards
 from train_gpt2 import TokenStream, TrainConfig
 
 BIG_VOCAB = 1 << 16  # unique token values as positions: the check of ids against the vocab lets all through
@@ -252,11 +251,6 @@ def torch_equal(a, b):
     return a.dtype == b.dtype and np.array_equal(a.numpy(), b.numpy())
 
 
-def limited_descriptors(n):
-    """What a process started with preexec_fn=limited_descriptors(n) may hold open: n files (ulimit -n n)."""
-    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
-
-
 def test_any_number_of_shards_trains_under_a_small_descriptor_limit(tmp_path):
     """FineWeb-Edu's 350B sample makes about 3,500 shards, and 1024 open files (ulimit -n) is a common default: each
     shard kept open (a memory map holds a descriptor) refused any run of more than about 1,010 of them, blaming a good
@@ -267,8 +261,8 @@ def test_any_number_of_shards_trains_under_a_small_descriptor_limit(tmp_path):
 
     def train(log_dir, limit, max_steps):
         command = script_command(args + ["--log-dir", tmp_path / log_dir, "--max-steps", max_steps])
-        result = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=240,
-                                preexec_fn=limited_descriptors(limit) if limit else None)
+        result = run_command(command, tmp_path, script_env(), 240,  # ulimit -n limit
+                             limits={"RLIMIT_NOFILE": (limit, limit)} if limit else None)
         assert result.returncode == 0, result.stderr[-2000:]
         return result.stdout
 

@@ -68,16 +68,6 @@ ON_INPUT_ONLY = ["gpt2", pytest.param("modern", marks=needs_muon)]
 HELLASWAG_LABELS = [0, 1, 2, 3, 0, 1, 2]  # the 7 synthetic examples, every one shorter than the block
 
 
-@pytest.fixture(scope="module", autouse=True)
-def tokenizer_files_made_once():
-    """Recovering GPT-2's merges from its ranks takes seconds, and the tokenizer's files of a context length are the
-    same for every export of these tests."""
-    made = hf_export.tokenizer_files
-    hf_export.tokenizer_files = functools.cache(made)
-    yield
-    hf_export.tokenizer_files = made
-
-
 @pytest.fixture(scope="module")
 def hellaswag_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("hellaswag") / "hellaswag_val.jsonl"

@@ -5,7 +5,6 @@ import io
 import json
 import os
 import random
-import resource
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import train_gpt2
-from helpers import REPO, process_stat, run_command
+from helpers import REPO, process_stat, run_command, start_command
 from plumbing import EOT, gpt2_tokenizer
 
 FINEWEB = os.path.join(REPO, "fineweb.py")
@@ -67,14 +66,10 @@ def write_parquet(path, docs, row_group_size=16, column="text"):
 def environment(env=None):
     return {**{k: v for k, v in os.environ.items() if k not in ("HF_ENDPOINT", "HF_TOKEN")}, **(env or {})}
 
-def run_fineweb(*args, env=None, preexec_fn=None):
-    """python fineweb.py ARGS (forked by the tests' fork server, but with a preexec_fn, which needs a process of its
-    own from the start): the CompletedProcess."""
-    command = [sys.executable, FINEWEB, *map(str, args)]
-    if preexec_fn:
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment(env),
-                              preexec_fn=preexec_fn)
-    return run_command(command, None, environment(env), timeout=120)
+def run_fineweb(*args, env=None, **how):
+    """python fineweb.py ARGS, forked by the tests' fork server (how: its limits and ignored signals): the
+    CompletedProcess."""
+    return run_command([sys.executable, FINEWEB, *map(str, args)], None, environment(env), timeout=120, **how)
 
 def fineweb_after(setup, *args):
     """The command line of python fineweb.py ARGS, with the statement setup run first in that process."""
@@ -87,8 +82,8 @@ def start_fineweb(*args, stdout=subprocess.PIPE):
     and SIGHUP as a terminal's, which nohup would have ignored."""
     setup = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); " \
             "signal.signal(signal.SIGHUP, signal.SIG_DFL)"
-    return subprocess.Popen(fineweb_after(setup, *args), stdout=stdout, stderr=subprocess.PIPE, text=True,
-                            env=environment())
+    return start_command(fineweb_after(setup, *args), None, environment(), stdout=stdout, stderr=subprocess.PIPE,
+                         text=True)
 
 def wait_until(condition, process, seconds=30):
     """Poll condition while the started run goes on; it must come true within seconds."""
@@ -331,7 +326,7 @@ def test_workers_stopped_while_sending_results_do_not_hang_the_pool():
     # Ctrl-C used to hang fineweb.py now and then: a worker terminated halfway through sending its tokens left the
     # pool's thread waiting for the rest of the message, and shutdown waited for that thread (17 stops in 20 hung)
     script = os.path.join(REPO, "tests", "scripts", "stop_workers_while_sending.py")
-    result = subprocess.run([sys.executable, script, REPO], capture_output=True, text=True, timeout=30)
+    result = run_command([sys.executable, script, REPO], None, dict(os.environ), timeout=30)
     assert result.returncode == 0 and result.stdout.strip() == "stopped", result.stderr
 
 
@@ -341,7 +336,7 @@ def test_the_default_start_method_does_not_matter(tmp_path):
     (tmp_path / "a.txt").write_text("a few words " * 1000)
     command = fineweb_after("import multiprocessing; multiprocessing.set_start_method('forkserver')",
                             "--input", tmp_path / "a.txt", "--output", tmp_path / "out")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    result = run_command(command, None, dict(os.environ), timeout=60)
     assert result.returncode == 0, result.stderr
     assert shards_in(tmp_path / "out") == expected_shards([(tmp_path / "a.txt").read_text()], 10**8, "out")
 
@@ -782,13 +777,9 @@ def test_an_input_fixed_before_any_shard_needs_no_new_output(tmp_path):
 def test_disk_full_leaves_no_partial_shard(tmp_path):
     (tmp_path / "a.txt").write_text("plenty of words to fill a shard " * 2000)
 
-    def small_disk():  # a real write error: files may not grow past 16 KB
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-    # the first shard, 10000 tokens, needs 20 KB
+    # a real write error: files may not grow past 16 KB; the first shard, 10000 tokens, needs 20 KB
     result = run_fineweb("--input", tmp_path / "a.txt", "--output", tmp_path / "out", "--shard-size", 10_000,
-                         preexec_fn=small_disk)
+                         limits={"RLIMIT_FSIZE": (16384, 16384)}, ignore=("SIGXFSZ",))
     assert_error(result, "disk full", "run the same command again")
     assert not (tmp_path / "out").exists()  # it made the directory and nothing of value in it: no shard, no partial
 
@@ -861,11 +852,11 @@ def test_shakespeare_shards_for_the_trainer(tmp_path):
                                        "shakespeare_train_000003.npy", "shakespeare_val_000000.npy"]
     # the trainer takes them as they are
     log_dir = tmp_path / "log"
-    train = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data", output, "--max-steps", "2",
-                            "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--seq-len", "32", "--batch-size", "4",
-                            "--total-batch-size", "128", "--val-tokens", "256", "--eval-every", "1", "--device", "cpu",
-                            "--no-compile", "--num-samples", "0", "--log-dir", log_dir],
-                           capture_output=True, text=True, timeout=300)
+    train = run_command([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data", output, "--max-steps", "2",
+                         "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--seq-len", "32", "--batch-size", "4",
+                         "--total-batch-size", "128", "--val-tokens", "256", "--eval-every", "1", "--device", "cpu",
+                         "--no-compile", "--num-samples", "0", "--log-dir", log_dir], None, dict(os.environ),
+                        timeout=300)
     assert train.returncode == 0, train.stderr[-2000:]
     log = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
     assert any("val_loss" in entry for entry in log) and any("train_loss" in entry for entry in log)

@@ -3,9 +3,6 @@ the file and the reason, exit code 2, no partial file, and the last checkpoint i
 import errno
 import json
 import os
-import resource
-import signal
-import subprocess
 
 import torch
 
@@ -13,6 +10,7 @@ from helpers import (
     TINY,
     check_usage_error,
     checkpoint_path,
+    run_command,
     run_main,
     run_script,
     run_script_on_tmpfs,
@@ -35,12 +33,8 @@ def test_a_disk_that_fills_while_the_log_is_appended_stops_the_run_in_one_line(s
 def run_with_file_size_limit(args, cwd, limit):
     """The script with RLIMIT_FSIZE at limit bytes: a write past it fails with EFBIG (SIGXFSZ ignored, as Python
     does)."""
-    def limit_file_size():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return subprocess.run(script_command(args), cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=240,
-                          preexec_fn=limit_file_size)
+    return run_command(script_command(args), cwd, script_env(), 240, limits={"RLIMIT_FSIZE": (limit, limit)},
+                       ignore=("SIGXFSZ",))
 
 
 def test_a_checkpoint_past_the_file_size_limit_stops_the_run_in_one_line(shards, tmp_path):

@@ -24,7 +24,16 @@ import torch
 import plot
 import test_pretrained
 import train_gpt2
-from helpers import HARNESS_TASK, REPO, needs_muon, run_main, synthetic_examples, write_harness_task, write_jsonl
+from helpers import (
+    HARNESS_TASK,
+    REPO,
+    needs_muon,
+    run_command,
+    run_main,
+    synthetic_examples,
+    write_harness_task,
+    write_jsonl,
+)
 from test_core import bundle_tasks, tiny_model, write_bundle
 
 README = os.path.join(REPO, "README.md")
@@ -177,7 +186,7 @@ def test_the_quick_start_and_what_to_do_next(clone, capsys, monkeypatch):
 def test_the_memory_estimate_gives_the_readmes_numbers(tmp_path):
     """`benchmarks/memory.py` needs no GPU: the per-GPU GiB of GPT-2 XL on 8 GPUs the README quotes are its own."""
     [args] = commands_of("Reproducing GPT-2", "python benchmarks/memory.py")
-    result = subprocess.run([sys.executable] + args[1:], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_command([sys.executable] + args[1:], REPO, dict(os.environ), timeout=300)
     assert result.returncode == 0, result.stderr
     total = [line for line in result.stdout.splitlines() if line.startswith("total")]
     assert total and "42.88" in total[0] and "20.24" in total[0], result.stdout
@@ -328,8 +337,8 @@ def test_the_export_commands(exported, gpt2_server, fake_hub, capsys, monkeypatc
             printed = capsys.readouterr().out
             assert "'generated_text': " in printed and "Hello, I" in printed, printed
     [upload] = commands_of("Exporting to Hugging Face", "hf upload")
-    result = subprocess.run([console_script("hf")] + upload[1:], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, HF_ENDPOINT=fake_hub.url, HF_TOKEN="hf_test"))
+    result = run_command([console_script("hf")] + upload[1:], None,
+                         dict(os.environ, HF_ENDPOINT=fake_hub.url, HF_TOKEN="hf_test"), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert fake_hub.committed == {name: open(os.path.join("hf/run1", name), "rb").read()
                                   for name in os.listdir("hf/run1")}
@@ -379,9 +388,8 @@ def test_lm_eval_as_the_readme_installs_and_runs_it(exported, tmp_path):
             continue
         assert args[args.index("--tasks") + 1] == "hellaswag"
         args[args.index("--tasks") + 1] = HARNESS_TASK
-        result = subprocess.run([lm_eval] + args[1:] + ["--include_path", str(tmp_path)], cwd=exported.root,
-                                capture_output=True, text=True, timeout=300,
-                                env=dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
+        result = run_command([lm_eval] + args[1:] + ["--include_path", str(tmp_path)], exported.root,
+                             dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"), timeout=300)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         assert re.search(rf"\|{HARNESS_TASK}\s*\|.*\|acc\s*\|", result.stdout), result.stdout
 
@@ -418,12 +426,12 @@ def test_parquet_files_fetched_with_hf_download_make_shards(fake_hub, tmp_path):
                        if command[0] == "hf" or "sample/10BT/" in command]
     work = tmp_path / "work"
     work.mkdir()
-    result = subprocess.run([console_script("hf")] + download[1:], cwd=work, capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, HF_ENDPOINT=fake_hub.url))
+    result = run_command([console_script("hf")] + download[1:], work, dict(os.environ, HF_ENDPOINT=fake_hub.url),
+                         timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(os.listdir(work / "sample" / "10BT")) == ["000_00000.parquet", "001_00000.parquet"]
-    result = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py")] + shard[2:], cwd=work,
-                            capture_output=True, text=True, timeout=300)
+    result = run_command([sys.executable, os.path.join(REPO, "fineweb.py")] + shard[2:], work, dict(os.environ),
+                         timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "edufineweb_val_000000.npy" in os.listdir(work / "edu_fineweb10B")
 
@@ -431,8 +439,8 @@ def test_parquet_files_fetched_with_hf_download_make_shards(fake_hub, tmp_path):
 def test_the_local_text_commands_shard_tiny_shakespeare(tmp_path):
     [args] = commands_of("Preparing data", "python fineweb.py --input input.txt")
     shutil.copy(os.path.join(REPO, "input.txt"), tmp_path)
-    result = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py")] + args[2:], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    result = run_command([sys.executable, os.path.join(REPO, "fineweb.py")] + args[2:], tmp_path, dict(os.environ),
+                         timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     shards = sorted(name for name in os.listdir(tmp_path / "shakespeare") if name.endswith(".npy"))
     assert shards == ["shakespeare_train_000001.npy", "shakespeare_train_000002.npy", "shakespeare_train_000003.npy",

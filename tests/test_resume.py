@@ -37,6 +37,7 @@ from helpers import (
     run_script_on_tmpfs,
     script_command,
     script_env,
+    start_command,
     start_script,
     train_records,
     val_records,
@@ -288,8 +289,8 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     run = tmp_path / "run"
     args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
     with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen(script_command(args, nproc=2, torchrun=True), cwd=tmp_path, env=script_env(),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_command(script_command(args, nproc=2, torchrun=True), tmp_path, script_env(), stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_step(proc, run, 3)
         workers = worker_pids(proc.pid)
@@ -314,8 +315,8 @@ def test_sigint_to_the_torchrun_launcher_saves_then_torchrun_fails_as_the_readme
     args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", SCRIPT, *args]
     with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen([str(word) for word in command], cwd=tmp_path, env=script_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_command([str(word) for word in command], tmp_path, script_env(), stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_step(proc, run, 3)
         os.kill(proc.pid, signal.SIGINT)  # torchrun's own process
@@ -535,9 +536,10 @@ def test_files_of_the_users_own_in_the_log_dir_stay_where_they_are(shards, tmp_p
     log_dir.mkdir()
     args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "2"]
     with open(log_dir / "out.txt", "w") as out:
-        result = subprocess.run(script_command(args), cwd=tmp_path, env=script_env(), stdout=out,
-                                stderr=subprocess.PIPE, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+        process = start_command(script_command(args), tmp_path, script_env(), stdout=out, stderr=subprocess.PIPE,
+                                text=True)
+        _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 0, stderr[-3000:]
     assert "done: step 2" in (log_dir / "out.txt").read_text()
     (log_dir / "notes").mkdir()
     (log_dir / "notes" / "plan.md").write_text("mine")

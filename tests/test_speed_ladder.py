@@ -2,12 +2,14 @@
 profiler."""
 import json
 import os
+import subprocess
 import sys
 import time
 
 import torch
 
-from helpers import REPO, process_stat, run_script
+import forkserver
+from helpers import REPO, process_stat, run_main, run_script, script_env
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import speed_ladder  # noqa: E402
@@ -23,10 +25,15 @@ def run(script, *flags):
     return run_script(flags, REPO, timeout=300, script=os.path.join(REPO, "benchmarks", script))
 
 
-def test_tiny_ladder_on_cpu(tmp_path):
-    result = run("speed_ladder.py", "--tiny", "--device", "cpu", "--json", str(tmp_path / "ladder.json"))
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch):
+    """The ladder run here, each rung's trainer forked by the fork server, in a session of its own as start_trainer
+    starts it (test_a_rung_is_stopped_once_its_steps_are_logged runs start_trainer itself)."""
+    monkeypatch.setattr(speed_ladder, "start_trainer", lambda command, out: forkserver.Process(
+        command, REPO, script_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    code, out, err = run_main(["--tiny", "--device", "cpu", "--json", str(tmp_path / "ladder.json")], capsys,
+                              main=speed_ladder.main)
+    assert code == 0, err
+    lines = out.splitlines()
     rows = {line[:22].strip(): line[22:] for line in lines if line.split(".")[0].isdigit()}
     assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS + ([] if MUON else ["11. modern recipe"]))
     for name in CPU_RUNGS:  # B, first step ("0.1 s"), ms/step, tok/s, MFU, peak mem, speed-up

@@ -31,6 +31,7 @@ from helpers import (
     run_script,
     script_env,
     serve_hellaswag,
+    start_command,
     synthetic_examples,
     train_records,
     val_records,
@@ -202,11 +203,14 @@ def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypa
                    "--val-tokens", "192"]  # 6 sequences: a last batch with -1 rows
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
-    chunked_in_grad_mode = []
+    # a tensor, not a list: dynamo replays a list's append after the graph, but guards on its length, and recompiled
+    # the model at every step; a tensor's add_ is part of the graph
+    chunked_in_grad_mode = torch.zeros((), dtype=torch.int64)
     real_chunked_cross_entropy = chunked_loss.chunked_cross_entropy
 
     def counted_chunked_cross_entropy(*args, **kwargs):
-        chunked_in_grad_mode.append(torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            chunked_in_grad_mode.add_(1)
         return real_chunked_cross_entropy(*args, **kwargs)
 
     for model_module in (train_gpt2, modern):  # each recipe's model calls its own import of it
@@ -214,11 +218,11 @@ def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypa
     logs, chunked_training_losses = {}, {}
     runs = [("full", []), ("chunked", ["--loss", "chunked"]), ("compiled", ["--loss", "chunked", "--compile"])]
     for name, flags in runs:
-        chunked_in_grad_mode.clear()
+        chunked_in_grad_mode.zero_()
         code, _, err = run_main(args + flags + ["--log-dir", tmp_path / name], capsys)
         assert code == 0, err
         logs[name] = read_log(tmp_path / name)
-        chunked_training_losses[name] = sum(chunked_in_grad_mode)
+        chunked_training_losses[name] = chunked_in_grad_mode.item()
     # each of 3 steps' 2 micro-steps, and the 2 passes of the micro-batch's try before them (microbatch.py)
     assert chunked_training_losses == {"full": 0, "chunked": 8, "compiled": 8}
     for name in ("chunked", "compiled"):
@@ -306,9 +310,9 @@ def test_two_nodes_match_one_process(shards, tmp_path, capsys, static_server, mo
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
                 "--local_addr=127.0.0.1", script, str(len(examples))]
-    nodes = [subprocess.Popen(launcher + [str(a) for a in args] + ["--log-dir", tmp_path / "two"], cwd=tmp_path,
-                              env=script_env(HELLASWAG_URL=base_url, GPT2_CACHE_DIR=str(tmp_path / f"cache_node{i}")),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    nodes = [start_command(launcher + [str(a) for a in args] + ["--log-dir", tmp_path / "two"], tmp_path,
+                           script_env(HELLASWAG_URL=base_url, GPT2_CACHE_DIR=str(tmp_path / f"cache_node{i}")),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     for node, (_, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-3000:]
