@@ -101,23 +101,17 @@ def read_steps(log_path):
     return [r for r in map(json.loads, lines) if "dt_ms" in r]
 
 
-def start_trainer(command, out):
-    """The trainer's command, its output and errors going to the file out, in a session of its own: a kill of the
-    session's group reaches the compile workers it starts too."""
-    return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def train_until_logged(command, log_path, n_steps, output, timeout):
     """Runs the trainer until n_steps steps are in its log, then stops it. Returns the step records, or an error
     string."""
     with open(output, "w") as out:
-        process = start_trainer(command, out)
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
         while process.poll() is None and len(read_steps(log_path)) < n_steps and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        if process.poll() is None:
+        if process.poll() is None:  # its own session: the kill reaches the compile workers it started too
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     steps = read_steps(log_path)

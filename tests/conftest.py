@@ -1,6 +1,7 @@
 import functools
 import http.server
 import os
+import subprocess
 import sys
 import threading
 
@@ -10,7 +11,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from helpers import write_shards  # noqa: E402 (after the path that finds the repo's modules)
+import forkserver  # noqa: E402 (after the path that finds the repo's modules)
+from helpers import write_shards  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -20,6 +22,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def forked_python_commands(monkeypatch):
+    """subprocess.Popen (and so subprocess.run), for the code under test in this process: a python command (one the
+    fork server runs, with no options it does not take) forked by the tests' fork server, a process like any other
+    without the seconds of torch's import; any other command started as it is."""
+    popen = subprocess.Popen
+    forked_options = {"cwd", "env", "stdout", "stderr", "text", "start_new_session"}
+
+    def forked_or_started(args, **options):
+        if not forkserver.forkable(args) or not set(options) <= forked_options:
+            return popen(args, **options)
+        cwd, env = options.pop("cwd", None), options.pop("env", None)
+        return forkserver.Process(args, cwd, dict(os.environ) if env is None else env, **options)
+
+    monkeypatch.setattr(subprocess, "Popen", forked_or_started)
 
 
 @pytest.fixture

@@ -64,9 +64,13 @@ def runs_here(path):
 
 # what a process reads of its environment as it starts (the C library's allocator, OpenMP, Python, torch's import), so
 # that a command forked from a server started with other values would not be the process it asks for: it gets a server
-# of its own values (the tests that limit a process's address space set MALLOC_ARENA_MAX, say)
-READ_AT_START = ("PYTHON", "MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH")
-SET_PER_COMMAND = ("PYTHONPATH", "PYTHONUNBUFFERED")  # become() applies these to each command
+# of its own values (the tests that limit a process's address space set MALLOC_ARENA_MAX, say). Not KMP_: Intel's
+# OpenMP reads those, which torch's Linux wheels do not use, and importing scikit-learn (lm_eval does) sets one in the
+# tests' own environment, which would start a second server.
+READ_AT_START = ("PYTHON", "MALLOC_", "LD_", "OMP_", "GOMP_", "MKL_", "TORCH")
+# become() applies these to each command (OMP_NUM_THREADS: as torch's thread count, the one it decides), so commands
+# with and without them share a server, started without them
+SET_PER_COMMAND = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
 
 
 def read_at_start(env):
@@ -82,7 +86,8 @@ class Server:
         self.directory = tempfile.mkdtemp(prefix="forkserver_")
         self.path = os.path.join(self.directory, "socket")
         self.process = subprocess.Popen([sys.executable, HERE, self.path], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env)
+                                        stdout=subprocess.PIPE,
+                                        env={k: v for k, v in env.items() if k not in SET_PER_COMMAND})
         if self.process.stdout.readline() != b"ready\n":
             raise RuntimeError("the tests' fork server did not start")
 
@@ -142,9 +147,19 @@ class Process:
         self.returncode = int(self.connection.recv(64))
         self.connection.close()
 
-    def communicate(self, timeout=None):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.close()
+        self.wait()
+
+    def communicate(self, input=None, timeout=None):
         """(stdout, stderr) read to their ends, where they are pipes, once the process ended; as Popen's, it may be
-        called again after its timeout expired."""
+        called again after its timeout expired. The process reads nothing: input must be None."""
+        assert input is None, "a forked command's stdin is /dev/null"
         if not hasattr(self, "_readers"):
             self._read = {}
             self._readers = [threading.Thread(target=lambda pipe=pipe: self._read.update({pipe: pipe.read()}),
@@ -233,7 +248,7 @@ def serve(path):
             os.close(fd)
 
 
-def become(request, fds, base_path):
+def become(request, fds, base_path, default_threads):
     """This process becomes the command request describes, as a preexec_fn would leave it: in a session of its own
     if start_new_session, under the resource limits named in limits, with the signals named in ignore ignored. Returns
     what to run: ("script", path), ("code", source) or ("module", name)."""
@@ -275,8 +290,8 @@ def become(request, fds, base_path):
                                   encoding="utf-8", errors="backslashreplace", line_buffering=True,
                                   write_through=unbuffered)
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else default_threads)
     return kind, target
 
 
@@ -334,6 +349,8 @@ if __name__ == "__main__":
     import torch._dynamo  # noqa: F401 (imported by the first optimizer a run makes: seconds, on these machines)
     import torch.distributed.nn  # noqa: F401 (train_gpt2.py's, before any process group)
 
+    default_threads = torch.get_num_threads()  # a command's without OMP_NUM_THREADS
+
     gc.freeze()  # what is imported stays out of every collection: a forked process's collector never touches it
     request, fds = serve(sys.argv[1])
-    run_then_exit(*become(request, fds, base_path))
+    run_then_exit(*become(request, fds, base_path, default_threads))

@@ -223,7 +223,7 @@ def test_the_blocks_alive_at_the_peak_are_summed_by_the_line_that_allocated_them
                       (60, "train_gpt2.py:300 forward", 1)]
 
 
-def test_small_cards_runs_the_trainer_and_reads_its_row(shards, tmp_path, capsys):
+def test_small_cards_runs_the_trainer_and_reads_its_row(shards, tmp_path, capsys, forked_python_commands):
     """One run through the child that caps the memory (here the whole of a CPU, as only CUDA can be capped), read back
     as its row: the micro-batch from the log's start record, the median speed and first step from its steps."""
     args = small_cards.parse_args(["--run-capped", "0", "--steps", "3"])  # the child's parsing: no GPU needed

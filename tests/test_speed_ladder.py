@@ -2,13 +2,11 @@
 profiler."""
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
-import forkserver
 from helpers import REPO, process_stat, run_main, run_script, script_env
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -25,11 +23,10 @@ def run(script, *flags):
     return run_script(flags, REPO, timeout=300, script=os.path.join(REPO, "benchmarks", script))
 
 
-def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch):
-    """The ladder run here, each rung's trainer forked by the fork server, in a session of its own as start_trainer
-    starts it (test_a_rung_is_stopped_once_its_steps_are_logged runs start_trainer itself)."""
-    monkeypatch.setattr(speed_ladder, "start_trainer", lambda command, out: forkserver.Process(
-        command, REPO, script_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch, forked_python_commands):
+    """The ladder, run in this process: each rung's trainer forked by the fork server, in a session of its own."""
+    for name in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):  # the rungs' environment: the
+        monkeypatch.setenv(name, script_env()[name])  # tests' scripts'
     code, out, err = run_main(["--tiny", "--device", "cpu", "--json", str(tmp_path / "ladder.json")], capsys,
                               main=speed_ladder.main)
     assert code == 0, err
