@@ -17,7 +17,8 @@ The project's own modules are not imported by the server: a test may run an edit
     run(argv, cwd, env, timeout, **how)  ->  a CompletedProcess, as subprocess.run(..., capture_output=True, text=True)
     Process(argv, cwd, env, stdout, stderr, **how)  ->  a Popen's pid, poll, wait, communicate, send_signal, kill,
         returncode, and stdout and stderr where they are PIPE
-    how: limits={"RLIMIT_NOFILE": (256, 256)}, ignore=("SIGXFSZ",), start_new_session=True (as Popen's)
+    how: limits={"RLIMIT_NOFILE": (256, 256)}, ignore=("SIGXFSZ",), start_new_session=True (as Popen's),
+        tmpfs={"mount": DIR, "options": "size=8k", "before": SHELL, "after": SHELL} (a private tmpfs)
 """
 import atexit
 import contextlib
@@ -107,14 +108,14 @@ class Process:
     stdout's). limits, ignore, start_new_session: see become()."""
 
     def __init__(self, argv, cwd, env, stdout=None, stderr=None, text=False, limits=None, ignore=(),
-                 start_new_session=False):
+                 start_new_session=False, tmpfs=None):
         self.args, self.returncode, self.stdout, self.stderr = argv, None, None, None
         server = Server.get(env)
         self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.connection.connect(server.path)
         request = json.dumps({"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()), "env": dict(env),
                               "umask": current_umask(), "limits": limits or {}, "ignore": list(ignore),
-                              "new_session": start_new_session}).encode()
+                              "new_session": start_new_session, "tmpfs": tmpfs}).encode()
         with contextlib.ExitStack() as sent:  # the descriptors the command gets, closed here once they are sent
             stdin = sent.enter_context(open(os.devnull))  # what a test's subprocess reads: nothing
             out = self._descriptor(stdout, 1, "stdout", text, sent)
@@ -265,6 +266,9 @@ def become(request, fds, base_path, default_threads):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it: KeyboardInterrupt
     if request["new_session"]:
         os.setsid()
+    tmpfs = request["tmpfs"] or {}
+    if tmpfs:
+        mount_private_tmpfs(tmpfs["mount"], tmpfs["options"], tmpfs.get("before"))
     for name, (soft, hard) in request["limits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
     for name in request["ignore"]:
@@ -292,7 +296,29 @@ def become(request, fds, base_path, default_threads):
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else default_threads)
-    return kind, target
+    return kind, target, tmpfs.get("after")
+
+
+def mount_private_tmpfs(mount, options, before=None):
+    """A tmpfs mounted at mount (options: "ro", or "size=8k" say) that this process and its children alone see, as
+    `unshare --map-root-user --mount` and `mount -t tmpfs -o OPTIONS tmpfs MOUNT` would make it: a user namespace
+    where this process is root, and a mount namespace of its own. before: a shell command run in the mount first."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:  # a single thread may: this process has one
+        raise OSError(ctypes.get_errno(), "unshare")
+    for name, line in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(line)
+    flags = MS_RDONLY if "ro" in options.split(",") else 0
+    data = ",".join(option for option in options.split(",") if option != "ro")
+    for source, target, kind, mount_flags, mount_data in ((b"none", b"/", None, MS_REC | MS_PRIVATE, None),
+                                                          (b"tmpfs", os.fsencode(mount), b"tmpfs", flags,
+                                                           data.encode() or None)):
+        if libc.mount(source, target, kind, mount_flags, mount_data) != 0:
+            raise OSError(ctypes.get_errno(), f"mount {target.decode()}")
+    if before:
+        subprocess.run(["sh", "-c", before], cwd=mount, check=True)
 
 
 def run_as_main(kind, target):
@@ -307,11 +333,12 @@ def run_as_main(kind, target):
         exec(compile(target, "<string>", "exec"), main.__dict__)
 
 
-def run_then_exit(kind, target):
+def run_then_exit(kind, target, after=None):
     """Runs the command as __main__, then ends the process as Python would, but for the teardown of every module it
     inherited: the exit code of SystemExit, or 1 after the traceback; the non-daemon threads waited for, the atexit
     functions run, the script's own garbage collected (its open files closed), the streams flushed. Tearing the
-    inherited modules down would touch every page the process shares with the server, copying them all (1 to 2 s)."""
+    inherited modules down would touch every page the process shares with the server, copying them all (1 to 2 s).
+    after: a shell command run last (in the private tmpfs's namespace, which ends with the process)."""
     code = 0
     try:
         run_as_main(kind, target)
@@ -330,6 +357,8 @@ def run_then_exit(kind, target):
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    if after:
+        subprocess.run(["sh", "-c", after])
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
@@ -338,9 +367,13 @@ def run_then_exit(kind, target):
 
 if __name__ == "__main__":
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    import ctypes
     import resource
     import runpy
     import types
+
+    CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000  # <sched.h>
+    MS_RDONLY, MS_REC, MS_PRIVATE = 1, 0x4000, 1 << 18  # <sys/mount.h>
 
     import numpy  # noqa: F401
     import requests  # noqa: F401 (plumbing.py's downloads)

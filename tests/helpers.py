@@ -133,22 +133,20 @@ def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, torchrun=False, *
 
 
 def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1, before=""):
-    """The script (under torchrun when nproc > 1) with a tmpfs of its own mounted at mount (options: "ro", or
-    "size=256k" for a small disk), in a private mount namespace (unshare: as root, or where user namespaces are
-    allowed), so that its writes meet a real read-only or full file system; before: a shell command run in the mount
-    first. The files left in the mount are listed on the last line of stdout. Skips where no such namespace can be
-    made."""
+    """The script (in nproc ranks, forked as torchrun would start them) with a tmpfs of its own mounted at mount
+    (options: "ro", or "size=256k" for a small disk), in a private mount namespace (made as `unshare --map-root-user
+    --mount` makes it: as root, or where user namespaces are allowed), so that its writes meet a real read-only or
+    full file system; before: a shell command run in the mount first. The files left in the mount are listed on the
+    last line of stdout. Skips where unshare(1) cannot make such a namespace."""
     os.makedirs(mount, exist_ok=True)
     unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
     mount_it = f"mount -t tmpfs -o {shlex.quote(options)} tmpfs {shlex.quote(str(mount))}"
     probe = subprocess.run(unshare + [mount_it], capture_output=True, text=True) if shutil.which("unshare") else None
     if probe is None or probe.returncode != 0:
         pytest.skip(f"no private tmpfs mount here ({probe.stderr.strip() if probe else 'no unshare command'})")
-    command = " ".join(shlex.quote(part) for part in script_command(args, nproc))  # its ranks forked: see ranks.py
-    listing = f"ls -A {shlex.quote(str(mount))} | tr '\\n' ' '"
-    prepare = f"(cd {shlex.quote(str(mount))} && {before}) && " if before else ""
-    shell = f"{mount_it} && {prepare}{{ {command}; code=$?; echo; {listing}; exit $code; }}"
-    return subprocess.run(unshare + [shell], cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=timeout)
+    listing = f"echo; ls -A {shlex.quote(str(mount))} | tr '\\n' ' '"
+    tmpfs = dict(mount=str(mount), options=options, before=before or None, after=listing)
+    return run_command(script_command(args, nproc), cwd, script_env(), timeout, tmpfs=tmpfs)  # its ranks forked too
 
 
 def run_source(source, tmp_path, args=(), nproc=1, **env):
