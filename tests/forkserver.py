@@ -105,7 +105,7 @@ class Server:
 class Process:
     """argv run by the fork server, its stdout and stderr the given files or file descriptors, or PIPE (then read
     from .stdout and .stderr, text if text), or STDOUT for stderr (stdout None: this process's own; stderr None:
-    stdout's). limits, ignore, start_new_session: see become()."""
+    stdout's). limits, ignore, start_new_session, tmpfs: see become()."""
 
     def __init__(self, argv, cwd, env, stdout=None, stderr=None, text=False, limits=None, ignore=(),
                  start_new_session=False, tmpfs=None):
@@ -152,10 +152,13 @@ class Process:
         return self
 
     def __exit__(self, *exc):
+        self._close_pipes()
+        self.wait()
+
+    def _close_pipes(self):
         for pipe in (self.stdout, self.stderr):
             if pipe is not None:
                 pipe.close()
-        self.wait()
 
     def communicate(self, input=None, timeout=None):
         """(stdout, stderr) read to their ends, where they are pipes, once the process ended; as Popen's, it may be
@@ -170,9 +173,7 @@ class Process:
         self.wait(timeout)
         for reader in self._readers:
             reader.join()
-        for pipe in (self.stdout, self.stderr):
-            if pipe is not None:
-                pipe.close()
+        self._close_pipes()
         return self._read.get(self.stdout), self._read.get(self.stderr)
 
     def send_signal(self, sig):
