@@ -3,7 +3,6 @@ import http.server
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import forkserver  # noqa: E402 (after the path that finds the repo's modules)
-from helpers import write_shards  # noqa: E402
+from helpers import serving, write_shards  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -67,11 +66,7 @@ def static_server(tmp_path):
             pass
 
     handler = functools.partial(QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    served = Served((root, f"http://127.0.0.1:{server.server_address[1]}"))
-    served.log = log
-    yield served
-    server.shutdown()
-    server.server_close()
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)) as server:
+        served = Served((root, f"http://127.0.0.1:{server.server_address[1]}"))
+        served.log = log
+        yield served

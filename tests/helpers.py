@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -343,6 +344,19 @@ SYNTHETIC = [
      ["is running around trying to avoid a bath.", "gets into the bath tub.", "sits.",
       "jumps out of the bucket and runs."]),
 ]
+
+
+@contextlib.contextmanager
+def serving(server):
+    """server (a socketserver) answering in a thread of its own while the block runs; shut down and closed after.
+    Its loop looks for the shutdown every 10 ms, not every 0.5 s, which each test would otherwise wait out."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def synthetic_examples(labels):

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import train_gpt2
-from helpers import REPO, process_stat, run_command, start_command
+from helpers import REPO, process_stat, run_command, serving, start_command
 from plumbing import EOT, gpt2_tokenizer
 
 FINEWEB = os.path.join(REPO, "fineweb.py")
@@ -222,12 +222,8 @@ def sha256(data):
 
 @pytest.fixture
 def hub():
-    server = Hub()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(Hub()) as server:
+        yield server
 
 HUB_DOCS = [make_docs(seed, 120) for seed in range(3)]  # three parquet files of ~160 KB, ~35k tokens each
 

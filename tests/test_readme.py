@@ -14,7 +14,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import urllib.parse
 from typing import NamedTuple
 
@@ -30,6 +29,7 @@ from helpers import (
     needs_muon,
     run_command,
     run_main,
+    serving,
     synthetic_examples,
     write_harness_task,
     write_jsonl,
@@ -299,12 +299,8 @@ class FakeHubHandler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_hub():
     """A FakeHub in a thread, serving no dataset until its test gives it one."""
-    hub = FakeHub("none/none", {})
-    thread = threading.Thread(target=hub.serve_forever, daemon=True)
-    thread.start()
-    yield hub
-    hub.shutdown()
-    hub.server_close()
+    with serving(FakeHub("none/none", {})) as hub:
+        yield hub
 
 
 def console_script(name):

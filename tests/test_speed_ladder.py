@@ -67,7 +67,9 @@ def test_a_rung_is_stopped_once_its_steps_are_logged(tmp_path):
     steps = speed_ladder.train_until_logged(command, str(log), 5, str(tmp_path / "out.txt"), timeout=30)
     assert [r["step"] for r in steps] == [0, 1, 2, 3, 4] and time.perf_counter() - t0 < 15
     pids = [int(pid) for pid in (tmp_path / "log.jsonl.pids").read_text().split()]
-    time.sleep(0.5)
+    deadline = time.monotonic() + 5
+    while any(process_stat(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not any(process_stat(pid) for pid in pids)  # the trainer and the workers it started: gone, or zombies
     log.unlink()
     steps = speed_ladder.train_until_logged(command, str(log), 6, str(tmp_path / "out.txt"), timeout=2)
