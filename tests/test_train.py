@@ -223,8 +223,8 @@ def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypa
         assert code == 0, err
         logs[name] = read_log(tmp_path / name)
         chunked_training_losses[name] = chunked_in_grad_mode.item()
-    # each of 3 steps' 2 micro-steps, and the 2 passes of the micro-batch's try before them (microbatch.py)
-    assert chunked_training_losses == {"full": 0, "chunked": 8, "compiled": 8}
+    # each of 3 steps' 2 micro-steps, and the pass of the micro-batch's try before them (microbatch.py: one on a CPU)
+    assert chunked_training_losses == {"full": 0, "chunked": 7, "compiled": 7}
     for name in ("chunked", "compiled"):
         assert len(logs[name]) == len(logs["full"]), name
         for mine, full in zip(logs[name], logs["full"]):
