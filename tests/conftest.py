@@ -1,4 +1,5 @@
 import functools
+import gc
 import http.server
 import os
 import subprocess
@@ -12,6 +13,13 @@ sys.path.insert(0, REPO)
 
 import forkserver  # noqa: E402 (after the path that finds the repo's modules)
 from helpers import serving, write_shards  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    """What collecting the tests made (torch, transformers and the rest imported: some 450,000 objects) is left out of
+    every later garbage collection, as the fork server leaves its own: each full collection walked them all, 0.25 s,
+    and the trainer makes one as it ends a process group."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
