@@ -36,16 +36,7 @@ def forked_python_commands(monkeypatch):
     """subprocess.Popen (and so subprocess.run), for the code under test in this process: a python command (one the
     fork server runs, with no options it does not take) forked by the tests' fork server, a process like any other
     without the seconds of torch's import; any other command started as it is."""
-    popen = subprocess.Popen
-    forked_options = {"cwd", "env", "stdout", "stderr", "text", "start_new_session"}
-
-    def forked_or_started(args, **options):
-        if not forkserver.forkable(args) or not set(options) <= forked_options:
-            return popen(args, **options)
-        cwd, env = options.pop("cwd", None), options.pop("env", None)
-        return forkserver.Process(args, cwd, dict(os.environ) if env is None else env, **options)
-
-    monkeypatch.setattr(subprocess, "Popen", forked_or_started)
+    monkeypatch.setattr(subprocess, "Popen", forkserver.popen)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ The project's own modules are not imported by the server: a test may run an edit
     run(argv, cwd, env, timeout, **how)  ->  a CompletedProcess, as subprocess.run(..., capture_output=True, text=True)
     Process(argv, cwd, env, stdout, stderr, **how)  ->  a Popen's pid, poll, wait, communicate, send_signal, kill,
         returncode, and stdout and stderr where they are PIPE
+    popen(argv, **options)  ->  subprocess.Popen's stand-in: a Process where the server can run argv with options
     how: limits={"RLIMIT_NOFILE": (256, 256)}, ignore=("SIGXFSZ",), start_new_session=True (as Popen's),
         tmpfs={"mount": DIR, "options": "size=8k", "before": SHELL, "after": SHELL} (a private tmpfs)
 """
@@ -74,6 +75,10 @@ READ_AT_START = ("PYTHON", "MALLOC_", "LD_", "OMP_", "GOMP_", "MKL_", "TORCH")
 SET_PER_COMMAND = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
 
 
+start_process = subprocess.Popen  # as it is before a test replaces it with popen
+FORKED_OPTIONS = {"cwd", "env", "stdout", "stderr", "text", "start_new_session"}  # popen's, which Process takes
+
+
 def read_at_start(env):
     return frozenset((key, value) for key, value in env.items()
                      if key.startswith(READ_AT_START) and key not in SET_PER_COMMAND)
@@ -86,9 +91,8 @@ class Server:
     def __init__(self, env):
         self.directory = tempfile.mkdtemp(prefix="forkserver_")
         self.path = os.path.join(self.directory, "socket")
-        self.process = subprocess.Popen([sys.executable, HERE, self.path], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE,
-                                        env={k: v for k, v in env.items() if k not in SET_PER_COMMAND})
+        self.process = start_process([sys.executable, HERE, self.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={k: v for k, v in env.items() if k not in SET_PER_COMMAND})
         if self.process.stdout.readline() != b"ready\n":
             raise RuntimeError("the tests' fork server did not start")
 
@@ -185,6 +189,15 @@ class Process:
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
+
+
+def popen(args, **options):
+    """subprocess.Popen(args, **options), forked by the server where it can be: a python command with no options but
+    FORKED_OPTIONS; any other command started as it is."""
+    if not forkable(args) or not set(options) <= FORKED_OPTIONS:
+        return start_process(args, **options)
+    cwd, env = options.pop("cwd", None), options.pop("env", None)
+    return Process(args, cwd, dict(os.environ) if env is None else env, **options)
 
 
 def current_umask():
