@@ -114,10 +114,13 @@ def start(run, micro_batch_said, recipe_named):
     compiled = "on" if cfg.compile else "off"
     print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters"
           f"{recipe_named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {compiled}")
-    train_tokens = sum(len(shard) for shard in run.stream.shards)
-    print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
-          f"{run.micro_batch} x {cfg.seq_len} x {run.accumulation_steps} accumulation steps x {env.world_size} "
-          f"process(es)")
+    if cfg.eval_only:
+        print(f"data: {cfg.data}, {len(run.val):,} validation tokens | micro-batch {run.micro_batch} x {cfg.seq_len}")
+    else:
+        train_tokens = sum(len(shard) for shard in run.stream.shards)
+        print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
+              f"{run.micro_batch} x {cfg.seq_len} x {run.accumulation_steps} accumulation steps x {env.world_size} "
+              f"process(es)")
     if micro_batch_said:
         print(micro_batch_said)
 

@@ -81,6 +81,27 @@ def shown(value):
     return value if isinstance(value, str) and re.fullmatch(r"[\w./:+-]+", value) else repr(value)
 
 
+def processes(environ=os.environ):
+    """This process's rank, local rank and the number of processes, from torchrun's RANK, LOCAL_RANK and WORLD_SIZE
+    (or one process where they are unset), refused in one line where no torchrun could have set them."""
+    numbers = {}
+    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        value = environ.get(name, default)
+        if not value.isdigit():
+            raise UsageError(f"{name}={value} in the environment is not a whole number; torchrun sets it for each "
+                             f"process it starts: unset it to run one process")
+        numbers[name] = int(value)
+    rank, local_rank, world_size = numbers.values()
+    if rank >= world_size:
+        raise UsageError(f"RANK={rank} in the environment is not below WORLD_SIZE={world_size}; unset both to run one "
+                         f"process, or start the run with torchrun")
+    if world_size > 1 and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+        raise UsageError(f"WORLD_SIZE={world_size} says this is one of {world_size} processes, but MASTER_ADDR and "
+                         f"MASTER_PORT, where they meet, are not set; start them with torchrun (torchrun --standalone "
+                         f"--nproc_per_node={world_size} train_gpt2.py), or unset WORLD_SIZE to run one process")
+    return rank, local_rank, world_size
+
+
 def check_device(device, local_rank, world_size, fsdp):
     """Refuses a device that PyTorch does not see here, or that cannot hold this process or its process group."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -118,12 +139,13 @@ def defined_in(recipe):
     return os.path.basename(recipe.model.__init__.__code__.co_filename)
 
 
-def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
-    """The run's recipe, and its presets in the order they apply: [(name and where it is, {setting: value})]. presets:
-    train_gpt2.py's named tables SHAKESPEARE, SHAKESPEARE_FINETUNE and OPENAI_SHAPES. --init-from's weights fix the
-    recipe and the shapes, whatever a preset said; a flag that says otherwise is refused."""
-    pretrained = pretrained_preset(cfg, recipes, model_sizes, presets)
-    recipe_name = pretrained[1].get("recipe", cfg.recipe) if pretrained else cfg.recipe
+def presets_for(draft, shards_found, recipes, model_sizes, presets):
+    """The run's recipe, its presets in the order they apply, [(name and where it is, {setting: value})], and what
+    --init-from's weights fix, (name, {setting: value}) or None. presets: train_gpt2.py's named tables SHAKESPEARE,
+    SHAKESPEARE_FINETUNE and OPENAI_SHAPES. The weights fix the recipe and the shapes, whatever a preset says; a flag
+    that says otherwise is refused."""
+    pretrained = pretrained_preset(draft, recipes, model_sizes, presets)
+    recipe_name = pretrained[1].get("recipe", draft.recipe) if pretrained else draft.recipe
     recipe, where = recipes[recipe_name].presets, f"in {defined_in(recipes[recipe_name])}"
     chosen = []
     if not shards_found:
@@ -134,21 +156,34 @@ def presets_for(cfg, given, shards_found, recipes, model_sizes, presets):
             chosen.append((f"--recipe {recipe_name}'s PRESETS['shakespeare'] ({where})", recipe["shakespeare"]))
     elif "fineweb" in recipe:
         chosen.append((f"--recipe {recipe_name}'s PRESETS['fineweb'] ({where})", recipe["fineweb"]))
-    if pretrained:
-        fixed = {key: value for key, value in pretrained[1].items() if key not in not_read_by(recipe_name, recipes)}
-        sizes = model_sizes[cfg.model]
-        if "model" in given and any(fixed[key] != value for key, value in sizes.items()):  # a name for three flags
-            fixes, says = (", ".join(f"{flag(k)} {v[k]}" for k in sizes) for v in (fixed, sizes))
-            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and --model {cfg.model} says {says}; drop "
-                             f"--model")
-        clash = [key for key, value in fixed.items() if key in given and key != "model" and getattr(cfg, key) != value]
-        if clash:
-            fixes = ", ".join(f"{flag(k)} {shown(fixed[k])}" for k in clash)
-            says = ", ".join(f"{flag(k)} {shown(getattr(cfg, k))}" for k in clash)
-            raise UsageError(f"--init-from {cfg.init_from} fixes {fixes}, and the flags say {says}; drop "
-                             f"{'it' if len(clash) == 1 else 'them'}")
-        chosen.append((pretrained[0], fixed))
-    return recipe_name, chosen
+    if pretrained is None:
+        return recipe_name, chosen, None
+    fixed = {key: value for key, value in pretrained[1].items() if key not in not_read_by(recipe_name, recipes)}
+    check_fixed(draft, fixed, model_sizes)
+    return recipe_name, chosen, (pretrained[0], fixed)
+
+
+def check_fixed(draft, fixed, model_sizes):
+    """Refuses the flags that say otherwise than --init-from's weights fix (fixed), naming both."""
+    sizes, given = model_sizes[draft.model], draft.given
+    if "model" in given and any(fixed[key] != value for key, value in sizes.items()):  # a name for three flags
+        fixes, says = (", ".join(f"{flag(k)} {v[k]}" for k in sizes) for v in (fixed, sizes))
+        raise UsageError(f"--init-from {draft.init_from} fixes {fixes}, and --model {draft.model} says {says}; drop "
+                         f"--model")
+    clash = [key for key, value in fixed.items() if key in given and key != "model" and getattr(draft, key) != value]
+    if clash:
+        fixes = ", ".join(f"{flag(k)} {shown(fixed[k])}{padded_in_words(draft.init_from, k, fixed[k])}" for k in clash)
+        says = ", ".join(f"{flag(k)} {shown(getattr(draft, k))}" for k in clash)
+        raise UsageError(f"--init-from {draft.init_from} fixes {fixes}, and the flags say {says}; drop "
+                         f"{'it' if len(clash) == 1 else 'them'}")
+
+
+def padded_in_words(init_from, key, value):
+    """Why --init-from's weights fix a --vocab-size above GPT-2's, in words ("" for any other setting)."""
+    if key != "vocab_size" or value <= GPT2_VOCAB:
+        return ""
+    whose = "its config.json's" if os.path.isdir(init_from) else "OpenAI's"
+    return f" ({whose} {GPT2_VOCAB} tokens, padded with rows that are never predicted: such matmuls run faster)"
 
 
 def not_read_by(recipe, recipes):
@@ -171,7 +206,7 @@ def pretrained_preset(cfg, recipes, model_sizes, presets):
     fixed.update({key: value for key, value in presets["OPENAI_SHAPES"].items() if key not in fixed})
     if fixed["vocab_size"] == GPT2_VOCAB:
         fixed["vocab_size"] = presets["OPENAI_SHAPES"]["vocab_size"]
-    return f"--init-from {cfg.init_from} (its recipe and shapes)", fixed
+    return f"--init-from {cfg.init_from} (its config.json's recipe and shapes)", fixed
 
 
 def export_settings(directory, recipes):
@@ -222,68 +257,92 @@ def presets_help(presets, recipes):
     return "\n".join(lines)
 
 
-class Draft:
-    """The settings while resolve decides them: the flags' config, and each change made to it since (by a preset, the
-    device, the checkpoint resumed), with what made it. Only set changes a setting; done() makes the run's config."""
+class Change(NamedTuple):
+    """A setting's value, what made it (a preset, the device, the checkpoint, ...), and whether the run's first lines
+    name it (a checkpoint's own value, or what a file's 0 stands for, is no news)."""
+    value: object
+    why: str
+    said: bool
 
-    def __init__(self, flags):
-        self.flags, self.changes = flags, {}  # {setting: (what made it, or None for no line of its own; value)}
+
+class Named(NamedTuple):
+    """A change the run's first lines name: what made it, the setting, its default (the file's value), its value."""
+    why: str
+    key: str
+    default: object
+    value: object
+
+
+class Draft:
+    """The settings while they are decided: the flags' config (the file's defaults and the flags given), and each
+    change made to it since, with what made it. Only set changes a setting; done() makes the run's config."""
+
+    def __init__(self, flags, given):
+        self.flags, self.given, self.changes = flags, set(given), {}
+        self.notes = []  # lines to say before the changes: why a preset applies
+        self.shards_found = True  # whether --data is there, or tiny Shakespeare trains instead
+        self.fixed_by = None  # the preset of what --init-from's weights fix, which no flag overrides
 
     def __getattr__(self, key):  # a setting's value so far
-        if key in ("flags", "changes"):  # not set yet (a copy being made): no setting has these names
+        if "flags" not in self.__dict__:  # not set yet (a copy being made)
             raise AttributeError(key)
         if key in self.changes:
-            return self.changes[key][1]
+            return self.changes[key].value
         return getattr(self.flags, key)
 
-    def set(self, key, value, why=None):
-        """Sets key to value, for the reason why (None: not worth a line, as a checkpoint's own value); a value
-        already set stays what set it."""
+    def set(self, key, value, why, said=True):
+        """Sets key to value, for the reason why; setting the value it already has changes nothing, its reason
+        included."""
         if getattr(self, key) != value:
             self.changes.pop(key, None)  # the lines list the settings in the order they were last changed
-            self.changes[key] = (why, value)
+            self.changes[key] = Change(value, why, said)
+
+    def source(self, key):
+        """Where the setting's value comes from, in words."""
+        if key in self.changes:
+            return self.changes[key].why
+        return f"{flag(key)} given" if key in self.given else "the file's default"
 
     def named(self):
-        """[(what changed it, setting, its default, its value)] of the settings a reason changed from the flags'."""
-        return [(why, key, getattr(self.flags, key), value) for key, (why, value) in self.changes.items()
-                if why is not None and value != getattr(self.flags, key)]
+        """The changes to say, from the flags' values, as Named."""
+        return [Named(change.why, key, getattr(self.flags, key), change.value) for key, change in self.changes.items()
+                if change.said and change.value != getattr(self.flags, key)]
 
     def done(self):
-        return dataclasses.replace(self.flags, **{key: value for key, (_, value) in self.changes.items()})
+        return dataclasses.replace(self.flags, **{key: change.value for key, change in self.changes.items()})
 
 
-def apply_presets(draft, given, chosen, model_sizes, unread):
+def apply_presets(draft, chosen, fixed, model_sizes, unread):
     """Sets each preset's settings but those given as flags (with --model, its sizes too) and those the run's recipe
-    does not read (unread: another recipe's, which it refuses as flags), the later presets over the earlier."""
-    keep = set(given) | (set(model_sizes[draft.model]) if "model" in given else set())
-    final = {}
-    for name, preset in chosen:
-        for key, value in preset.items():
-            if key not in unread and (key not in keep or name.startswith("--init-from")):
-                final[key] = (name, value)
+    does not read (unread: another recipe's, which it refuses as flags), the later presets over the earlier; then what
+    --init-from's weights fix (fixed: a flag that says otherwise was refused)."""
+    keep = draft.given | (set(model_sizes[draft.model]) if "model" in draft.given else set())
+    final = {key: (name, value) for name, preset in chosen for key, value in preset.items()
+             if key not in unread and key not in keep}
+    if fixed is not None:
+        final.update({key: (fixed[0], value) for key, value in fixed[1].items()})
     for key, (name, value) in final.items():
         draft.set(key, value, f"preset {name}")
 
 
-def say_changes(changes, model, sizes, width=120):
-    """The lines that name each setting changed from its default (the file's value), under what changed it, a setting
-    never split over two. sizes: those of --model (its name), which a default of 0 stands for."""
-    shown_changes = [change for change in changes if not (change[1] in sizes and change[2] == 0
-                                                           and change[3] == sizes[change[1]])]  # what 0 meant anyway
+def say_changes(changes, model, sizes, fixed, width=120):
+    """The lines that name each change (Named) under what made it, a setting never split over two. sizes: those of
+    --model (its name), which a default of 0 stands for; fixed: whether --init-from's weights fix some, which no flag
+    overrides."""
     lines = []
-    for why in dict.fromkeys(change[0] for change in shown_changes):
+    for why in dict.fromkeys(change.why for change in changes):
         lines.append(f"{why} sets:")
-        for made_by, key, before, value in shown_changes:
-            if made_by != why:
+        for change in changes:
+            if change.why != why:
                 continue
+            key, before = change.key, change.default
             default = f"--model {model}'s {sizes[key]}" if key in sizes and before == 0 else shown(before)
-            item = f"{flag(key)} {shown(value)} (default: {default})"
+            item = f"{flag(key)} {shown(change.value)} (default: {default})"
             if len(lines[-1]) + len(item) + 2 > width:
                 lines.append("   ")
             lines[-1] += f" {item},"
         lines[-1] = lines[-1].removesuffix(",")
     if lines:
-        fixed = any(change[0].startswith("preset --init-from") for change in shown_changes)  # a flag for those: refused
         lines.append(f"    (a flag overrides any of these{' but what --init-from fixes' if fixed else ''})")
     return lines
 
@@ -347,11 +406,11 @@ def check_config(cfg, world_size):
         raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the "
                          "gradient scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, "
                          "or --loss full")
-    if cfg.seq_len > cfg.block_size:
-        raise UsageError(f"--seq-len {cfg.seq_len} is longer than the model's --block-size {cfg.block_size}; "
-                         f"shorten it")
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass "
+                         f"--compile or drop it")
     tokens_per_pass = cfg.batch_size * cfg.seq_len * world_size
-    if cfg.total_batch_size % tokens_per_pass:
+    if cfg.total_batch_size % tokens_per_pass and not cfg.eval_only:  # an evaluation takes no optimizer step
         raise UsageError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len x "
                          f"processes = {cfg.batch_size} x {cfg.seq_len} x {world_size} = {tokens_per_pass}; change "
                          f"one of them")
@@ -368,106 +427,152 @@ def check_recipe(cfg, given, recipes):
                              f"{'it' if len(other) == 1 else 'them'}, or pass --recipe {other_recipe}")
 
 
-def fit_warmup(draft, given, resumed):
+def fit_warmup(draft, resumed):
     """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps
     for FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about. A resumed
     run (resumed: its checkpoint's settings) keeps its own warmup, not the file's again: raising --max-steps would put
-    its rate back into a warmup. Its new schedule is said once restored (checkpoints.say_schedule_change). Returns the
+    its rate back into a warmup; its new schedule is said once restored (checkpoints.say_schedule_change). Returns the
     lines to say."""
-    if resumed is not None and "warmup_steps" not in given:
-        draft.set("warmup_steps", resumed["warmup_steps"])
+    if resumed is not None and "warmup_steps" not in draft.given:
+        draft.set("warmup_steps", resumed["warmup_steps"], "the checkpoint", said=False)
     if draft.max_steps == 0 or draft.warmup_steps < draft.max_steps:
         return []
-    if "warmup_steps" in given:
+    if "warmup_steps" in draft.given:
         return [f"warning: --warmup-steps {draft.warmup_steps} is not shorter than --max-steps {draft.max_steps}: the "
                 f"learning rate rises for the whole run and never decays"]
     warmup = draft.max_steps // 10
     line = (f"--max-steps {draft.max_steps} is no longer than the {draft.warmup_steps} warmup steps: warming up for "
             f"{warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
-    draft.set("warmup_steps", warmup)
+    draft.set("warmup_steps", warmup, "the warmup fitted to the run", said=False)
     return [line] if resumed is None else []
 
 
-def take_model_settings(draft, given, train_config, model_config, path):
+def take_model_settings(draft, train_config, model_config, path):
     """--eval-only evaluates a checkpoint's model as it was trained: its recipe and shapes (model_config), not those
-    the flags and presets say, as --sample does, and its steps stand for the tokens of its batch (train_config). A flag
-    given that says otherwise is refused."""
+    the flags and presets say, as --sample does, on sequences of its length, and its steps stand for the tokens of
+    its batch (train_config). A flag given that says otherwise is refused."""
     taken = {k: v for k, v in model_config.items() if k not in COMPUTE_ONLY}
     clash = [f"{k}: checkpoint {v}, flags {getattr(draft, k)}" for k, v in taken.items()
-             if k in given and getattr(draft, k) != v]
+             if k in draft.given and getattr(draft, k) != v]
     if clash:
         raise UsageError(f"--eval-only evaluates {path} as it was trained, and flags say otherwise "
                          f"({'; '.join(clash)}); drop them")
-    for key, value in {**taken, "total_batch_size": train_config["total_batch_size"]}.items():
-        draft.set(key, value)
-    if draft.seq_len > draft.block_size:
-        raise UsageError(f"--seq-len {draft.seq_len} is longer than {path}'s block of {draft.block_size} tokens; pass "
-                         f"--seq-len {draft.block_size}")
+    taken["total_batch_size"] = train_config["total_batch_size"]
+    if "seq_len" not in draft.given:
+        taken["seq_len"] = train_config["seq_len"]
+    for key, value in taken.items():
+        draft.set(key, value, f"the checkpoint {path}", said=False)
     for key in BENCHMARKS:
         if getattr(draft, key) > 0 and draft.vocab_size < GPT2_VOCAB:
-            if key in given:
+            if key in draft.given:
                 raise UsageError(f"{flag(key)} needs GPT-2's whole vocabulary, and {path} has {draft.vocab_size} "
                                  f"tokens; drop it")
-            draft.set(key, 0)
+            draft.set(key, 0, f"the checkpoint {path}", said=False)
+
+
+def fit_seq_len(draft):
+    """A --seq-len no flag gave that is longer than the model's block (a preset's, say, for an export with fewer
+    positions) is cut to the block, and said; one given is refused, naming where the block's size comes from."""
+    if draft.seq_len <= draft.block_size:
+        return
+    block = f"{draft.block_size} tokens (--block-size {draft.block_size}, from {draft.source('block_size')})"
+    if "seq_len" in draft.given:
+        raise UsageError(f"--seq-len {draft.seq_len} is longer than the model's block of {block}; pass --seq-len "
+                         f"{draft.block_size} or less")
+    draft.set("seq_len", draft.block_size, f"the model's block of {block}")
+
+
+def training_only(cfg, recipes):
+    """The settings that only training reads (--eval-only's first lines leave them out): the batch, the schedule, the
+    checkpoints, and each recipe's own that are not the model's (its learning rates)."""
+    model = {f.name for f in dataclasses.fields(cfg) if f.metadata["model"]}
+    rates = {name for recipe in recipes.values() for name in recipe.settings} - model
+    return rates | {"total_batch_size", "max_steps", "warmup_steps", "min_lr_ratio", "grad_clip", "eval_every",
+                    "checkpoint_every", "keep_checkpoints", "max_bad_steps"}
 
 
 # -----------------------------------------------------------------------------
-# The settings resolved
+# The settings resolved: the layers in the order they apply, then every check
 
 
-def resolve(flags, given, env, recipes, model_sizes, presets, fsdp_check, resumed=None):
-    """The run's settings, decided here alone, in this order: the file's defaults and the flags given (flags), the
-    presets, the defaults that depend on the model preset and the device, then what the checkpoint resumed keeps
-    (resumed: its train_config, model_config and path; None for a new run), all checked. Returns them, frozen, and
-    the lines that name each value that is not its default (a preset's, the device's, one derived from the others),
-    for rank 0 to print. It prints and writes nothing: train_gpt2.start asks it once to find the run's log directory
-    and checkpoint, then again with that checkpoint. fsdp_check: fsdp.py's refusals, for --fsdp."""
-    draft, lines = Draft(flags), []
+def layered(flags, given, env, recipes, model_sizes, presets):
+    """The settings as the layers before the checkpoint's make them, in the order they apply: the file's defaults and
+    the flags given (flags), the presets (which the data decides), the model preset, the device. A Draft: it says
+    where the run's log directory and checkpoint are, and resolve finishes it."""
     if flags.eval_only and flags.resume == "none":
         raise UsageError("--eval-only evaluates a checkpoint (the latest in --log-dir, or --resume PATH's) or OpenAI's "
                          "weights (--init-from), and --no-resume asks for none; drop --no-resume")
+    draft = Draft(flags, given)
+    draft.shards_found = look_for_shards(draft)
+    recipe, chosen, fixed = presets_for(draft, draft.shards_found, recipes, model_sizes, presets)  # the weights' recipe
+    apply_presets(draft, chosen, fixed, model_sizes, not_read_by(recipe, recipes))
+    draft.fixed_by = fixed and fixed[0]
+    apply_model_preset(draft, model_sizes)
+    apply_device(draft, env)
+    return draft
+
+
+def look_for_shards(draft):
+    """Whether --data is there to train on; if not, the note that says why tiny Shakespeare is, and what to do."""
+    flags = draft.flags
     # the default --data holding only what a stopped `python fineweb.py` left is as good as missing
-    leftovers = None if "data" in given else plumbing.unfinished_preparation(flags.data)
-    shards_found = "data" in given or (os.path.exists(flags.data) and leftovers is None)
-    if not shards_found:
-        doing = ("evaluating" if flags.eval_only else "training a small model" if flags.init_from == "scratch"
-                 else f"fine-tuning {pretrained_in_words(flags.init_from)}")
-        advice = "make them with `python fineweb.py`"
-        if leftovers:
-            advice = (f"only {', '.join(leftovers)}, left by an unfinished `python fineweb.py`: rerun it to finish "
-                      f"them, or delete {flags.data}/")
-        elif leftovers == []:
-            advice = f"it is empty: {advice}, or delete {flags.data}/"
-        lines.append(f"no FineWeb shards in {flags.data}/ ({advice}): {doing} on tiny Shakespeare instead")
-    recipe, chosen = presets_for(draft, given, shards_found, recipes, model_sizes, presets)  # --init-from's recipe
-    apply_presets(draft, given, chosen, model_sizes, not_read_by(recipe, recipes))
-    check_recipe(draft, given, recipes)  # --init-from's recipe, if it fixes one
-    if not shards_found and "batch_size" not in given and draft.seq_len > 0:
-        draft.set("batch_size", max(1, draft.total_batch_size // (draft.seq_len * env.world_size)),
-                  "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)")
+    leftovers = None if "data" in draft.given else plumbing.unfinished_preparation(flags.data)
+    if "data" in draft.given or (os.path.exists(flags.data) and leftovers is None):
+        return True
+    doing = ("evaluating" if flags.eval_only else "training a small model" if flags.init_from == "scratch"
+             else f"fine-tuning {pretrained_in_words(flags.init_from)}")
+    advice = "make them with `python fineweb.py`"
+    if leftovers:
+        advice = (f"only {', '.join(leftovers)}, left by an unfinished `python fineweb.py`: rerun it to finish "
+                  f"them, or delete {flags.data}/")
+    elif leftovers == []:
+        advice = f"it is empty: {advice}, or delete {flags.data}/"
+    draft.notes.append(f"no FineWeb shards in {flags.data}/ ({advice}): {doing} on tiny Shakespeare instead")
+    return False
+
+
+def apply_model_preset(draft, model_sizes):
+    """--model's sizes: given as a flag, over the file's (edited) sizes but not over the size flags; else where the
+    file's size is 0, which stands for them."""
     for key, value in model_sizes[draft.model].items():
-        if getattr(draft, key) == 0:
-            draft.set(key, value)
+        if "model" in draft.given and key not in draft.given:
+            draft.set(key, value, f"--model {draft.model}")
+        elif getattr(draft, key) == 0:
+            draft.set(key, value, f"--model {draft.model}", said=False)
+
+
+def apply_device(draft, env):
+    """What the device decides: compiling (on CUDA), the precision, and no benchmarks where they are too slow."""
     if draft.compile is None:
-        draft.set("compile", env.device_type == "cuda")
-    if draft.compile_mode != "default" and not draft.compile:
-        raise UsageError(f"--compile-mode {draft.compile_mode} needs --compile (off by default without CUDA); pass "
-                         f"--compile or drop it")
-    off = [key for key in BENCHMARKS if key not in given and getattr(draft, key) != 0]
+        draft.set("compile", env.device_type == "cuda", f"the device ({env.device_type})", said=False)
+    draft.set("dtype", resolve_dtype(draft.dtype, env.device_type), f"the device ({env.device_type})", said=False)
+    off = [key for key in BENCHMARKS if key not in draft.given and getattr(draft, key) != 0]
     if off and (env.device_type != "cuda" or draft.vocab_size < GPT2_VOCAB):
         why = (f"on {env.device_type} (too slow without CUDA)" if env.device_type != "cuda" else
                f"with --vocab-size {draft.vocab_size} (their text needs every GPT-2 token)")
         for key in off:
             draft.set(key, 0, f"no {' or '.join(BENCHMARKS[key] for key in off)} {why}")
-    lines += say_changes(draft.named(), draft.model, model_sizes[draft.model])
-    draft.set("dtype", resolve_dtype(draft.dtype, env.device_type))
+
+
+def resolve(draft, env, recipes, model_sizes, fsdp_check, resumed=None):
+    """The run's settings, frozen: draft's layers (layered), then what the checkpoint resumed keeps (resumed: its
+    train_config, model_config and path; None for a new run), then the values fitted to the others, then every
+    check. Also the lines for rank 0 to print first: what made each value that is not the file's. It prints and
+    writes nothing. fsdp_check: fsdp.py's refusals, for --fsdp."""
     if draft.eval_only and resumed is not None:  # the model as it was trained, whatever the flags' recipe
-        take_model_settings(draft, given, *resumed)
-        check_recipe(draft, given, recipes)
-    elif not draft.eval_only:
-        lines += fit_warmup(draft, given, None if resumed is None else resumed[0])
+        take_model_settings(draft, *resumed)
+    fit_seq_len(draft)
+    if not (draft.shards_found or draft.eval_only or "batch_size" in draft.given) and draft.seq_len > 0:
+        draft.set("batch_size", max(1, draft.total_batch_size // (draft.seq_len * env.world_size)),
+                  "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)")
+    later = [] if draft.eval_only else fit_warmup(draft, None if resumed is None else resumed[0])
+    sizes, unread = model_sizes[draft.model], training_only(draft.flags, recipes) if draft.eval_only else ()
+    changes = [change for change in draft.named() if change.key not in unread
+               and not (change.key in sizes and change.default == 0 and change.value == sizes[change.key])]
+    lines = draft.notes + say_changes(changes, draft.model, sizes, draft.fixed_by is not None) + later
     cfg = draft.done()
     check_config(cfg, env.world_size)
+    check_recipe(cfg, draft.given, recipes)
     if cfg.fsdp:
         fsdp_check(cfg)
     return cfg, lines

@@ -54,9 +54,9 @@ if dist.is_available():  # builds without torch.distributed have none
     import torch.distributed.nn  # noqa: F401
 
 # what benchmarks/ may use of this file (tests/test_structure.py checks it): every other name may change freely
-__all__ = ["TrainConfig", "parse_args", "resolve_config", "MODEL_SIZES", "PADDED_VOCAB", "GPTConfig", "GPT", "model_of",
-           "make_model", "make_optimizers", "set_lr", "set_up_distributed", "tear_down_distributed", "set_tf32",
-           "autocast_context", "compile_model", "train_step", "evaluate_val", "SHAKESPEARE"]
+__all__ = ["TrainConfig", "parse_args", "layered_config", "resolve_config", "MODEL_SIZES", "PADDED_VOCAB", "GPTConfig",
+           "GPT", "model_of", "make_model", "make_optimizers", "set_lr", "set_up_distributed", "tear_down_distributed",
+           "set_tf32", "autocast_context", "compile_model", "train_step", "evaluate_val", "SHAKESPEARE"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
 
@@ -517,8 +517,7 @@ class Env(NamedTuple):
 def set_up_distributed(device="auto", fsdp=False):
     """One process per GPU under torchrun (RANK, LOCAL_RANK, WORLD_SIZE), or a single process; in a process group
     if there are several, or for FSDP, which shards over one even in a single process."""
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank, world_size = settings.processes()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     settings.check_device(device, local_rank, world_size, fsdp)
@@ -769,23 +768,29 @@ class Run:
         return self.seconds_before + time.perf_counter() - self.launch_start
 
 
-def resolve_config(flags, given, env, ckpt=None, ckpt_path=None, show=True):
-    """The run's settings (settings.resolve: the presets, the device's defaults, what the checkpoint resumed keeps,
-    all checked), frozen; rank 0 prints the lines that say which are not their defaults, and why, if show."""
+def layered_config(flags, given, env):
+    """The settings as the layers before the checkpoint's make them (settings.layered: the presets, the model preset,
+    the device): they say where the run's log directory and checkpoint are."""
+    return settings.layered(flags, given, env, RECIPES, MODEL_SIZES, PRESETS)
+
+
+def resolve_config(draft, env, ckpt=None, ckpt_path=None, show=True):
+    """The run's settings (settings.resolve: draft's, then what the checkpoint resumed keeps, all checked), frozen;
+    rank 0 prints the lines that say which are not their defaults, and why, if show."""
     resumed = None if ckpt is None else (ckpt["train_config"],
                                          asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
-    cfg, lines = settings.resolve(flags, given, env, RECIPES, MODEL_SIZES, PRESETS, fsdp.check_settings, resumed)
+    cfg, lines = settings.resolve(draft, env, RECIPES, MODEL_SIZES, fsdp.check_settings, resumed)
     if show and env.rank == 0 and lines:
         print("\n".join(lines))
     return cfg
 
 
-def set_up(flags, given, env, located):
+def set_up(draft, env):
     """The run: its settings, the data, the model (random, OpenAI's, or its checkpoint's), compiled and wrapped, the
-    optimizers, all restored from the run's checkpoint if it has one (in located's log directory); None if that
+    optimizers, all restored from the run's checkpoint if it has one (in draft's log directory); None if that
     checkpoint is the run's end, evaluated."""
-    ckpt, ckpt_path = checkpoints.find_resume_checkpoint(located, env.rank, env.world_size)
-    cfg = resolve_config(flags, given, env, ckpt, ckpt_path)
+    ckpt, ckpt_path = checkpoints.find_resume_checkpoint(draft, env.rank, env.world_size)
+    cfg = resolve_config(draft, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
     benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core) if getattr(cfg, module.EVERY)}
@@ -856,9 +861,9 @@ def start(flags, given):
     the run set up, then trained to the end. The run lives in this frame alone, which is gone once main tears the
     process group down: a DDP model still alive then would keep gloo's threads running at exit, which can abort it."""
     env = set_up_distributed(flags.device, flags.fsdp)
-    located = resolve_config(flags, given, env, show=False)  # where the run is: its log directory and checkpoint
-    with checkpoints.holding_log_dir(located, env):
-        run = set_up(flags, given, env, located)
+    draft = layered_config(flags, given, env)  # where the run is: its log directory and checkpoint
+    with checkpoints.holding_log_dir(draft, env):
+        run = set_up(draft, env)
         if run is not None:
             with reporting.wandb(run), plumbing.failing_alone(), microbatch.out_of_memory_in_one_line(run.cfg, run):
                 evaluate(run) if run.cfg.eval_only else train(run)

@@ -59,6 +59,13 @@ def save_tokens(path, tokens):
         np.save(path, tokens)
 
 
+def resolved(flags, env=None, trainer=train_gpt2):
+    """The settings that trainer (train_gpt2, or an edited copy) resolves from flags for a new run on env (one CPU
+    process unless given), printing its first lines."""
+    env = env or trainer.Env(0, 0, 1, "cpu", "cpu")
+    return trainer.resolve_config(trainer.layered_config(*trainer.parse_args([str(f) for f in flags]), env), env)
+
+
 def run_main(argv, capsys, main=None):
     """main(argv), train_gpt2.main unless given, in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()

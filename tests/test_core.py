@@ -27,7 +27,17 @@ import core
 import hf_export
 import plumbing
 import train_gpt2
-from helpers import REPO, TINY, expect_usage_error, read_log, run_main, run_script, tiny_gpt, write_shards
+from helpers import (
+    REPO,
+    TINY,
+    expect_usage_error,
+    read_log,
+    resolved,
+    run_main,
+    run_script,
+    tiny_gpt,
+    write_shards,
+)
 from plumbing import EOT, UsageError, gpt2_tokenizer
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -490,20 +500,19 @@ def test_too_few_examples_a_task_for_its_shots(bundle, checkpoint, tmp_path, cap
 # Settings: off without CUDA, as HellaSwag; every 2,000 steps on a GPU; GPT-2's whole vocabulary
 
 
-def resolved(flags, device_type, capsys):
+def resolved_on(flags, device_type, capsys):
     capsys.readouterr()
-    env = train_gpt2.Env(0, 0, 1, device_type, device_type)
-    return train_gpt2.resolve_config(*train_gpt2.parse_args(flags), env), capsys.readouterr().out
+    return resolved(flags, train_gpt2.Env(0, 0, 1, device_type, device_type)), capsys.readouterr().out
 
 
 def test_core_is_off_without_cuda_and_on_with_it(shards, capsys):
-    cfg, out = resolved(["--data", shards], "cpu", capsys)
+    cfg, out = resolved_on(["--data", shards], "cpu", capsys)
     assert cfg.core_every == cfg.hellaswag_every == 0
     assert ("no HellaSwag or CORE on cpu (too slow without CUDA) sets: --hellaswag-every 0 (default: 250), "
             "--core-every 0 (default: 2000)") in " ".join(out.split())  # the lines wrapped
-    cfg, out = resolved(["--data", shards, "--core-every", "10"], "cpu", capsys)
+    cfg, out = resolved_on(["--data", shards, "--core-every", "10"], "cpu", capsys)
     assert (cfg.core_every, cfg.hellaswag_every) == (10, 0) and "no HellaSwag on cpu" in out and "CORE" not in out
-    cfg, out = resolved(["--data", shards, "--dtype", "fp32"], "cuda", capsys)
+    cfg, out = resolved_on(["--data", shards, "--dtype", "fp32"], "cuda", capsys)
     assert (cfg.core_every, cfg.core_max_per_task) == (2000, 0) and "CORE" not in out
     assert [core.examples_per_task(0, final) for final in (False, True)] == [500, None]  # nanochat's
     assert [core.examples_per_task(7, final) for final in (False, True)] == [7, 7]

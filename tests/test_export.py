@@ -36,6 +36,7 @@ from helpers import (
     load_ckpt,
     needs_muon,
     read_log,
+    resolved,
     run_main,
     run_script_on_tmpfs,
     run_source,
@@ -399,7 +400,7 @@ def test_init_from_the_export_starts_at_its_validation_loss(exports, name, tmp_p
                                          "--eval-every", "2"], capsys)
     assert code == 0, err
     assert f"\nfine-tuning the weights in {out} for 2 steps\n" in printed
-    assert f"preset --init-from {out} (its recipe and shapes) sets" in printed
+    assert f"preset --init-from {out} (its config.json's recipe and shapes) sets" in printed
     assert ("--recipe modern (default: gpt2)" in printed) == (name == "modern")
     assert "(a flag overrides any of these but what --init-from fixes)" in printed  # those flags would be refused
     assert "--vocab-size" not in printed  # 50257 real rows, padded to the file's 50304
@@ -419,9 +420,34 @@ def test_a_flag_that_contradicts_the_export_is_refused(exports, tmp_path, capsys
     expect_usage_error(RUN + ["--init-from", out, "--n-layer", "4", "--log-dir", tmp_path], capsys,
                        f"--init-from {out} fixes --n-layer 2, and the flags say --n-layer 4; drop it")
     expect_usage_error(RUN + ["--init-from", out, "--recipe", "gpt2", "--vocab-size", "128", "--log-dir", tmp_path],
-                       capsys, "fixes --recipe modern, --vocab-size 50304, and the flags say --recipe gpt2, "
+                       capsys, "fixes --recipe modern, --vocab-size 50304 (", "and the flags say --recipe gpt2, "
                                "--vocab-size 128; drop them")
+    # config.json says 50257, the error's 50304: it names both, and why they differ
+    line = expect_usage_error(RUN + ["--init-from", out, "--vocab-size", "50257", "--log-dir", tmp_path], capsys)
+    assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == 50257
+    assert ("fixes --vocab-size 50304 (its config.json's 50257 tokens, padded with rows that are never predicted: "
+            "such matmuls run faster), and the flags say --vocab-size 50257; drop it") in line
     assert os.listdir(tmp_path) == []
+
+
+def test_a_preset_seq_len_longer_than_the_exports_block_is_fitted_and_a_flag_is_refused_naming_config_json(
+        exports, shards, tmp_path, capsys, monkeypatch):
+    """--init-from an export of --block-size 32 said `--seq-len 128 is longer than the model's --block-size 32`: the
+    128 was the Shakespeare preset's (1024, the file's, with shards) and the 32 its config.json's, neither said. The
+    --seq-len no flag gave is cut to the block, and said; one given is refused, naming config.json."""
+    monkeypatch.chdir(tmp_path)  # no shards: the Shakespeare preset's --seq-len 128
+    out, env = exports[128][1], train_gpt2.Env(0, 0, 1, "cpu", "cpu")
+    origin = f"--block-size 32, from preset --init-from {out} (its config.json's recipe and shapes)"
+    for data in ([], ["--data", shards]):
+        capsys.readouterr()
+        cfg = resolved(["--init-from", out, *data], env)
+        assert cfg.seq_len == 32, data
+        printed = capsys.readouterr().out
+        assert f"the model's block of 32 tokens ({origin}) sets:" in printed, printed
+        assert "--seq-len 32 (default: 1024)" in printed
+    expect_usage_error(["--init-from", out, "--seq-len", "64", "--device", "cpu"], capsys,
+                       f"--seq-len 64 is longer than the model's block of 32 tokens ({origin}); pass --seq-len 32 or "
+                       f"less")
 
 
 MIXED_TEXT = (

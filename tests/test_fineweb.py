@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import train_gpt2
-from helpers import REPO, process_stat, run_command, serving, start_command
+from helpers import REPO, process_stat, resolved, run_command, serving, start_command
 from plumbing import EOT, gpt2_tokenizer
 
 FINEWEB = os.path.join(REPO, "fineweb.py")
@@ -546,7 +546,7 @@ def test_a_download_stopped_keeps_its_bytes_and_the_trainer_tells_it_from_shards
 
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args([]), train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
+    cfg = resolved([], train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
     assert cfg.data == os.path.join(REPO, "input.txt")
     assert capsys.readouterr().out.splitlines()[0] == (
         "no FineWeb shards in edu_fineweb10B/ (only .lock, downloads, manifest.json, left by an unfinished `python "

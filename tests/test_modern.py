@@ -31,6 +31,7 @@ from helpers import (
     printed_samples,
     random_ids,
     read_log,
+    resolved,
     run_main,
     tiny_gpt,
     train_records,
@@ -311,14 +312,14 @@ def test_hellaswag_through_eval_only_scores_as_by_hand(shards, tmp_path, capsys)
 def test_the_shakespeare_preset_takes_the_modern_recipes_rates(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no shards here
     env = train_gpt2.Env(0, 0, 1, "cpu", "cpu")
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(MODERN), env)
+    cfg = resolved(MODERN, env)
     preset = modern.PRESETS["shakespeare"]
     assert (cfg.muon_lr, cfg.embed_lr, cfg.head_lr, cfg.warmup_steps) == (
         preset["muon_lr"], preset["embed_lr"], preset["head_lr"], preset["warmup_steps"])
     assert (cfg.n_layer, cfg.max_steps) == (8, 900)  # the rest of the Shakespeare preset
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(MODERN + ["--muon-lr", "0.05"]), env)
+    cfg = resolved(MODERN + ["--muon-lr", "0.05"], env)
     assert cfg.muon_lr == 0.05
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(MODERN + ["--data", str(tmp_path)]), env)
+    cfg = resolved(MODERN + ["--data", str(tmp_path)], env)
     assert (cfg.max_steps, cfg.warmup_steps, cfg.muon_lr) == (3815, 0, 0.02)  # FineWeb's
 
 

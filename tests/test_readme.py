@@ -27,6 +27,7 @@ from helpers import (
     HARNESS_TASK,
     REPO,
     needs_muon,
+    resolved,
     run_command,
     run_main,
     serving,
@@ -452,8 +453,8 @@ def test_the_local_text_command_runs_the_quick_starts_settings_in_a_log_dir_of_i
     [command] = commands_of("Preparing data", "python train_gpt2.py --data shakespeare")
     monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here: the quick start's preset
     env = train_gpt2.Env(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
-    quick_start = vars(train_gpt2.resolve_config(*train_gpt2.parse_args([]), env))
-    local_text = vars(train_gpt2.resolve_config(*train_gpt2.parse_args(command[2:]), env))
+    quick_start = vars(resolved([], env))
+    local_text = vars(resolved(command[2:], env))
     assert {k for k in quick_start if local_text[k] != quick_start[k]} == {"data", "log_dir"}
     assert local_text["data"] == "shakespeare"
 

@@ -17,8 +17,10 @@ from helpers import (
     TINY,
     check_usage_error,
     checkpoint_path,
+    expect_usage_error,
     load_ckpt,
     needs_muon,
+    resolved,
     run_main,
     write_shards,
 )
@@ -80,7 +82,7 @@ def import_as(name, path):
 def resolve(edited, flags, capsys):
     """The settings a run of the edited file resolves with flags, and the lines it prints first."""
     capsys.readouterr()
-    cfg = edited.resolve_config(*edited.parse_args(flags), edited.Env(0, 0, 1, "cpu", "cpu"))
+    cfg = resolved(flags, trainer=edited)
     return cfg, capsys.readouterr().out
 
 
@@ -288,7 +290,7 @@ def test_a_directory_with_shards_or_other_files_is_data(tmp_path, capsys, monkey
 
 def test_a_setting_assigned_once_the_settings_are_resolved_raises(shards, capsys):
     """settings.resolve decides every setting; after it nothing may change one (it would be a silent change)."""
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--data", shards]), train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
+    cfg = resolved(["--data", shards], train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_lr = 1e-3
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -338,3 +340,60 @@ def test_a_model_setting_declared_in_one_line_is_checkpointed_resumed_and_fixed_
         tune = shapes + ["--data", shards, "--log-dir", tmp_path / "tuned", "--init-from", source, "--dummy", "3"]
         check_usage_error(*run_main(tune, capsys, main), f"--init-from {source} fixes --dummy 0, and the flags say "
                                                          f"--dummy 3; drop it")
+
+
+# -----------------------------------------------------------------------------
+# Values and errors that say where they come from
+
+
+def test_model_given_as_a_flag_is_applied_whole_over_an_edited_size(edited, tmp_path, capsys, monkeypatch):
+    """With n_layer edited to 2 in the file, --model gpt2-medium built 2 layers 1024 wide, and said nothing: the flag
+    was half applied. Its sizes replace the file's, and say so; a size flag still wins."""
+    monkeypatch.chdir(tmp_path)
+    cfg, out = resolve(edited, ["--model", "gpt2-medium"], capsys)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == (24, 16, 1024)
+    assert ("--model gpt2-medium sets: --n-layer 24 (default: 2), --n-head 16 (default: 4), --n-embd 1024 (default: "
+            "64)") in out
+    cfg, out = resolve(edited, ["--model", "gpt2-medium", "--n-layer", "3"], capsys)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == (3, 16, 1024) and "--n-layer 24" not in out
+    cfg, out = resolve(edited, [], capsys)  # no --model: the file's edit is the choice
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == (8, 4, 128)  # the Shakespeare preset's, over it, as named
+
+
+def test_eval_only_takes_the_checkpoints_batch_block_and_length_and_names_no_training_setting(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """--eval-only of a finished run was refused for its --total-batch-size 128, not a multiple of the Shakespeare
+    preset's micro-batch x --seq-len (8 x 128), none of which the user passed; with --seq-len 512 on a checkpoint
+    of --block-size 512 it said `longer than the model's --block-size 256`, the preset's; and its first lines named
+    the preset's training settings (--max-steps 900, --max-lr 0.002), which an evaluation does not read."""
+    monkeypatch.chdir(tmp_path)  # no shards: the Shakespeare preset, as in the review
+    train = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "512", "--seq-len", "32",
+             "--batch-size", "4", "--total-batch-size", "128", "--val-tokens", "256", "--num-samples", "0",
+             "--device", "cpu", "--max-steps", "1", "--log-dir", "l1"]
+    code, _, err = run_main(train, capsys)
+    assert code == 0, err
+    evaluate = ["--eval-only", "--log-dir", "l1", "--device", "cpu", "--num-samples", "0", "--val-tokens", "2048"]
+    for flags, seq_len in (([], 32), (["--seq-len", "512"], 512)):
+        code, out, err = run_main(evaluate + flags, capsys)
+        assert code == 0, err
+        assert "| val loss" in out and f"validation tokens | micro-batch 8 x {seq_len}\n" in out, out
+        for training in ("--max-steps", "--max-lr", "--warmup-steps", "--total-batch-size", "--eval-every"):
+            assert training not in out, training
+    line = expect_usage_error(evaluate + ["--seq-len", "1024"], capsys)
+    assert line == ("error: --seq-len 1024 is longer than the model's block of 512 tokens (--block-size 512, from the "
+                    "checkpoint l1/ckpt_000001.pt); pass --seq-len 512 or less")
+
+
+@pytest.mark.parametrize("environment, fragments", [
+    ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 says this is one of 2 processes, but MASTER_ADDR and MASTER_PORT",
+                           "start them with torchrun", "or unset WORLD_SIZE to run one process"]),
+    ({"LOCAL_RANK": "x"}, ["LOCAL_RANK=x in the environment is not a whole number", "unset it"]),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, ["RANK=3 in the environment is not below WORLD_SIZE=2"]),
+])
+def test_torchruns_variables_set_by_hand_are_refused_in_one_line(shards, tmp_path, capsys, monkeypatch, environment,
+                                                                  fragments):
+    """`WORLD_SIZE=2 python train_gpt2.py`, without torchrun, or LOCAL_RANK=x, ended in a ValueError traceback."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path / "log"], capsys, *fragments)
+    assert not (tmp_path / "log").exists()

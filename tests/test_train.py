@@ -27,6 +27,7 @@ from helpers import (
     load_ckpt,
     needs_muon,
     read_log,
+    resolved,
     run_main,
     run_script,
     script_env,
@@ -75,12 +76,12 @@ def test_a_run_shorter_than_the_warmup_gets_a_warmup_that_fits(shards, tmp_path,
     lrs = [r["lr"] for r in train_records(read_log(tmp_path / "log")).values()]
     # at the peak after 1 step, then down the cosine
     assert lrs[0] == pytest.approx(6e-4) and lrs[-1] == pytest.approx(6e-5)
-    draft = settings.Draft(TrainConfig(max_steps=50, warmup_steps=50))  # as long as the warmup: "shorter than" of it
-    lines = settings.fit_warmup(draft, set(), resumed=None)
+    draft = settings.Draft(TrainConfig(max_steps=50, warmup_steps=50), set())  # as long as the warmup: "shorter than"
+    lines = settings.fit_warmup(draft, resumed=None)
     assert draft.done().warmup_steps == 5
     assert "--max-steps 50 is no longer than the 50 warmup steps: warming up for 5 steps" in "\n".join(lines)
-    draft = settings.Draft(TrainConfig(max_steps=10, warmup_steps=20))
-    lines = settings.fit_warmup(draft, {"warmup_steps"}, resumed=None)
+    draft = settings.Draft(TrainConfig(max_steps=10, warmup_steps=20), {"warmup_steps"})
+    lines = settings.fit_warmup(draft, resumed=None)
     assert draft.done().warmup_steps == 20  # the user's choice stands, with a warning
     assert "warning: --warmup-steps 20 is not shorter than --max-steps 10" in "\n".join(lines)
 
@@ -353,12 +354,12 @@ def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypat
     gets a gentle learning rate instead of the from-scratch one."""
     monkeypatch.chdir(tmp_path)
     env = cpu_env()
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--model", "gpt2-medium"]), env)
+    cfg = resolved(["--model", "gpt2-medium"], env)
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.max_lr, cfg.warmup_steps) == (24, 16, 1024, 2e-3, 50)
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--init-from", "gpt2"]), env)
+    cfg = resolved(["--init-from", "gpt2"], env)
     assert (cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.block_size) == (12, 768, 50304, 1024)
     assert (cfg.max_lr, cfg.max_steps, cfg.warmup_steps, cfg.data) == (3e-5, 100, 10, os.path.join(REPO, "input.txt"))
-    cfg = train_gpt2.resolve_config(*train_gpt2.parse_args(["--init-from", "gpt2", "--max-lr", "1e-4"]), env)
+    cfg = resolved(["--init-from", "gpt2", "--max-lr", "1e-4"], env)
     assert cfg.max_lr == 1e-4
 
 
@@ -370,7 +371,7 @@ def test_the_shakespeare_line_says_what_is_run(tmp_path, monkeypatch, capsys, fl
     """It said "training a small model on tiny Shakespeare" for fine-tuning OpenAI's GPT-2 and for --eval-only too."""
     monkeypatch.chdir(tmp_path)
     env = cpu_env()
-    train_gpt2.resolve_config(*train_gpt2.parse_args(flags), env)
+    resolved(flags, env)
     assert f"(make them with `python fineweb.py`): {doing} on tiny Shakespeare instead" in capsys.readouterr().out
 
 
@@ -397,7 +398,5 @@ def test_shakespeare_preset_splits_its_batch_over_processes(tmp_path, monkeypatc
     """`torchrun --nproc_per_node=N train_gpt2.py` with no shards: the preset's 1024-token step is split over the
     processes instead of failing the divisibility check."""
     monkeypatch.chdir(tmp_path)
-    cfg, given = train_gpt2.parse_args([])
-    env = cpu_env(world_size)
-    cfg = train_gpt2.resolve_config(cfg, given, env)
+    cfg = resolved([], cpu_env(world_size))
     assert cfg.batch_size * cfg.seq_len * world_size == cfg.total_batch_size == 1024
