@@ -17,6 +17,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -237,8 +238,11 @@ def shard_layout(path):
         return f.tell(), shape[0]
 
 
-def shard_paths(directory):
-    """The train and val shards of a directory, by the split word in their names."""
+def shard_paths(directory, training=True):
+    """The train and val shards of a directory, by the split word in their names; to train on, all of them: refused
+    where fineweb.py has not finished making them (an evaluation reads the val shard, the first one made)."""
+    if training:
+        check_prepared(directory)
     splits = {"train": [], "val": []}
     try:
         suffixes = "|".join(re.escape(suffix) for suffix in SHARD_SUFFIXES)
@@ -256,6 +260,26 @@ def shard_paths(directory):
             raise UsageError(f"--data {directory}: no {split} shards (*_{split}_*.npy or .bin) in it; make them with "
                              f"`python fineweb.py`")
     return splits["train"], splits["val"]
+
+
+def check_prepared(directory):
+    """Refuses, in one line, shards whose fineweb.py manifest says they are not all made yet: a run on some of them
+    could not go on once the rest are there, as its position would be in other shards."""
+    path = os.path.join(directory, "manifest.json")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if manifest["done"] is not False:
+            return
+        made = f"{manifest['shards']} shards and {manifest['next']['tokens']:,} tokens so far"
+    except (OSError, ValueError, TypeError, KeyError):  # none, or not fineweb.py's: the shards are all there is
+        return
+    holder = lock_holder(os.path.join(directory, ".lock"))
+    if holder:
+        raise UsageError(f"--data {directory}: fineweb.py is still making these shards ({holder}; {made}); train "
+                         f"once it is done")
+    raise UsageError(f"--data {directory}: its shards are unfinished ({path} says so: {made}); run the fineweb.py "
+                     f"command that made them again, with --output {directory}: it carries on where it stopped")
 
 
 PREPARATION_FILES = ("manifest.json", "downloads")  # what fineweb.py writes in its output before a shard, beside .lock
@@ -390,6 +414,22 @@ def remove(path):
 
 # -----------------------------------------------------------------------------
 # Directory locks
+
+
+def lock_holder(lock_path):
+    """Who holds the lock file at lock_path (directory_lock's), in words; None if no process does."""
+    if fcntl is None:
+        return None
+    try:
+        with open(lock_path) as lock_file:
+            try:
+                fcntl.lockf(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a read lock: only a writer's lock stops it
+            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: a writer holds it
+                return holder_of(lock_file)
+            fcntl.lockf(lock_file, fcntl.LOCK_UN)
+    except OSError:
+        return None
+    return None
 
 
 def holder_of(lock_file):

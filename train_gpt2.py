@@ -429,7 +429,7 @@ def load_data(cfg):
         raise UsageError(f"--data {cfg.data}: no such file or directory; make FineWeb shards with "
                          f"`python fineweb.py`, or pass a text file")
     if os.path.isdir(cfg.data):
-        names, val_paths = plumbing.shard_paths(cfg.data)
+        names, val_paths = plumbing.shard_paths(cfg.data, training=not cfg.eval_only)
         train_shards, val_shards = [plumbing.open_shard(p) for p in names], [plumbing.open_shard(p) for p in val_paths]
     elif cfg.data.endswith(plumbing.SHARD_SUFFIXES):
         raise UsageError(f"--data {cfg.data} is a single shard; pass the directory that holds the train and val shards")

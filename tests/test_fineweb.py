@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import train_gpt2
-from helpers import REPO, process_stat, resolved, run_command, serving, start_command
+from helpers import REPO, expect_usage_error, process_stat, resolved, run_command, run_main, serving, start_command
 from plumbing import EOT, gpt2_tokenizer
 
 FINEWEB = os.path.join(REPO, "fineweb.py")
@@ -662,6 +662,39 @@ def test_a_preparation_that_read_hidden_files_resumes_with_its_list(tmp_path):
            f"1 hidden file and all (e.g. {hidden}), as its shards began" in result.stdout.splitlines()
     assert "skipped" not in result.stdout
     assert shards_in(output) == shards_in(tmp_path / "clean")
+
+
+def test_the_trainer_refuses_shards_still_being_made_and_trains_once_they_are(tmp_path, capsys):
+    """A run on what an unfinished fineweb.py had written trained with no word, and could never be resumed once the
+    preparation finished (`sh_train_000026.npy is new`). It is refused in one line while fineweb.py runs (here
+    stopped by SIGSTOP, holding its lock) and once it was killed, each saying what to do; once the same command has
+    finished the shards, the same training runs."""
+    (tmp_path / "a.txt").write_text("The first book. " * 20_000)  # 80,000 tokens: 8 shards of 10,000
+    (tmp_path / "b.txt").write_text((" ".join(WORDS) + "\n") * 6_000)  # 2 MB: half a second of tokenizing
+    output = tmp_path / "sh"
+    prepare = ["--input", tmp_path / "a.txt", tmp_path / "b.txt", "--output", output, "--shard-size", 10_000,
+               "--workers", 1]
+    train = ["--data", output, "--n-layer", "1", "--n-head", "1", "--n-embd", "16", "--vocab-size", 50304,
+             "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "128", "--val-tokens", "256",
+             "--num-samples", "0", "--device", "cpu", "--max-steps", "1", "--log-dir", tmp_path / "log"]
+    process = start_fineweb(*prepare)
+    try:
+        wait_until(lambda: output.is_dir() and len(shards_in(output)) >= 2, process)  # b.txt's shards to come
+        os.kill(process.pid, signal.SIGSTOP)
+        expect_usage_error(train, capsys, f"--data {output}: fineweb.py is still making these shards (pid "
+                                          f"{process.pid} on ", "train once it is done")
+        process.kill()
+        process.communicate(timeout=15)
+    finally:
+        process.kill()
+    assert not json.loads((output / "manifest.json").read_text())["done"]
+    expect_usage_error(train, capsys, f"--data {output}: its shards are unfinished ({output}/manifest.json says so: ",
+                       f"run the fineweb.py command that made them again, with --output {output}: it carries on "
+                       f"where it stopped")
+    assert not (tmp_path / "log").exists()
+    assert run_fineweb(*prepare).returncode == 0
+    code, out, err = run_main(train, capsys)
+    assert code == 0 and "done: step 1" in out, err
 
 
 def test_a_changed_input_list_names_what_changed(tmp_path):
