@@ -98,6 +98,24 @@ def save(run):
                                        plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
 
 
+@contextlib.contextmanager
+def saved_if_failing(run, worth_saving):
+    """A UsageError raised inside, before a step, as by a shard that went bad (every rank reads the whole global batch,
+    so every rank raises it), saves the run as it stands on every rank, if worth_saving (steps were taken since the
+    last checkpoint) and its steps were finite, then ends it in one line that says how to go on."""
+    try:
+        yield
+    except UsageError as e:
+        kept = None
+        if worth_saving and run.nonfinite_since is None:
+            save(run)
+            kept = f"the run is saved at step {run.step}"
+        latest = run_files.latest_checkpoint(run.cfg.log_dir)
+        kept = kept or (f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet")
+        raise UsageError(f"{e}; {kept}: once that is mended, the same command resumes from "
+                         f"{latest or 'the start'}") from None
+
+
 def prune(run):
     """Rank 0 deletes the checkpoints past --keep-checkpoints: only once the newest one's weights trained to a finite
     loss, so that the last checkpoint that trains is never deleted."""

@@ -832,8 +832,9 @@ def train(run):
             checkpoints.save(run)
             save_due = False
         t1 = time.perf_counter()
-        batches = run.stream.next_step(run.micro_batch, cfg.seq_len, run.accumulation_steps, env.rank, env.world_size,
-                                       cfg.vocab_size)
+        with checkpoints.saved_if_failing(run, worth_saving=run.step > first_step and not saved):  # a shard gone bad
+            batches = run.stream.next_step(run.micro_batch, cfg.seq_len, run.accumulation_steps, env.rank,
+                                           env.world_size, cfg.vocab_size)
         set_lr(run.optimizers, run.step, cfg)
         result = train_step(run.compiled, run.optimizers, run.scaler, batches, run.autocast_ctx, cfg.grad_clip)
         if env.device_type == "cuda":

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,33 @@ def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path, capsy
     assert_tensors_equal(a["model"], b["model"])
     assert_optimizers_equal(a, b)
     assert a["stream"] == b["stream"] and a["step"] == b["step"] == 60
+
+
+def test_a_shard_gone_bad_mid_run_is_saved_first_and_the_same_command_finishes_it(uninterrupted, tmp_path, capsys):
+    """A token id past the vocabulary, found as the stream reaches it at step 9 (a shard removed or damaged while the
+    run reads ends it the same way), ended the run with only the checkpoint of step 8 left: up to 2,500 steps lost
+    with the GPU defaults. The run is saved where it stands, before the step, and ends in one line; with the shard
+    mended, the same command resumes from there and ends as the run that never stopped."""
+    args, ref = uninterrupted
+    data, run = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(args[args.index("--data") + 1], data)
+    args = [str(data) if arg == args[args.index("--data") + 1] else arg for arg in args]
+    good = {name: np.load(data / name) for name in os.listdir(data) if "_train_" in name}
+    for name, tokens in good.items():  # step 9 reads tokens 2,304 to 2,560 of the first shard in the order
+        np.save(data / name, np.concatenate([tokens[:2400], [200], tokens[2401:]]).astype(np.uint16))
+    check_usage_error(*run_main(args + ["--log-dir", run], capsys), "holds token id 200",
+                      f"; the run is saved at step 9: once that is mended, the same command resumes from "
+                      f"{checkpoint_path(run, 9)}")
+    assert checkpoint_names(run) == ["ckpt_000004.pt", "ckpt_000008.pt", "ckpt_000009.pt"]
+    for name, tokens in good.items():
+        np.save(data / name, tokens)
+    code, out, err = run_main(args + ["--log-dir", run], capsys)
+    assert code == 0 and "resuming from the checkpoint of step 9" in out, err
+    reference, resumed = train_records(read_log(ref)), train_records(read_log(run))
+    assert sorted(resumed) == list(range(60))
+    for step in range(9, 60):  # the JSON floats, compared exactly
+        assert resumed[step]["train_loss"] == reference[step]["train_loss"], step
+    assert val_records(read_log(run))[60]["val_loss"] == val_records(read_log(ref))[60]["val_loss"]
 
 
 def tokens_consumed(stream_state, shard_lengths, seed):
