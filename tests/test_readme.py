@@ -51,6 +51,7 @@ gpt2_server = test_pretrained.gpt2_server  # a tiny stand-in for OpenAI's weight
 # none fails test_every_readme_command_is_run_here_or_skipped_with_its_reason.
 HOW = [
     (r"^pip install", "skip: installs from the network (the tests' environment is installed so)"),
+    (r"^python -m pytest", "skip: the test command itself, which runs this (test_ci_runs_the_readmes_test_lines)"),
     (r"^torchrun ", "skip: needs several GPUs (tests/test_fsdp.py and others run 2 processes on the CPU)"),
     (r"^srun ", "skip: needs a SLURM cluster"),
     (r"^#!/bin/bash\n#SBATCH", "skip: a SLURM batch script (tests/test_resume.py signals torchrun's workers so)"),
@@ -120,6 +121,19 @@ def test_every_readme_command_is_run_here_or_skipped_with_its_reason():
     assert len(commands) > 30, commands
     unknown = [command for command in commands if how(command) is None]
     assert not unknown, f"a README command this file neither runs nor skips with a reason: {unknown}"
+
+
+def test_ci_runs_the_readmes_test_lines():
+    """The README lost its test command once, while CI said it ran "the README's test command": its two lines that set
+    up and run the tests are in the Quick start, and .ci/run runs each of them word for word."""
+    lines = block_commands(section("Quick start"))
+    tests = [line for line in lines if line.startswith(("pip install -r requirements.txt pytest", "python -m pytest"))]
+    assert len(tests) == 2, lines
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = [line.partition(" #")[0].strip() for line in f]
+    for line in tests:
+        assert line in ci, f"{line!r} is not a line of .ci/run"
+    assert ci[-1] == tests[-1]  # the tests are what CI ends with: their result is its result
 
 
 # -----------------------------------------------------------------------------
