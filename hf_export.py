@@ -305,6 +305,10 @@ def nanochat_settings(config, path, rope_theta, rms_norm_eps):
             "head_dim": hidden // heads, "attention_bias": False, "tie_word_embeddings": False,
             "rms_norm_eps": rms_norm_eps, "rope_parameters": ("default", rope_theta)}
     check_computes_as_ours(found, ours, path, "modern recipe")
+    if hidden // heads % 2:  # its rotary positions turn a head's values in pairs
+        raise UsageError(f"{path}: hidden_size {hidden} / num_attention_heads {heads} = head size {hidden // heads}, "
+                         f"and train_gpt2.py's modern recipe turns queries and keys in pairs of values (rotary "
+                         f"positions), which needs an even head size; it cannot load this model")
     return dict(shape, logit_softcap=float(cap))
 
 

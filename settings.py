@@ -358,7 +358,8 @@ def check_config(cfg, world_size):
 
 
 def check_recipe(cfg, given, recipes):
-    """The recipe's own refusals, and the settings of another recipe, which this one would ignore."""
+    """The recipe's own refusals of the settings resolved (check_config's passed), and the settings of another
+    recipe, which this one would ignore."""
     recipes[cfg.recipe].check_settings(cfg, given)
     for other_recipe, recipe in recipes.items():
         other = [flag(name) for name in recipe.settings if name in given and other_recipe != cfg.recipe]
@@ -441,7 +442,6 @@ def resolve(flags, given, env, recipes, model_sizes, presets, fsdp_check, resume
         lines.append(f"no FineWeb shards in {flags.data}/ ({advice}): {doing} on tiny Shakespeare instead")
     recipe, chosen = presets_for(draft, given, shards_found, recipes, model_sizes, presets)  # --init-from's recipe
     apply_presets(draft, given, chosen, model_sizes, not_read_by(recipe, recipes))
-    check_recipe(draft, given, recipes)  # --init-from's recipe, if it fixes one
     if not shards_found and "batch_size" not in given and draft.seq_len > 0:
         draft.set("batch_size", max(1, draft.total_batch_size // (draft.seq_len * env.world_size)),
                   "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)")
@@ -463,11 +463,11 @@ def resolve(flags, given, env, recipes, model_sizes, presets, fsdp_check, resume
     draft.set("dtype", resolve_dtype(draft.dtype, env.device_type))
     if draft.eval_only and resumed is not None:  # the model as it was trained, whatever the flags' recipe
         take_model_settings(draft, given, *resumed)
-        check_recipe(draft, given, recipes)
     elif not draft.eval_only:
         lines += fit_warmup(draft, given, None if resumed is None else resumed[0])
     cfg = draft.done()
     check_config(cfg, env.world_size)
+    check_recipe(cfg, given, recipes)  # once the shapes are whole: --model's, --init-from's, the checkpoint's
     if cfg.fsdp:
         fsdp_check(cfg)
     return cfg, lines
