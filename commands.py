@@ -35,6 +35,7 @@ def model_to_sample(cfg, env, model_of):
     """The checkpoint of --sample PATH's model on this process's device, its step and its run's micro-batch (None if
     it kept none); rank 0 says which it is."""
     settings.require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
+    settings.require(cfg, ("batch_size",), lambda v: v > 0, "positive")  # the samples made at a time
     try:
         ckpt = checkpoints.load(cfg.sample)
     except ValueError as e:
