@@ -295,9 +295,9 @@ def text(value):
 # Prompts: nanochat's examples, few-shot examples and text, tokenized
 
 
-class Others(collections.abc.Sequence):
-    """The indices 0..n-1 but skipped, as random.sample sees the list of them, which is never made: made for each
-    example, as nanochat does, the lists of bigbench_qa_wikidata's 20,321 examples would hold 400 million items."""
+class RangeWithout(collections.abc.Sequence):
+    """range(n) without the index skipped, a sequence that random.sample draws from with no list of it made. nanochat
+    makes that list for each example: for bigbench_qa_wikidata's 20,321 examples, 400 million items in all."""
 
     def __init__(self, n, skipped):
         self.n, self.skipped = n, skipped
@@ -319,7 +319,7 @@ def chosen_examples(task, max_per_task):
 
 
 def fewshot_indices(index, count, num_fewshot):
-    return random.Random(FEWSHOT_SEED + index).sample(Others(count, index), num_fewshot) if num_fewshot else []
+    return random.Random(FEWSHOT_SEED + index).sample(RangeWithout(count, index), num_fewshot) if num_fewshot else []
 
 
 def demonstration(task, example):
