@@ -25,6 +25,7 @@ import signal
 import uuid
 from typing import Callable, NamedTuple
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tiktoken.load import load_tiktoken_bpe
 
@@ -514,6 +515,19 @@ def check_new_directory(out_dir):
                          f"delete it)")
 
 
+def save_weights(weights, path):
+    """Writes weights (a dict of tensors) to the safetensors file at path; an I/O error is raised as an OSError of
+    its errno, which safetensors' own SafetensorError gives only in its text ("No space left on device (os error
+    28)")."""
+    try:
+        save_file(weights, path, metadata={"format": "pt"})  # transformers refuses a file without "format"
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), path) from e
+
+
 def write_file(directory, name, contents):
     with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
         f.write(contents)
@@ -612,7 +626,7 @@ def export(out_dir, fmt, state_dict, config, n_tokens, about):
 
     def fill(directory):
         path = os.path.join(directory, "model.safetensors")
-        save_file(weights, path, metadata={"format": "pt"})  # transformers refuses a file without "format"
+        save_weights(weights, path)
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
         plumbing.sync_file(path)
         write_file(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))

@@ -532,12 +532,14 @@ def test_an_interrupted_export_leaves_nothing(exports, tmp_path, capsys, monkeyp
     assert os.listdir(tmp_path) == []
 
 
-def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path):
-    """A real file system that fills up halfway (after the weights, in the tokenizer's files): one line, and the
-    disk holds nothing afterwards."""
+@pytest.mark.parametrize("size", ["1m", "256k"])
+def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path, size):
+    """A real file system that fills up halfway, in the tokenizer's files after the weights (1m), or in the weights
+    (256k), whose SafetensorError named the errno in its text alone (a traceback): one line, and the disk holds
+    nothing afterwards."""
     mount = tmp_path / "disk"
     out = mount / "hf"
-    result = run_script_on_tmpfs(["--export-hf", out, "--resume", exports[128][0]], tmp_path, mount, "size=1m")
+    result = run_script_on_tmpfs(["--export-hf", out, "--resume", exports[128][0]], tmp_path, mount, f"size={size}")
     stdout, _, listing = result.stdout.rstrip("\n").rpartition("\n")
     line = check_usage_error(result.returncode, stdout, result.stderr, f"disk full writing {out}: ", "run the same")
     assert listing == "", line
