@@ -439,14 +439,21 @@ def published_facts(name):
                 core=None if measured is None else f"{measured}, as nanochat measured OpenAI's {name} (its 22 tasks)")
 
 
+def name_only(path):
+    """The last part of a path, which the model card gives for it (edu_fineweb10B of /scratch/alice/edu_fineweb10B/):
+    hf upload publishes the card, where the directories above would tell only the layout of the user's machine."""
+    return os.path.basename(os.path.normpath(path))
+
+
 def checkpoint_facts(source, step, train_config, validation, hellaswag, start, core_record=None):
     """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config that
     started from start (--init-from's weights in words, or None); hellaswag, core_record: their logged records at
-    that step, or None."""
+    that step, or None. The checkpoint and the data are named, not where they lay."""
     batch = train_config["total_batch_size"]
     fine_tuned = "" if start is None else f", fine-tuning {start}"
-    return dict(source=f"the checkpoint {source} (step {step} of {train_config['max_steps']})",
-                trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {train_config['data']}{fine_tuned}",
+    return dict(source=f"the checkpoint {name_only(source)} (step {step} of {train_config['max_steps']})",
+                trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {name_only(train_config['data'])}"
+                        f"{fine_tuned}",
                 validation=validation, hellaswag=hellaswag, core=core_record and core_in_words(core_record))
 
 

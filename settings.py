@@ -190,9 +190,12 @@ def export_settings(directory, recipes):
     return dict(recipe=recipe, **recipes[recipe].hf_format.model_settings(config, path))
 
 
-def pretrained_in_words(init_from):
-    """--init-from's weights, in words: OpenAI's gpt2, or the weights in hf/run1 (an export directory)."""
-    return f"the weights in {init_from}" if os.sep in init_from or os.path.isdir(init_from) else f"OpenAI's {init_from}"
+def pretrained_in_words(init_from, shown=str):
+    """--init-from's weights, in words: OpenAI's gpt2, or the weights in hf/run1 (an export directory, its path as
+    shown gives it)."""
+    if os.sep in init_from or os.path.isdir(init_from):
+        return f"the weights in {shown(init_from)}"
+    return f"OpenAI's {init_from}"
 
 
 def presets_help(presets, recipes):
