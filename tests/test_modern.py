@@ -5,14 +5,12 @@ optimizers, HellaSwag through --eval-only, the Shakespeare preset, the refusals.
 tests/test_train.py; W&B: tests/test_wandb.py.)"""
 import contextlib
 import dataclasses
-import json
 import math
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from test_hellaswag import TINY_MODEL, checkpoint_holding, eval_only, labelled_by_hand, tiny_model
 from test_model import no_cache_sample
 from test_samples import sample_without_a_cache
@@ -339,21 +337,6 @@ def test_the_shakespeare_preset_takes_the_modern_recipes_rates(tmp_path, monkeyp
 ])
 def test_settings_the_recipe_cannot_honour_are_refused(shards, tmp_path, capsys, flags, fragments):
     expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path / "log"] + flags, capsys, *fragments)
-
-
-def test_an_export_of_an_odd_head_size_is_refused_naming_its_config(tmp_path, capsys):
-    """--init-from DIR of a NanoChatForCausalLM whose heads have 17 values, which rotary positions cannot turn in
-    pairs: refused in one line that names its config.json (it ended in rotate's RuntimeError)."""
-    model = modern_gpt(vocab_size=GPT2_VOCAB, block_size=256, n_head=2, n_embd=34)
-    shape = dict(n_layer=2, n_head=2, n_embd=34, block_size=256, vocab_size=GPT2_VOCAB)
-    export = tmp_path / "hf"
-    export.mkdir()
-    config = modern.HF_FORMAT.config(shape, dataclasses.asdict(model.config), "float32")
-    (export / "config.json").write_text(json.dumps(config))
-    save_file(modern.HF_FORMAT.layout(model.state_dict(), GPT2_VOCAB), export / "model.safetensors")
-    expect_usage_error(["--init-from", export, "--log-dir", tmp_path / "log", "--device", "cpu", "--max-steps", "1"],
-                       capsys, f"{export / 'config.json'}: hidden_size 34 / num_attention_heads 2 = head size 17",
-                       "an even head size")
 
 
 def test_torch_without_muon_is_refused(shards, tmp_path, capsys, monkeypatch):
