@@ -35,6 +35,7 @@ def model_to_sample(cfg, env, model_of):
     """The checkpoint of --sample PATH's model on this process's device, its step and its run's micro-batch (None if
     it kept none); rank 0 says which it is."""
     settings.require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
+    settings.require(cfg, ("batch_size",), lambda v: v > 0, "positive")  # the samples made at a time
     try:
         ckpt = checkpoints.load(cfg.sample)
     except ValueError as e:
@@ -69,14 +70,27 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
         about = hf_export.checkpoint_facts(source, ckpt["step"], ckpt["train_config"],
                                            checkpoints.val_loss_in_words(ckpt),
                                            logged_evaluation(source, ckpt["step"], "hellaswag_acc_norm"),
-                                           None if init_from == "scratch" else settings.pretrained_in_words(init_from),
+                                           None if init_from == "scratch"
+                                           else settings.pretrained_in_words(init_from, hf_export.name_only),
                                            logged_evaluation(source, ckpt["step"], "core"))
     fmt = recipes[model.config.recipe].hf_format
-    command = shlex.join(["python", "train_gpt2.py", *argv])
     n_params = hf_export.export(cfg.export_hf, fmt, model.state_dict(), asdict(model.config), model.n_tokens,
-                                dict(about, command=command))
+                                dict(about, command=command_in_card(argv)))
     print(f"exported {source} to {cfg.export_hf}: a {fmt.architecture} of {n_params / 1e6:.2f}M parameters for Hugging "
           f"Face's transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
+
+
+def command_in_card(argv):
+    """The export's command line as its model card records it: each absolute path (given alone, or as --flag=PATH)
+    by its last part, hf_export.name_only's (--log-dir /home/alice/runs/run1 as --log-dir run1)."""
+    # The card is published with the model: the directories of the user's machine mean nothing to its readers and may
+    # name the user, while the names of the run, its checkpoint and the export say which they were. Relative paths
+    # are kept as typed: from where the user stood, they are the user's own naming, not the machine's layout.
+    def shown(arg):
+        flag, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        return flag + equals + (hf_export.name_only(value) if os.path.isabs(value) else value)
+
+    return shlex.join(["python", "train_gpt2.py", *map(shown, argv)])
 
 
 def logged_evaluation(checkpoint, step, key):

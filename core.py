@@ -175,13 +175,17 @@ def read_bundle(directory, fix):
         raise UsageError(f"CORE bundle {directory}: no core.yaml in it; pass --core-data the eval_bundle directory "
                          f"that eval_bundle.zip unpacks to")
     baselines = read_baselines(meta_path, fix)
-    tasks = []
+    tasks, numbers = [], {}  # numbers: the task number of each label
     for number, entry in enumerate(read_config(config_path, fix), start=1):
         where = f"{config_path}: task {number}"
         if not (isinstance(entry, dict) and isinstance(entry.get("label"), str)
                 and isinstance(entry.get("dataset_uri"), str)):
             raise UsageError(f"{where} needs a label and a dataset_uri; {fix}")
         label, kind = entry["label"], entry.get("icl_task_type")
+        if label in numbers:  # a label names a task's baseline and its scores: the second would take the first's
+            raise UsageError(f"{where} has the label {label}, as task {numbers[label]} has; each task needs a label "
+                             f"of its own, naming its row of {meta_path} (its random baseline); {fix}")
+        numbers[label] = number
         if kind not in TASK_TYPES:
             raise UsageError(f"{where} ({label}) has icl_task_type {kind!r}; CORE knows {', '.join(TASK_TYPES)}; "
                              f"{fix}")
@@ -210,7 +214,7 @@ def read_config(path, fix):
     try:
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:  # RecursionError: nested too deep
         raise UsageError(f"cannot read {path} ({plumbing.first_line(e)}); {fix}")
     if not (isinstance(config, dict) and isinstance(config.get("icl_tasks"), list) and config["icl_tasks"]):
         raise UsageError(f"{path} lists no icl_tasks; {fix}")
@@ -263,12 +267,14 @@ def read_examples(path, kind, label, fix):
                         raise ValueError("not a JSON object")
                     example = dict(example, **{field: text(example[field]) for field in text_fields})
                     if options:
+                        if not isinstance(example[options], list):  # a string's letters would be its options
+                            raise ValueError(f"its {options} is a {type(example[options]).__name__}, not a list")
                         example[options] = [text(option) for option in example[options]]
                         gold = example["gold"]
                         if not (isinstance(gold, int) and not isinstance(gold, bool)
                                 and 0 <= gold < len(example[options])):
                             raise ValueError(f"its gold {gold!r} is not the index of one of its {options}")
-                except (ValueError, KeyError, TypeError) as e:
+                except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep
                     raise UsageError(f"CORE task {label}: {path}: line {line_number} is not a {kind} example ({e}; "
                                      f"it needs {needs}); {fix}")
                 examples.append(example)
@@ -289,9 +295,9 @@ def text(value):
 # Prompts: nanochat's examples, few-shot examples and text, tokenized
 
 
-class Others(collections.abc.Sequence):
-    """The indices 0..n-1 but skipped, as random.sample sees the list of them, which is never made: made for each
-    example, as nanochat does, the lists of bigbench_qa_wikidata's 20,321 examples would hold 400 million items."""
+class RangeWithout(collections.abc.Sequence):
+    """range(n) without the index skipped, a sequence that random.sample draws from with no list of it made. nanochat
+    makes that list for each example: for bigbench_qa_wikidata's 20,321 examples, 400 million items in all."""
 
     def __init__(self, n, skipped):
         self.n, self.skipped = n, skipped
@@ -313,7 +319,7 @@ def chosen_examples(task, max_per_task):
 
 
 def fewshot_indices(index, count, num_fewshot):
-    return random.Random(FEWSHOT_SEED + index).sample(Others(count, index), num_fewshot) if num_fewshot else []
+    return random.Random(FEWSHOT_SEED + index).sample(RangeWithout(count, index), num_fewshot) if num_fewshot else []
 
 
 def demonstration(task, example):

@@ -25,6 +25,7 @@ import signal
 import uuid
 from typing import Callable, NamedTuple
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tiktoken.load import load_tiktoken_bpe
 
@@ -305,6 +306,10 @@ def nanochat_settings(config, path, rope_theta, rms_norm_eps):
             "head_dim": hidden // heads, "attention_bias": False, "tie_word_embeddings": False,
             "rms_norm_eps": rms_norm_eps, "rope_parameters": ("default", rope_theta)}
     check_computes_as_ours(found, ours, path, "modern recipe")
+    if hidden // heads % 2:  # its rotary positions turn a head's values in pairs
+        raise UsageError(f"{path}: hidden_size {hidden} / num_attention_heads {heads} = head size {hidden // heads}, "
+                         f"and train_gpt2.py's modern recipe turns queries and keys in pairs of values (rotary "
+                         f"positions), which needs an even head size; it cannot load this model")
     return dict(shape, logit_softcap=float(cap))
 
 
@@ -434,14 +439,21 @@ def published_facts(name):
                 core=None if measured is None else f"{measured}, as nanochat measured OpenAI's {name} (its 22 tasks)")
 
 
+def name_only(path):
+    """The last part of a path, which the model card gives for it (edu_fineweb10B of /scratch/alice/edu_fineweb10B/):
+    hf upload publishes the card, where the directories above would tell only the layout of the user's machine."""
+    return os.path.basename(os.path.normpath(path))
+
+
 def checkpoint_facts(source, step, train_config, validation, hellaswag, start, core_record=None):
     """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config that
     started from start (--init-from's weights in words, or None); hellaswag, core_record: their logged records at
-    that step, or None."""
+    that step, or None. The checkpoint and the data are named, not where they lay."""
     batch = train_config["total_batch_size"]
     fine_tuned = "" if start is None else f", fine-tuning {start}"
-    return dict(source=f"the checkpoint {source} (step {step} of {train_config['max_steps']})",
-                trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {train_config['data']}{fine_tuned}",
+    return dict(source=f"the checkpoint {name_only(source)} (step {step} of {train_config['max_steps']})",
+                trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {name_only(train_config['data'])}"
+                        f"{fine_tuned}",
                 validation=validation, hellaswag=hellaswag, core=core_record and core_in_words(core_record))
 
 
@@ -508,6 +520,19 @@ def check_new_directory(out_dir):
     if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         raise UsageError(f"--export-hf {out_dir}: it exists and is not an empty directory; pass a new one (or "
                          f"delete it)")
+
+
+def save_weights(weights, path):
+    """Writes weights (a dict of tensors) to the safetensors file at path; an I/O error is raised as an OSError of
+    its errno, which safetensors' own SafetensorError gives only in its text ("No space left on device (os error
+    28)")."""
+    try:
+        save_file(weights, path, metadata={"format": "pt"})  # transformers refuses a file without "format"
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), path) from e
 
 
 def write_file(directory, name, contents):
@@ -608,7 +633,7 @@ def export(out_dir, fmt, state_dict, config, n_tokens, about):
 
     def fill(directory):
         path = os.path.join(directory, "model.safetensors")
-        save_file(weights, path, metadata={"format": "pt"})  # transformers refuses a file without "format"
+        save_weights(weights, path)
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
         plumbing.sync_file(path)
         write_file(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))

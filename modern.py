@@ -70,6 +70,11 @@ def check_settings(cfg, given):
         raise UsageError(f"--fsdp --recipe modern shards Muon with the steps of torch.optim.Muon's own update, which "
                          f"this torch ({torch.__version__}) does not have where it looked (torch.optim._muon); use the "
                          f"torch that requirements.txt names, or drop --fsdp")
+    head_size = cfg.n_embd // cfg.n_head
+    if head_size % 2:  # rotate turns each value of a head's first half with its partner in the second
+        raise UsageError(f"--recipe modern turns queries and keys in pairs of values (rotary positions), which needs "
+                         f"an even head size, and --n-embd {cfg.n_embd} / --n-head {cfg.n_head} = head size "
+                         f"{head_size}; pass --n-embd {cfg.n_head * (head_size + 1)} (head size {head_size + 1})")
 
 
 # -----------------------------------------------------------------------------

@@ -225,9 +225,12 @@ def export_settings(directory, recipes):
     return dict(recipe=recipe, **recipes[recipe].hf_format.model_settings(config, path))
 
 
-def pretrained_in_words(init_from):
-    """--init-from's weights, in words: OpenAI's gpt2, or the weights in hf/run1 (an export directory)."""
-    return f"the weights in {init_from}" if os.sep in init_from or os.path.isdir(init_from) else f"OpenAI's {init_from}"
+def pretrained_in_words(init_from, shown=str):
+    """--init-from's weights, in words: OpenAI's gpt2, or the weights in hf/run1 (an export directory, its path as
+    shown gives it)."""
+    if os.sep in init_from or os.path.isdir(init_from):
+        return f"the weights in {shown(init_from)}"
+    return f"OpenAI's {init_from}"
 
 
 def presets_help(presets, recipes):
@@ -417,7 +420,8 @@ def check_config(cfg, world_size):
 
 
 def check_recipe(cfg, given, recipes):
-    """The recipe's own refusals, and the settings of another recipe, which this one would ignore."""
+    """The recipe's own refusals of the settings resolved (check_config's passed), and the settings of another
+    recipe, which this one would ignore."""
     recipes[cfg.recipe].check_settings(cfg, given)
     for other_recipe, recipe in recipes.items():
         other = [flag(name) for name in recipe.settings if name in given and other_recipe != cfg.recipe]
@@ -572,7 +576,7 @@ def resolve(draft, env, recipes, model_sizes, fsdp_check, resumed=None):
     lines = draft.notes + say_changes(changes, draft.model, sizes, draft.fixed_by is not None) + later
     cfg = draft.done()
     check_config(cfg, env.world_size)
-    check_recipe(cfg, draft.given, recipes)
+    check_recipe(cfg, draft.given, recipes)  # once the shapes are whole: --model's, --init-from's, the checkpoint's
     if cfg.fsdp:
         fsdp_check(cfg)
     return cfg, lines

@@ -475,8 +475,19 @@ def rewrite(path, change):
     (lambda d: rewrite(d / "eval_data/synthetic/squad_like.jsonl", lambda t: "".join(t.splitlines(True)[:10])),
      ["CORE task squad_like (", "squad_like.jsonl) is 10-shot, and an evaluation draws from 10 examples of it: each "
       "needs 10 others; fix it"]),
+    (lambda d: rewrite(d / "core.yaml", lambda t: t.replace("label: arc_like", "label: copa_like")),  # it scored
+     ["core.yaml: task 2 has the label copa_like, as task 1 has; each task needs a label of its own, naming its row "
+      "of ", "eval_meta_data.csv (its random baseline)"]),
+    (lambda d: rewrite(d / "eval_data/synthetic/arc_like.jsonl",  # its letters were taken for 3 choices
+                       lambda t: re.sub(r'"choices": \[[^]]*\]', '"choices": "abc"', t, count=1)),
+     ["arc_like.jsonl: line 1 is not a multiple_choice example (its choices is a str, not a list; it needs query"]),
+    (lambda d: rewrite(d / "eval_data/synthetic/arc_like.jsonl",  # a RecursionError traceback
+                       lambda t: t.replace("\n", "\n" + "[" * 100000 + "]" * 100000 + "\n", 1)),
+     ["arc_like.jsonl: line 2 is not a multiple_choice example (", "; it needs query, choices, gold)"]),
     (lambda d: os.remove(d / "core.yaml"), ["no core.yaml in it; pass --core-data the eval_bundle directory"]),
     (lambda d: rewrite(d / "core.yaml", lambda t: t + "  - [unclosed"), ["cannot read ", "core.yaml ("]),
+    (lambda d: rewrite(d / "core.yaml", lambda t: t + "-\n  label: " + "[" * 1000 + "]" * 1000),  # a traceback
+     ["cannot read ", "core.yaml ("]),
 ])
 def test_a_bad_bundle_is_one_line_naming_its_file(bundle, tmp_path, damage, fragments):
     copy = shutil.copytree(bundle, tmp_path / "eval_bundle")

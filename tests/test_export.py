@@ -100,7 +100,7 @@ def exports(tmp_path_factory, hellaswag_file):
                 out.mkdir()
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                train_gpt2.main(["--export-hf", str(out), "--log-dir", str(log_dir)])
+                train_gpt2.main(["--export-hf", str(out), f"--log-dir={log_dir}"])  # a path in both forms
             made[name] = checkpoint_path(log_dir, 3 if name == 128 else STEPS), str(out), printed.getvalue()
     finally:
         torch.set_num_threads(threads)
@@ -176,7 +176,13 @@ def test_the_exported_files(exports, name):
     steps = 3 if name == 128 else STEPS
     assert f"{steps * 256:,} tokens ({steps} steps of 256)" in card  # step x total_batch_size
     assert f"validation: {checkpoints.val_loss_in_words(ckpt)}" in card and "val loss" in card
-    assert f"`python train_gpt2.py --export-hf {out} --log-dir {os.path.dirname(ckpt_path)}`" in card
+    # hf upload publishes the card: the paths of this machine are named, not where they lay
+    data = ckpt["train_config"]["data"]
+    assert f" of {os.path.basename(os.path.normpath(data))}\n" in card and data not in card
+    assert f"weights: the checkpoint {os.path.basename(ckpt_path)} (step " in card
+    log_dir = os.path.basename(os.path.dirname(ckpt_path))
+    assert f"`python train_gpt2.py --export-hf {os.path.basename(out)} --log-dir={log_dir}`" in card
+    assert os.path.dirname(out) not in card
     assert (f"GPT-2's first {n_tokens} token ids" in card) == (name == 128)
     logged = [r for r in read_log(os.path.dirname(ckpt_path)) if "hellaswag_acc" in r]
     if name == "modern":  # measured at the exported step, and what transformers needs for the class
@@ -389,7 +395,8 @@ def test_init_from_the_export_starts_at_its_validation_loss(exports, name, tmp_p
     """--init-from DIR, with no recipe or shape flags (GPT-2's: our whole export; the modern recipe's: config.json and
     model.safetensors alone, as the Hub holds such a model): the directory's recipe and shapes, and step 0's validation
     loss is the exported model's, the checkpoint's and transformers' own on the same tokens. Then it trains on (here at
-    the recipe's rates for training from scratch)."""
+    the recipe's rates for training from scratch). Its export's card names the directory it fine-tuned, not where it
+    lay."""
     ckpt, out, _ = exports[name]
     if name == "modern":
         os.mkdir(tmp_path / "hub")
@@ -412,6 +419,11 @@ def test_init_from_the_export_starts_at_its_validation_loss(exports, name, tmp_p
         logits = theirs(out)(targets[:-1].view(16, 32)).logits
     assert F.cross_entropy(logits.flatten(0, 1), targets[1:]).item() == pytest.approx(val[0]["val_loss"], abs=1e-5)
     assert sorted(train_records(read_log(tmp_path / "log"))) == [0, 1] and val[2]["val_loss"] != val[0]["val_loss"]
+    code, _, err = run_main(["--export-hf", tmp_path / "hf", "--log-dir", tmp_path / "log"], capsys)
+    assert code == 0, err
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f" of input.txt, fine-tuning the weights in {os.path.basename(out)}\n" in card
+    assert str(tmp_path) not in card
 
 
 @needs_muon
@@ -558,12 +570,14 @@ def test_an_interrupted_export_leaves_nothing(exports, tmp_path, capsys, monkeyp
     assert os.listdir(tmp_path) == []
 
 
-def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path):
-    """A real file system that fills up halfway (after the weights, in the tokenizer's files): one line, and the
-    disk holds nothing afterwards."""
+@pytest.mark.parametrize("size", ["1m", "256k"])
+def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path, size):
+    """A real file system that fills up halfway, in the tokenizer's files after the weights (1m), or in the weights
+    (256k), whose SafetensorError named the errno in its text alone (a traceback): one line, and the disk holds
+    nothing afterwards."""
     mount = tmp_path / "disk"
     out = mount / "hf"
-    result = run_script_on_tmpfs(["--export-hf", out, "--resume", exports[128][0]], tmp_path, mount, "size=1m")
+    result = run_script_on_tmpfs(["--export-hf", out, "--resume", exports[128][0]], tmp_path, mount, f"size={size}")
     stdout, _, listing = result.stdout.rstrip("\n").rpartition("\n")
     line = check_usage_error(result.returncode, stdout, result.stderr, f"disk full writing {out}: ", "run the same")
     assert listing == "", line

@@ -330,6 +330,11 @@ def test_the_shakespeare_preset_takes_the_modern_recipes_rates(tmp_path, monkeyp
     (["--muon-lr", "0.1"], ["--muon-lr is a setting of --recipe modern only", "pass --recipe modern"]),
     (MODERN + ["--cooldown-frac", "0"], ["--cooldown-frac must be above 0 and at most 1"]),
     (MODERN + ["--logit-softcap", "0"], ["--logit-softcap must be positive"]),
+    (MODERN + ["--n-embd", "34", "--n-head", "2", "--max-steps", "1"],  # rotate's RuntimeError in the search
+     ["--recipe modern", "needs an even head size", "--n-embd 34 / --n-head 2 = head size 17",
+      "pass --n-embd 36 (head size 18)"]),
+    (MODERN + ["--n-embd", "36", "--n-head", "0", "--max-steps", "1"],  # --model gpt2's 12 heads: it trained
+     ["--n-embd 36 / --n-head 12 = head size 3", "pass --n-embd 48 (head size 4)"]),
 ])
 def test_settings_the_recipe_cannot_honour_are_refused(shards, tmp_path, capsys, flags, fragments):
     expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path / "log"] + flags, capsys, *fragments)

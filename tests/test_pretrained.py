@@ -281,6 +281,8 @@ def test_eval_only_init_from_a_hub_directory_computes_gpt2s_loss(tmp_path):
     (dict(NANOCHAT_CONFIG, rms_norm_eps=1e-6), ["rms_norm_eps is 1e-06", "edit config.json to 1.1920928955078125e-07"]),
     (dict(NANOCHAT_CONFIG, final_logit_softcapping=None), ["final_logit_softcapping is None", "soft-caps its logits"]),
     (dict(NANOCHAT_CONFIG, vocab_size=65536), ["vocab_size 65536 is not GPT-2's vocabulary", "GPT-2's BPE"]),
+    (dict(NANOCHAT_CONFIG, hidden_size=34, intermediate_size=136),  # with weights: rotate's RuntimeError
+     ["hidden_size 34 / num_attention_heads 2 = head size 17", "rotary positions", "needs an even head size"]),
     (dict(HUB_GPT2_CONFIG, activation_function="relu"), ["activation_function is 'relu', and train_gpt2.py's GPT-2 "
                                                          "has 'gelu_new'"]),
     (dict(HUB_GPT2_CONFIG, tie_word_embeddings=False), ["tie_word_embeddings is False"]),

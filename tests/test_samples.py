@@ -13,6 +13,7 @@ from helpers import (
     TINY,
     VOCAB,
     checkpoint_path,
+    expect_usage_error,
     printed_samples,
     read_log,
     run_main,
@@ -171,3 +172,11 @@ def test_under_torchrun_sample_prints_once(shards, tmp_path, capsys):
     assert result.stdout.count("checkpoint of step 1 (") == 1, result.stdout
     assert [(i, n, step) for i, n, step, _ in printed_samples(result.stdout)] == [(1, 2, 1), (2, 2, 1)], result.stdout
     assert result.stdout.count("--- end of samples ---") == 1
+
+
+def test_sample_refuses_a_batch_size_below_one(shards, tmp_path, capsys):
+    """--sample CKPT --batch-size 0 ended in range()'s ValueError; -1 printed no sample and said nothing."""
+    assert run_main(TINY + ["--data", shards, "--log-dir", tmp_path, "--max-steps", "1"], capsys)[0] == 0
+    sample = ["--sample", checkpoint_path(tmp_path, 1), "--device", "cpu", "--prompt", "a"]  # token 64, of 128
+    for rows in ("0", "-1"):
+        expect_usage_error(sample + ["--batch-size", rows], capsys, f"--batch-size must be positive, not {rows}")
