@@ -269,10 +269,11 @@ class Change(NamedTuple):
 
 
 class Named(NamedTuple):
-    """A change the run's first lines name: what made it, the setting, its default (the file's value), its value."""
+    """A change the run's first lines name: what made it, the setting, its default in words (the file's value, or
+    what it stands for), its value."""
     why: str
     key: str
-    default: object
+    default: str
     value: object
 
 
@@ -282,6 +283,7 @@ class Draft:
 
     def __init__(self, flags, given):
         self.flags, self.given, self.changes = flags, set(given), {}
+        self.meanings = {}  # {setting: (value, in words)} where the file's value stands for another (stand_in)
         self.notes = []  # lines to say before the changes: why a preset applies
         self.shards_found = True  # whether --data is there, or tiny Shakespeare trains instead
         self.fixed_by = None  # the preset of what --init-from's weights fix, which no flag overrides
@@ -300,6 +302,13 @@ class Draft:
             self.changes.pop(key, None)  # the lines list the settings in the order they were last changed
             self.changes[key] = Change(value, why, said)
 
+    def stand_in(self, key, value, words):
+        """The file's value of key (0, None, "auto") stands for value, whose it is in words ("--model gpt2's 12"): set
+        it if no layer changed it, and the lines name it as key's default."""
+        self.meanings[key] = value, words
+        if getattr(self, key) == getattr(self.flags, key):
+            self.set(key, value, words, said=False)
+
     def source(self, key):
         """Where the setting's value comes from, in words."""
         if key in self.changes:
@@ -307,9 +316,13 @@ class Draft:
         return f"{flag(key)} given" if key in self.given else "the file's default"
 
     def named(self):
-        """The changes to say, from the flags' values, as Named."""
-        return [Named(change.why, key, getattr(self.flags, key), change.value) for key, change in self.changes.items()
-                if change.said and change.value != getattr(self.flags, key)]
+        """The changes to say, from the flags' values (or what they stand for), as Named."""
+        named = []
+        for key, change in self.changes.items():
+            default, words = self.meanings.get(key, (getattr(self.flags, key), shown(getattr(self.flags, key))))
+            if change.said and change.value != default:
+                named.append(Named(change.why, key, words, change.value))
+        return named
 
     def done(self):
         return dataclasses.replace(self.flags, **{key: change.value for key, change in self.changes.items()})
@@ -328,19 +341,16 @@ def apply_presets(draft, chosen, fixed, model_sizes, unread):
         draft.set(key, value, f"preset {name}")
 
 
-def say_changes(changes, model, sizes, fixed, width=120):
-    """The lines that name each change (Named) under what made it, a setting never split over two. sizes: those of
-    --model (its name), which a default of 0 stands for; fixed: whether --init-from's weights fix some, which no flag
-    overrides."""
+def say_changes(changes, fixed, width=120):
+    """The lines that name each change (Named) under what made it, a setting never split over two; fixed: whether
+    --init-from's weights fix some, which no flag overrides."""
     lines = []
     for why in dict.fromkeys(change.why for change in changes):
         lines.append(f"{why} sets:")
         for change in changes:
             if change.why != why:
                 continue
-            key, before = change.key, change.default
-            default = f"--model {model}'s {sizes[key]}" if key in sizes and before == 0 else shown(before)
-            item = f"{flag(key)} {shown(change.value)} (default: {default})"
+            item = f"{flag(change.key)} {shown(change.value)} (default: {change.default})"
             if len(lines[-1]) + len(item) + 2 > width:
                 lines.append("   ")
             lines[-1] += f" {item},"
@@ -536,20 +546,22 @@ def look_for_shards(draft):
 
 
 def apply_model_preset(draft, model_sizes):
-    """--model's sizes: given as a flag, over the file's (edited) sizes but not over the size flags; else where the
-    file's size is 0, which stands for them."""
+    """--model's sizes, for the file's sizes of 0, which stand for them; and, given as a flag, over the file's edited
+    sizes too (but not over the size flags)."""
     for key, value in model_sizes[draft.model].items():
-        if "model" in draft.given and key not in draft.given:
+        if getattr(draft.flags, key) == 0:
+            draft.stand_in(key, value, f"--model {draft.model}'s {value}")
+        elif "model" in draft.given and key not in draft.given:
             draft.set(key, value, f"--model {draft.model}")
-        elif getattr(draft, key) == 0:
-            draft.set(key, value, f"--model {draft.model}", said=False)
 
 
 def apply_device(draft, env):
     """What the device decides: compiling (on CUDA), the precision, and no benchmarks where they are too slow."""
-    if draft.compile is None:
-        draft.set("compile", env.device_type == "cuda", f"the device ({env.device_type})", said=False)
-    draft.set("dtype", resolve_dtype(draft.dtype, env.device_type), f"the device ({env.device_type})", said=False)
+    if draft.flags.compile is None:
+        draft.stand_in("compile", env.device_type == "cuda", f"{env.device_type}'s {env.device_type == 'cuda'}")
+    dtype = resolve_dtype(draft.dtype, env.device_type)
+    if draft.flags.dtype == "auto":
+        draft.stand_in("dtype", dtype, f"{env.device_type}'s {dtype}")
     off = [key for key in BENCHMARKS if key not in draft.given and getattr(draft, key) != 0]
     if off and (env.device_type != "cuda" or draft.vocab_size < GPT2_VOCAB):
         why = (f"on {env.device_type} (too slow without CUDA)" if env.device_type != "cuda" else
@@ -558,7 +570,7 @@ def apply_device(draft, env):
             draft.set(key, 0, f"no {' or '.join(BENCHMARKS[key] for key in off)} {why}")
 
 
-def resolve(draft, env, recipes, model_sizes, fsdp_check, resumed=None):
+def resolve(draft, env, recipes, fsdp_check, resumed=None):
     """The run's settings, frozen: draft's layers (layered), then what the checkpoint resumed keeps (resumed: its
     train_config, model_config and path; None for a new run), then the values fitted to the others, then every
     check. Also the lines for rank 0 to print first: what made each value that is not the file's. It prints and
@@ -570,10 +582,9 @@ def resolve(draft, env, recipes, model_sizes, fsdp_check, resumed=None):
         draft.set("batch_size", max(1, draft.total_batch_size // (draft.seq_len * env.world_size)),
                   "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)")
     later = [] if draft.eval_only else fit_warmup(draft, None if resumed is None else resumed[0])
-    sizes, unread = model_sizes[draft.model], training_only(draft.flags, recipes) if draft.eval_only else ()
-    changes = [change for change in draft.named() if change.key not in unread
-               and not (change.key in sizes and change.default == 0 and change.value == sizes[change.key])]
-    lines = draft.notes + say_changes(changes, draft.model, sizes, draft.fixed_by is not None) + later
+    unread = training_only(draft.flags, recipes) if draft.eval_only else ()
+    changes = [change for change in draft.named() if change.key not in unread]
+    lines = draft.notes + say_changes(changes, draft.fixed_by is not None) + later
     cfg = draft.done()
     check_config(cfg, env.world_size)
     check_recipe(cfg, draft.given, recipes)  # once the shapes are whole: --model's, --init-from's, the checkpoint's

@@ -779,7 +779,7 @@ def resolve_config(draft, env, ckpt=None, ckpt_path=None, show=True):
     rank 0 prints the lines that say which are not their defaults, and why, if show."""
     resumed = None if ckpt is None else (ckpt["train_config"],
                                          asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
-    cfg, lines = settings.resolve(draft, env, RECIPES, MODEL_SIZES, fsdp.check_settings, resumed)
+    cfg, lines = settings.resolve(draft, env, RECIPES, fsdp.check_settings, resumed)
     if show and env.rank == 0 and lines:
         print("\n".join(lines))
     return cfg
