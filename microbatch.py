@@ -92,29 +92,31 @@ def optimizer_room(optimizers):
 
 
 def try_step(run, batch_size, gradient_sync):
-    """Two training steps' forward and backward passes of batch_size sequences, the second with the optimizers' room
-    held, allocated after the first backward pass as their step allocates it (for --eval-only, a forward pass). No
-    gradient is reduced over the ranks (gradient_sync: train_gpt2's). On a CPU whose address space is not limited, one
-    pass: what fails there is an allocation larger than the system grants at once (the logits'), which the first pass
-    makes; a step's memory in all meets no error there, only the kernel's out-of-memory killer, which no try foresees.
-    """
+    """A training step's forward and backward passes of batch_size sequences on this rank, with no gradient reduced
+    (gradient_sync: train_gpt2's); for --eval-only, a forward pass. On a GPU, or under an address-space limit, the
+    passes run again with the optimizers' room held, as every step holds it after the first."""
     cfg, env = run.cfg, run.env
     tokens = torch.zeros((batch_size, cfg.seq_len), dtype=torch.long, device=env.device)  # (B, T)
     if cfg.eval_only:
         with torch.no_grad(), run.autocast_ctx:
             run.compiled(tokens, tokens)
         return
-    room = None
-    for _ in range(2 if env.device_type != "cpu" or address_space_limited() else 1):
+
+    def forward_and_backward():
         with gradient_sync(run.compiled, on=env.world_size == 1):
             with run.autocast_ctx:
                 _, loss = run.compiled(tokens, tokens)
             loss.backward()
-        del loss
-        if room is None:
-            room = torch.empty(optimizer_room(run.optimizers), dtype=torch.uint8, device=env.device)
-        for p in run.model.parameters():
-            p.grad = None  # as the next step's zero_grad leaves them
+
+    forward_and_backward()
+    if env.device_type == "cpu" and not address_space_limited():
+        return  # only an allocation larger than the system grants fails there, and the first pass made the largest
+    # beside the gradients, as the optimizers' first step allocates their state
+    room = torch.empty(optimizer_room(run.optimizers), dtype=torch.uint8, device=env.device)
+    for p in run.model.parameters():
+        p.grad = None  # as the next step's zero_grad leaves them
+    forward_and_backward()
+    del room  # held through the second pass
 
 
 def step_fits(run, batch_size, gradient_sync):

@@ -4,6 +4,7 @@ does not fit trains with a smaller micro-batch that the run names, on the same t
 fits its try trains; the ranks of a run agree on the smallest, and name the rank it did not fit on; an out-of-memory
 error later, or when nothing fits, is one line on every rank, and no file is lost; the next start after one chooses a
 smaller micro-batch."""
+import json
 import os
 import re
 
@@ -20,6 +21,7 @@ from helpers import (
     read_log,
     run_main,
     run_script,
+    run_source,
     train_records,
     val_records,
 )
@@ -209,3 +211,40 @@ def test_a_run_resumed_with_another_micro_batch_says_so_and_trains_on_the_same_t
     kept, moved = (train_records(read_log(tmp_path / name)) for name in ("kept", "moved"))
     assert {step: r["train_loss"] for step, r in moved.items()} == \
         pytest.approx({step: r["train_loss"] for step, r in kept.items()}, rel=1e-5)
+
+
+ROOM_MEASURED = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import microbatch, train_gpt2
+
+def address_space(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+choose, seen = microbatch.largest_that_fits, {}
+
+def measured(run, *args):
+    before = address_space("VmSize")
+    chosen = choose(run, *args)
+    seen.update(grown=address_space("VmPeak") - before, weights=sum(p.nbytes for p in run.model.parameters()))
+    return chosen
+
+microbatch.largest_that_fits = measured
+train_gpt2.main(sys.argv[2:])
+print(json.dumps(seen))
+"""
+
+
+def test_a_try_of_one_pass_holds_no_room_for_the_optimizers(shards, tmp_path):
+    """On a CPU with no address-space limit the try is one forward and backward pass, and no second pass follows
+    that the optimizers' room (3 times the weights' bytes, allocated untouched) would be held for: the process's
+    address space grows by the gradients and the pass's own memory (with the tied embedding's two gradients summed,
+    about 3 times the weights' bytes), not by the room besides. Before, the room was allocated after the pass all the
+    same."""
+    args = WIDE + ["--n-embd", "512", "--batch-size", "1", "--total-batch-size", "32", "--val-tokens", "32", "--data",
+                   shards, "--log-dir", tmp_path / "log", "--max-steps", "0"]
+    result = run_source(ROOM_MEASURED, tmp_path, args, MALLOC_ARENA_MAX="1")  # the fork server of run_limited's runs
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["grown"] < 4 * seen["weights"], seen
