@@ -146,9 +146,9 @@ def forget_try(run):
 
 def largest_that_fits(run, gradient_sync, trained_with=None):
     """The micro-batch to train with, and the lines that say how it was chosen (None when it is --batch-size, as
-    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and never one
-    that ran out of memory later before (RECORD). trained_with: the resumed checkpoint's, if it kept one. Raises
-    UsageError if not even one sequence fits."""
+    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and one below
+    any that ran out of memory later before (RECORD), but 1, which is tried again. trained_with: the resumed
+    checkpoint's, if it kept one. Raises UsageError if not even one sequence fits."""
     batch_size, said = search(run, gradient_sync)
     if run.env.device_type == "cuda":  # the peak the log reports is the training's, not a failed try's
         torch.cuda.reset_peak_memory_stats(run.env.device)
@@ -166,7 +166,8 @@ def search(run, gradient_sync):
     if not cfg.fit_batch_size:
         return cfg.batch_size, []
     sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
-    batch_size, said = below_recorded(run, sequences_per_step)
+    # an evaluation's forward passes need less than the training steps that RECORD is of
+    batch_size, said = (cfg.batch_size, []) if cfg.eval_only else below_recorded(run, sequences_per_step)
     if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
         # would leave the others waiting, so the micro-batch given is trained as it is
         return batch_size, said + [f"micro-batch {batch_size}, as given: under --fsdp on several processes it is not "
@@ -204,11 +205,15 @@ def where_it_does_not_fit(run, batch_size, gradient_sync):
 
 def nothing_fits(cfg, env, where):
     """What to do when not even one sequence's step fits in where (a rank's memory, in words)."""
+    return (f"out of memory: not even a micro-batch of 1 sequence of {cfg.seq_len} tokens fits a training step of "
+            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {where}; {smaller_step(cfg, env)}")
+
+
+def smaller_step(cfg, env):
+    """What makes a step of one sequence take less memory, in words."""
     shard = "" if cfg.fsdp or env.device_type != "cuda" else ", shard it over several GPUs with --fsdp"
     chunked = "" if cfg.loss == "chunked" else ", --loss chunked (never all the logits at once)"
-    return (f"out of memory: not even a micro-batch of 1 sequence of {cfg.seq_len} tokens fits a training step of "
-            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {where}; train a smaller "
-            f"model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}")
+    return f"train a smaller model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}"
 
 
 # -----------------------------------------------------------------------------
@@ -248,19 +253,21 @@ def recorded_on_this_rank(run):
 
 def below_recorded(run, sequences_per_step):
     """--batch-size, or the largest micro-batch below the smallest that ran out of memory after it was chosen on some
-    rank (RECORD), with the line that says so."""
-    cfg, env = run.cfg, run.env
+    rank (RECORD), or 1 again where that was 1 (a hint, which the try of 1 then checks), with the line that says so."""
+    cfg = run.cfg
     records = [r for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
     record = min(records, key=lambda r: r["micro_batch"], default=None)
-    if record is None or record["micro_batch"] > cfg.batch_size:
+    if record is None or record["micro_batch"] > cfg.batch_size or cfg.batch_size == 1:
         return cfg.batch_size, []
-    failed, where = record["micro_batch"], record.get("memory_words", "as little memory")
+    failed, path = record["micro_batch"], os.path.join(cfg.log_dir, RECORD)
+    why = (f"ran out of memory in {record.get('memory_words', 'as little memory')} at step {record.get('step')}, after "
+           f"it was chosen")
     if failed == 1:
-        raise UsageError(nothing_fits(cfg, env, where))
+        return 1, [f"micro-batch 1 again, as none is smaller: it {why} ({path} says so; delete it to start from "
+                   f"--batch-size {cfg.batch_size} again)"]
     batch_size = next_smaller(failed, sequences_per_step)
-    return batch_size, [f"micro-batch at most {batch_size}: {failed} ran out of memory in {where} at step "
-                        f"{record.get('step')}, after it was chosen ({os.path.join(cfg.log_dir, RECORD)} says so; "
-                        f"delete it to try {failed} again)"]
+    return batch_size, [f"micro-batch at most {batch_size}: {failed} {why} ({path} says so; delete it to try {failed} "
+                        f"again)"]
 
 
 def record_out_of_memory(run):
@@ -306,7 +313,11 @@ def out_of_memory_later(error, cfg, run):
     what += f"; the latest checkpoint, {latest}, is kept" if latest else "; no checkpoint was written yet"
     if run is None:  # before the micro-batch was chosen: the model, its checkpoint, the data
         return what
+    if cfg.eval_only:  # it reads no record, so it writes none
+        return what + (f"; pass a --batch-size below {run.micro_batch}" if run.micro_batch > 1 else "")
     recorded = record_out_of_memory(run)
+    if run.micro_batch == 1:
+        return f"{what}; no micro-batch is smaller than 1: {smaller_step(cfg, run.env)}"
     if not cfg.fit_batch_size:
         return (f"{what}; pass a --batch-size below {run.micro_batch}, or drop --no-fit-batch-size (a step is then "
                 f"tried first)")

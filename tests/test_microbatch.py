@@ -7,6 +7,7 @@ smaller micro-batch."""
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from helpers import (
     run_source,
     train_records,
     val_records,
+    write_shards,
 )
 
 LIMITED = os.path.join(REPO, "tests", "scripts", "limited_memory.py")
@@ -43,6 +45,18 @@ def run_limited(args, cwd, headroom=HEADROOM, nproc=1, limited_rank=-1, **env):
     # each), which this limit would count as if it were memory
     return run_script([REPO, limited_rank, headroom, *args], cwd=cwd, nproc=nproc, script=LIMITED,
                       MALLOC_ARENA_MAX="1", **env)
+
+
+@pytest.fixture(scope="module")
+def ran_out_at_1(tmp_path_factory):
+    """A run whose micro-batch of 1 fitted its try, then ran out of memory in step 0, as 240 MiB of its 300 were taken
+    after the choice: (its flags but for --log-dir and --batch-size, its log directory, where RECORD holds micro-batch
+    1, its CompletedProcess)."""
+    root = tmp_path_factory.mktemp("ran_out_at_1")
+    args = WIDE + ["--data", write_shards(root / "data"), "--max-steps", "1", "--total-batch-size", "256"]
+    result = run_limited(args + ["--log-dir", root / "log", "--batch-size", "1"], root, headroom=300,
+                         TAKEN_LATER_MIB="240")
+    return args, root / "log", result
 
 
 def the_one_line_of_every_rank(result):
@@ -211,6 +225,36 @@ def test_a_run_resumed_with_another_micro_batch_says_so_and_trains_on_the_same_t
     kept, moved = (train_records(read_log(tmp_path / name)) for name in ("kept", "moved"))
     assert {step: r["train_loss"] for step, r in moved.items()} == \
         pytest.approx({step: r["train_loss"] for step, r in kept.items()}, rel=1e-5)
+
+
+def test_a_record_of_micro_batch_1_is_tried_again(ran_out_at_1, tmp_path, capsys):
+    """Micro-batch 1 ran out of memory in step 0: its line says what helps, not "a micro-batch below 1". RECORD, which
+    then holds 1, is a hint, not a verdict: on the same memory, 1 is tried again and trains, with a line that names
+    the file and what deleting it does. --eval-only, whose forward passes need less, reads no record: it tries 8, and
+    when its evaluation then runs out of memory (memory taken after the choice), it writes none either and says what
+    helps. More memory (no limit) is not bound by the record. Before, every start, --eval-only's too, stopped on "not
+    even a micro-batch of 1 sequence fits" without a try, and without the file's name."""
+    args, recorded, first = ran_out_at_1
+    check_usage_error(first.returncode, first.stdout, first.stderr, "out of memory in",
+                      "no checkpoint was written yet; no micro-batch is smaller than 1: train a smaller model")
+    log = tmp_path / "log"
+    log.mkdir()
+    shutil.copy(recorded / microbatch.RECORD, log)
+    args = args + ["--log-dir", log, "--batch-size", "2"]
+    again = run_limited(args, tmp_path, headroom=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    line = (r"^micro-batch 1 again, as none is smaller: it ran out of memory in [\d.]+ GiB of address space \(ulimit "
+            r"-v\) at step 0, after it was chosen \(" + re.escape(str(log / microbatch.RECORD)) +
+            r" says so; delete it to start from --batch-size 2 again\)$")
+    assert re.search(line, again.stdout, re.M), again.stdout
+    record = (log / microbatch.RECORD).read_text()
+    evaluated = run_limited(args + ["--eval-only", "--batch-size", "8"], tmp_path, headroom=300, TAKEN_LATER_MIB="240")
+    check_usage_error(evaluated.returncode, evaluated.stdout, evaluated.stderr, "out of memory in",
+                      f"the latest checkpoint, {checkpoint_path(log, 1)}, is kept; pass a --batch-size below 8")
+    assert (log / microbatch.RECORD).read_text() == record
+    code, out, err = run_main(args + ["--max-steps", "2"], capsys)
+    assert code == 0 and "trained with micro-batch 1 before, 2 now" in out and microbatch.RECORD not in out, err
+    assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [1, 2]
 
 
 ROOM_MEASURED = """
