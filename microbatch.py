@@ -231,15 +231,26 @@ def step_shape(run):
 
 
 def read_records(log_dir):
-    """The records of RECORD in log_dir; [] if there is none, or it cannot be read (at worst, a micro-batch that ran
-    out of memory is chosen again)."""
+    """The records of RECORD in log_dir that could be true; [] if there is none, or it cannot be read (at worst, a
+    micro-batch that ran out of memory is chosen again)."""
     try:
         with open(os.path.join(log_dir, RECORD)) as f:
             records = json.load(f)
     except (OSError, ValueError):
         return []
-    return [r for r in records if isinstance(r, dict) and isinstance(r.get("micro_batch"), int)
-            and isinstance(r.get("memory"), (int, float))] if isinstance(records, list) else []
+    return [r for r in records if possible(r)] if isinstance(records, list) else []
+
+
+def possible(record):
+    """Whether a record read from RECORD could be one that record_out_of_memory wrote: a micro-batch of 1 or more, a
+    step of 0 or more, a memory of 1 byte to 16 EiB and its words (JSON reads Infinity, and integers of any size)."""
+    def whole(value, least):  # True is an int to Python
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    memory = record.get("memory") if isinstance(record, dict) else None
+    return (isinstance(memory, (int, float)) and not isinstance(memory, bool) and 1 <= memory < 2**64
+            and whole(record.get("micro_batch"), 1) and whole(record.get("step"), 0)
+            and isinstance(record.get("memory_words"), str))
 
 
 def recorded_on_this_rank(run):
@@ -260,8 +271,7 @@ def below_recorded(run, sequences_per_step):
     if record is None or record["micro_batch"] > cfg.batch_size or cfg.batch_size == 1:
         return cfg.batch_size, []
     failed, path = record["micro_batch"], os.path.join(cfg.log_dir, RECORD)
-    why = (f"ran out of memory in {record.get('memory_words', 'as little memory')} at step {record.get('step')}, after "
-           f"it was chosen")
+    why = f"ran out of memory in {record['memory_words']} at step {record['step']}, after it was chosen"
     if failed == 1:
         return 1, [f"micro-batch 1 again, as none is smaller: it {why} ({path} says so; delete it to start from "
                    f"--batch-size {cfg.batch_size} again)"]

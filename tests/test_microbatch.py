@@ -257,6 +257,24 @@ def test_a_record_of_micro_batch_1_is_tried_again(ran_out_at_1, tmp_path, capsys
     assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [1, 2]
 
 
+def test_an_impossible_record_is_ignored(ran_out_at_1, tmp_path, capsys):
+    """RECORD damaged where its step shape still matches: a micro-batch of 0, below 0 or true; a memory past any
+    machine's, infinite or true. Each is ignored, as a truncated file is: the run trains --batch-size, and no line
+    speaks of the record. Before, next_smaller's max() of an empty sequence, or an int too large for a float, ended
+    the run in a traceback."""
+    args, recorded, _ = ran_out_at_1
+    real = json.loads((recorded / microbatch.RECORD).read_text())[0]
+    log = tmp_path / "log"
+    log.mkdir()
+    damaged = [dict(real, micro_batch=0, memory=2**40), dict(real, micro_batch=-1, memory=2**40),
+               dict(real, micro_batch=True, memory=2**40), dict(real, micro_batch=1, memory=10**400),
+               dict(real, micro_batch=1, memory=float("inf")), dict(real, micro_batch=1, memory=True)]
+    (log / microbatch.RECORD).write_text(json.dumps(damaged))
+    code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "2"], capsys)
+    assert code == 0 and "micro-batch" not in out, err
+    assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [2]
+
+
 ROOM_MEASURED = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
