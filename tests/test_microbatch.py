@@ -3,28 +3,35 @@ address space is limited (RLIMIT_AS, tests/scripts/limited_memory.py), as on a s
 does not fit trains with a smaller micro-batch that the run names, on the same tokens and schedule; a micro-batch that
 fits its try trains; the ranks of a run agree on the smallest, and name the rank it did not fit on; an out-of-memory
 error later, or when nothing fits, is one line on every rank, and no file is lost; the next start after one chooses a
-smaller micro-batch."""
+smaller micro-batch (or tries 1 again); a rank killed outright leaves the other one line."""
 import json
 import os
 import re
 import shutil
+import signal
 
 import pytest
 import torch
 
 import microbatch
+import run_files
 from helpers import (
     REPO,
     TINY,
     check_usage_error,
     checkpoint_path,
     load_ckpt,
+    process_stat,
     read_log,
     run_main,
     run_script,
     run_source,
+    script_command,
+    script_env,
+    start_command,
     train_records,
     val_records,
+    wait_for_step,
     write_shards,
 )
 
@@ -310,3 +317,26 @@ def test_a_try_of_one_pass_holds_no_room_for_the_optimizers(shards, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["grown"] < 4 * seen["weights"], seen
+
+
+def test_a_rank_killed_outright_leaves_the_other_one_line(shards, tmp_path):
+    """kill -9 of rank 1 mid-training, as the kernel's out-of-memory killer kills: rank 0, whose collective broke as
+    rank 1 died, ends in one line that names rank 1, the checkpoint kept and what to do. Before, it died in gloo's
+    traceback ("Connection reset by peer")."""
+    log = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log, "--max-steps", "100000", "--checkpoint-every", "1"]
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:  # run_limited's fork server
+        ranks = start_command(script_command(args, nproc=2), tmp_path, script_env(MALLOC_ARENA_MAX="1"), stdout=out,
+                              stderr=err)
+    try:
+        wait_for_step(ranks, log, 1)  # and so the checkpoint of step 1 is written
+        rank_0 = int(re.search(r"pid (\d+)", (log / ".lock").read_text()).group(1))  # rank 0 holds the log dir
+        rank_1 = next(int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
+                      if int(pid) != rank_0 and (process_stat(pid) or (None, None))[1] == ranks.pid)
+        os.kill(rank_1, signal.SIGKILL)
+        code = ranks.wait(60)
+    finally:
+        ranks.kill()
+    latest = run_files.latest_checkpoint(log)
+    check_usage_error(code, open(tmp_path / "out.txt").read(), open(tmp_path / "err.txt").read(), "error: rank 1 died",
+                      f"the latest checkpoint, {latest}, is kept: run the same command again to resume from it")
