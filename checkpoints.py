@@ -243,6 +243,15 @@ def choose_checkpoint(cfg):
             unreadable.append(paths[-1])
 
 
+def how_to_resume(cfg):
+    """What a run that stopped early keeps, and the command that goes on from it, in words."""
+    latest = run_files.latest_checkpoint(cfg.log_dir)
+    if latest is None:
+        return "no checkpoint was written yet: run the same command again to start over"
+    same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
+    return f"the latest checkpoint, {latest}, is kept: run {same} again to resume from it"
+
+
 def find_resume_checkpoint(cfg, rank, world_size):
     """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
     unreadable ones, and every rank loads that same one."""

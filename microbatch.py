@@ -92,29 +92,31 @@ def optimizer_room(optimizers):
 
 
 def try_step(run, batch_size, gradient_sync):
-    """Two training steps' forward and backward passes of batch_size sequences, the second with the optimizers' room
-    held, allocated after the first backward pass as their step allocates it (for --eval-only, a forward pass). No
-    gradient is reduced over the ranks (gradient_sync: train_gpt2's). On a CPU whose address space is not limited, one
-    pass: what fails there is an allocation larger than the system grants at once (the logits'), which the first pass
-    makes; a step's memory in all meets no error there, only the kernel's out-of-memory killer, which no try foresees.
-    """
+    """A training step's forward and backward passes of batch_size sequences on this rank, with no gradient reduced
+    (gradient_sync: train_gpt2's); for --eval-only, a forward pass. On a GPU, or under an address-space limit, the
+    passes run again with the optimizers' room held, as every step holds it after the first."""
     cfg, env = run.cfg, run.env
     tokens = torch.zeros((batch_size, cfg.seq_len), dtype=torch.long, device=env.device)  # (B, T)
     if cfg.eval_only:
         with torch.no_grad(), run.autocast_ctx:
             run.compiled(tokens, tokens)
         return
-    room = None
-    for _ in range(2 if env.device_type != "cpu" or address_space_limited() else 1):
+
+    def forward_and_backward():
         with gradient_sync(run.compiled, on=env.world_size == 1):
             with run.autocast_ctx:
                 _, loss = run.compiled(tokens, tokens)
             loss.backward()
-        del loss
-        if room is None:
-            room = torch.empty(optimizer_room(run.optimizers), dtype=torch.uint8, device=env.device)
-        for p in run.model.parameters():
-            p.grad = None  # as the next step's zero_grad leaves them
+
+    forward_and_backward()
+    if env.device_type == "cpu" and not address_space_limited():
+        return  # only an allocation larger than the system grants fails there, and the first pass made the largest
+    # beside the gradients, as the optimizers' first step allocates their state
+    room = torch.empty(optimizer_room(run.optimizers), dtype=torch.uint8, device=env.device)
+    for p in run.model.parameters():
+        p.grad = None  # as the next step's zero_grad leaves them
+    forward_and_backward()
+    del room  # held through the second pass
 
 
 def step_fits(run, batch_size, gradient_sync):
@@ -144,9 +146,9 @@ def forget_try(run):
 
 def largest_that_fits(run, gradient_sync, trained_with=None):
     """The micro-batch to train with, and the lines that say how it was chosen (None when it is --batch-size, as
-    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and never one
-    that ran out of memory later before (RECORD). trained_with: the resumed checkpoint's, if it kept one. Raises
-    UsageError if not even one sequence fits."""
+    given): --batch-size if a step of it fits on every rank, else the largest smaller one that does, and one below
+    any that ran out of memory later before (RECORD), but 1, which is tried again. trained_with: the resumed
+    checkpoint's, if it kept one. Raises UsageError if not even one sequence fits."""
     batch_size, said = search(run, gradient_sync)
     if run.env.device_type == "cuda":  # the peak the log reports is the training's, not a failed try's
         torch.cuda.reset_peak_memory_stats(run.env.device)
@@ -164,7 +166,8 @@ def search(run, gradient_sync):
     if not cfg.fit_batch_size:
         return cfg.batch_size, []
     sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
-    batch_size, said = below_recorded(run, sequences_per_step)
+    # an evaluation's forward passes need less than the training steps that RECORD is of
+    batch_size, said = (cfg.batch_size, []) if cfg.eval_only else below_recorded(run, sequences_per_step)
     if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
         # would leave the others waiting, so the micro-batch given is trained as it is
         return batch_size, said + [f"micro-batch {batch_size}, as given: under --fsdp on several processes it is not "
@@ -202,11 +205,15 @@ def where_it_does_not_fit(run, batch_size, gradient_sync):
 
 def nothing_fits(cfg, env, where):
     """What to do when not even one sequence's step fits in where (a rank's memory, in words)."""
+    return (f"out of memory: not even a micro-batch of 1 sequence of {cfg.seq_len} tokens fits a training step of "
+            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {where}; {smaller_step(cfg, env)}")
+
+
+def smaller_step(cfg, env):
+    """What makes a step of one sequence take less memory, in words."""
     shard = "" if cfg.fsdp or env.device_type != "cuda" else ", shard it over several GPUs with --fsdp"
     chunked = "" if cfg.loss == "chunked" else ", --loss chunked (never all the logits at once)"
-    return (f"out of memory: not even a micro-batch of 1 sequence of {cfg.seq_len} tokens fits a training step of "
-            f"this {cfg.n_layer}-layer, width-{cfg.n_embd} model in {where}; train a smaller "
-            f"model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}")
+    return f"train a smaller model (--model, --n-layer, --n-embd), a shorter --seq-len{chunked}{shard}"
 
 
 # -----------------------------------------------------------------------------
@@ -224,15 +231,26 @@ def step_shape(run):
 
 
 def read_records(log_dir):
-    """The records of RECORD in log_dir; [] if there is none, or it cannot be read (at worst, a micro-batch that ran
-    out of memory is chosen again)."""
+    """The records of RECORD in log_dir that could be true; [] if there is none, or it cannot be read (at worst, a
+    micro-batch that ran out of memory is chosen again)."""
     try:
         with open(os.path.join(log_dir, RECORD)) as f:
             records = json.load(f)
     except (OSError, ValueError):
         return []
-    return [r for r in records if isinstance(r, dict) and isinstance(r.get("micro_batch"), int)
-            and isinstance(r.get("memory"), (int, float))] if isinstance(records, list) else []
+    return [r for r in records if possible(r)] if isinstance(records, list) else []
+
+
+def possible(record):
+    """Whether a record read from RECORD could be one that record_out_of_memory wrote: a micro-batch of 1 or more, a
+    step of 0 or more, a memory of 1 byte to 16 EiB and its words (JSON reads Infinity, and integers of any size)."""
+    def whole(value, least):  # True is an int to Python
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    memory = record.get("memory") if isinstance(record, dict) else None
+    return (isinstance(memory, (int, float)) and not isinstance(memory, bool) and 1 <= memory < 2**64
+            and whole(record.get("micro_batch"), 1) and whole(record.get("step"), 0)
+            and isinstance(record.get("memory_words"), str))
 
 
 def recorded_on_this_rank(run):
@@ -246,19 +264,20 @@ def recorded_on_this_rank(run):
 
 def below_recorded(run, sequences_per_step):
     """--batch-size, or the largest micro-batch below the smallest that ran out of memory after it was chosen on some
-    rank (RECORD), with the line that says so."""
-    cfg, env = run.cfg, run.env
+    rank (RECORD), or 1 again where that was 1 (a hint, which the try of 1 then checks), with the line that says so."""
+    cfg = run.cfg
     records = [r for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
     record = min(records, key=lambda r: r["micro_batch"], default=None)
-    if record is None or record["micro_batch"] > cfg.batch_size:
+    if record is None or record["micro_batch"] > cfg.batch_size or cfg.batch_size == 1:
         return cfg.batch_size, []
-    failed, where = record["micro_batch"], record.get("memory_words", "as little memory")
+    failed, path = record["micro_batch"], os.path.join(cfg.log_dir, RECORD)
+    why = f"ran out of memory in {record['memory_words']} at step {record['step']}, after it was chosen"
     if failed == 1:
-        raise UsageError(nothing_fits(cfg, env, where))
+        return 1, [f"micro-batch 1 again, as none is smaller: it {why} ({path} says so; delete it to start from "
+                   f"--batch-size {cfg.batch_size} again)"]
     batch_size = next_smaller(failed, sequences_per_step)
-    return batch_size, [f"micro-batch at most {batch_size}: {failed} ran out of memory in {where} at step "
-                        f"{record.get('step')}, after it was chosen ({os.path.join(cfg.log_dir, RECORD)} says so; "
-                        f"delete it to try {failed} again)"]
+    return batch_size, [f"micro-batch at most {batch_size}: {failed} {why} ({path} says so; delete it to try {failed} "
+                        f"again)"]
 
 
 def record_out_of_memory(run):
@@ -304,7 +323,11 @@ def out_of_memory_later(error, cfg, run):
     what += f"; the latest checkpoint, {latest}, is kept" if latest else "; no checkpoint was written yet"
     if run is None:  # before the micro-batch was chosen: the model, its checkpoint, the data
         return what
+    if cfg.eval_only:  # it reads no record, so it writes none
+        return what + (f"; pass a --batch-size below {run.micro_batch}" if run.micro_batch > 1 else "")
     recorded = record_out_of_memory(run)
+    if run.micro_batch == 1:
+        return f"{what}; no micro-batch is smaller than 1: {smaller_step(cfg, run.env)}"
     if not cfg.fit_batch_size:
         return (f"{what}; pass a --batch-size below {run.micro_batch}, or drop --no-fit-batch-size (a step is then "
                 f"tried first)")

@@ -82,13 +82,31 @@ def first_error_of_any_rank(error):
     return next((e for e in every_rank(error) if e is not None), None)
 
 
+# how a collective breaks as a process in it dies: gloo's connection to it closed or reset, NCCL's ncclRemoteError
+PEER_DIED = r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
+
+
+def dead_peer(error):
+    """Which rank died, in words ("rank 1", or "another rank" among more than two), if error (or one it was raised
+    from) is a collective that broke as that rank's process died; else None."""
+    import torch.distributed as dist  # here, not at the top: see the module's docstring
+
+    while error is not None:
+        if isinstance(error, RuntimeError) and re.search(PEER_DIED, str(error)):
+            return f"rank {1 - dist.get_rank()}" if dist.get_world_size() == 2 else "another rank"
+        error = error.__cause__ or error.__context__
+    return None
+
+
 @contextlib.contextmanager
-def failing_alone():
+def failing_alone(after_a_death):
     """For work that one rank may fail in alone while the others wait in a collective of it (out of memory in a
     training step, whose backward pass the others reduce gradients in), where the ranks cannot vote as in
     failing_together: a UsageError raised inside leaves its line in the process group's store (torchrun's agent's, or
     rank 0's), and a rank whose collective broke as that rank left (gloo's "Connection closed by peer") raises that
-    line instead. Under NCCL such a collective hangs until torchrun stops the rank."""
+    line instead. A rank that died leaving no line (kill -9, the kernel's out-of-memory killer) leaves the others one
+    that says so, then after_a_death(): what is kept, and what to do. Under NCCL such a collective may hang until
+    torchrun stops the rank."""
     import torch.distributed as dist  # here, not at the top: see the module's docstring
 
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -99,12 +117,17 @@ def failing_alone():
         if store is not None:
             store.set(f"error/{dist.get_rank()}", str(e))
         raise
-    except Exception:
-        keys = [f"error/{rank}" for rank in range(dist.get_world_size())] if store else []
+    except Exception as e:
+        if store is None:
+            raise
+        keys = [f"error/{rank}" for rank in range(dist.get_world_size())]
         try:
             error = next((store.get(key).decode() for key in keys if store.check([key])), None)
         except RuntimeError:  # the store left with its rank (rank 0's, outside torchrun)
             error = None
+        if error is None and (dead := dead_peer(e)) is not None:
+            error = (f"{dead} died (killed, perhaps by the kernel's out-of-memory killer, or failed: its own output "
+                     f"says why); {after_a_death()}")
         if error is None:
             raise
         raise UsageError(error) from None

@@ -866,7 +866,8 @@ def start(flags, given):
     with checkpoints.holding_log_dir(draft, env):
         run = set_up(draft, env)
         if run is not None:
-            with reporting.wandb(run), plumbing.failing_alone(), microbatch.out_of_memory_in_one_line(run.cfg, run):
+            with reporting.wandb(run), plumbing.failing_alone(lambda: checkpoints.how_to_resume(run.cfg)), \
+                    microbatch.out_of_memory_in_one_line(run.cfg, run):
                 evaluate(run) if run.cfg.eval_only else train(run)
 
 

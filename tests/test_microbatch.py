@@ -3,25 +3,36 @@ address space is limited (RLIMIT_AS, tests/scripts/limited_memory.py), as on a s
 does not fit trains with a smaller micro-batch that the run names, on the same tokens and schedule; a micro-batch that
 fits its try trains; the ranks of a run agree on the smallest, and name the rank it did not fit on; an out-of-memory
 error later, or when nothing fits, is one line on every rank, and no file is lost; the next start after one chooses a
-smaller micro-batch."""
+smaller micro-batch (or tries 1 again); a rank killed outright leaves the other one line."""
+import json
 import os
 import re
+import shutil
+import signal
 
 import pytest
 import torch
 
 import microbatch
+import run_files
 from helpers import (
     REPO,
     TINY,
     check_usage_error,
     checkpoint_path,
     load_ckpt,
+    process_stat,
     read_log,
     run_main,
     run_script,
+    run_source,
+    script_command,
+    script_env,
+    start_command,
     train_records,
     val_records,
+    wait_for_step,
+    write_shards,
 )
 
 LIMITED = os.path.join(REPO, "tests", "scripts", "limited_memory.py")
@@ -41,6 +52,18 @@ def run_limited(args, cwd, headroom=HEADROOM, nproc=1, limited_rank=-1, **env):
     # each), which this limit would count as if it were memory
     return run_script([REPO, limited_rank, headroom, *args], cwd=cwd, nproc=nproc, script=LIMITED,
                       MALLOC_ARENA_MAX="1", **env)
+
+
+@pytest.fixture(scope="module")
+def ran_out_at_1(tmp_path_factory):
+    """A run whose micro-batch of 1 fitted its try, then ran out of memory in step 0, as 240 MiB of its 300 were taken
+    after the choice: (its flags but for --log-dir and --batch-size, its log directory, where RECORD holds micro-batch
+    1, its CompletedProcess)."""
+    root = tmp_path_factory.mktemp("ran_out_at_1")
+    args = WIDE + ["--data", write_shards(root / "data"), "--max-steps", "1", "--total-batch-size", "256"]
+    result = run_limited(args + ["--log-dir", root / "log", "--batch-size", "1"], root, headroom=300,
+                         TAKEN_LATER_MIB="240")
+    return args, root / "log", result
 
 
 def the_one_line_of_every_rank(result):
@@ -209,3 +232,111 @@ def test_a_run_resumed_with_another_micro_batch_says_so_and_trains_on_the_same_t
     kept, moved = (train_records(read_log(tmp_path / name)) for name in ("kept", "moved"))
     assert {step: r["train_loss"] for step, r in moved.items()} == \
         pytest.approx({step: r["train_loss"] for step, r in kept.items()}, rel=1e-5)
+
+
+def test_a_record_of_micro_batch_1_is_tried_again(ran_out_at_1, tmp_path, capsys):
+    """Micro-batch 1 ran out of memory in step 0: its line says what helps, not "a micro-batch below 1". RECORD, which
+    then holds 1, is a hint, not a verdict: on the same memory, 1 is tried again and trains, with a line that names
+    the file and what deleting it does. --eval-only, whose forward passes need less, reads no record: it tries 8, and
+    when its evaluation then runs out of memory (memory taken after the choice), it writes none either and says what
+    helps. More memory (no limit) is not bound by the record. Before, every start, --eval-only's too, stopped on "not
+    even a micro-batch of 1 sequence fits" without a try, and without the file's name."""
+    args, recorded, first = ran_out_at_1
+    check_usage_error(first.returncode, first.stdout, first.stderr, "out of memory in",
+                      "no checkpoint was written yet; no micro-batch is smaller than 1: train a smaller model")
+    log = tmp_path / "log"
+    log.mkdir()
+    shutil.copy(recorded / microbatch.RECORD, log)
+    args = args + ["--log-dir", log, "--batch-size", "2"]
+    again = run_limited(args, tmp_path, headroom=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    line = (r"^micro-batch 1 again, as none is smaller: it ran out of memory in [\d.]+ GiB of address space \(ulimit "
+            r"-v\) at step 0, after it was chosen \(" + re.escape(str(log / microbatch.RECORD)) +
+            r" says so; delete it to start from --batch-size 2 again\)$")
+    assert re.search(line, again.stdout, re.M), again.stdout
+    record = (log / microbatch.RECORD).read_text()
+    evaluated = run_limited(args + ["--eval-only", "--batch-size", "8"], tmp_path, headroom=300, TAKEN_LATER_MIB="240")
+    check_usage_error(evaluated.returncode, evaluated.stdout, evaluated.stderr, "out of memory in",
+                      f"the latest checkpoint, {checkpoint_path(log, 1)}, is kept; pass a --batch-size below 8")
+    assert (log / microbatch.RECORD).read_text() == record
+    code, out, err = run_main(args + ["--max-steps", "2"], capsys)
+    assert code == 0 and "trained with micro-batch 1 before, 2 now" in out and microbatch.RECORD not in out, err
+    assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [1, 2]
+
+
+def test_an_impossible_record_is_ignored(ran_out_at_1, tmp_path, capsys):
+    """RECORD damaged where its step shape still matches: a micro-batch of 0, below 0 or true; a memory past any
+    machine's, infinite or true. Each is ignored, as a truncated file is: the run trains --batch-size, and no line
+    speaks of the record. Before, next_smaller's max() of an empty sequence, or an int too large for a float, ended
+    the run in a traceback."""
+    args, recorded, _ = ran_out_at_1
+    real = json.loads((recorded / microbatch.RECORD).read_text())[0]
+    log = tmp_path / "log"
+    log.mkdir()
+    damaged = [dict(real, micro_batch=0, memory=2**40), dict(real, micro_batch=-1, memory=2**40),
+               dict(real, micro_batch=True, memory=2**40), dict(real, micro_batch=1, memory=10**400),
+               dict(real, micro_batch=1, memory=float("inf")), dict(real, micro_batch=1, memory=True)]
+    (log / microbatch.RECORD).write_text(json.dumps(damaged))
+    code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "2"], capsys)
+    assert code == 0 and "micro-batch" not in out, err
+    assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [2]
+
+
+ROOM_MEASURED = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import microbatch, train_gpt2
+
+def address_space(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+choose, seen = microbatch.largest_that_fits, {}
+
+def measured(run, *args):
+    before = address_space("VmSize")
+    chosen = choose(run, *args)
+    seen.update(grown=address_space("VmPeak") - before, weights=sum(p.nbytes for p in run.model.parameters()))
+    return chosen
+
+microbatch.largest_that_fits = measured
+train_gpt2.main(sys.argv[2:])
+print(json.dumps(seen))
+"""
+
+
+def test_a_try_of_one_pass_holds_no_room_for_the_optimizers(shards, tmp_path):
+    """On a CPU with no address-space limit the try is one forward and backward pass, and no second pass follows
+    that the optimizers' room (3 times the weights' bytes, allocated untouched) would be held for: the process's
+    address space grows by the gradients and the pass's own memory (with the tied embedding's two gradients summed,
+    about 3 times the weights' bytes), not by the room besides. Before, the room was allocated after the pass all the
+    same."""
+    args = WIDE + ["--n-embd", "512", "--batch-size", "1", "--total-batch-size", "32", "--val-tokens", "32", "--data",
+                   shards, "--log-dir", tmp_path / "log", "--max-steps", "0"]
+    result = run_source(ROOM_MEASURED, tmp_path, args, MALLOC_ARENA_MAX="1")  # the fork server of run_limited's runs
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["grown"] < 4 * seen["weights"], seen
+
+
+def test_a_rank_killed_outright_leaves_the_other_one_line(shards, tmp_path):
+    """kill -9 of rank 1 mid-training, as the kernel's out-of-memory killer kills: rank 0, whose collective broke as
+    rank 1 died, ends in one line that names rank 1, the checkpoint kept and what to do. Before, it died in gloo's
+    traceback ("Connection reset by peer")."""
+    log = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log, "--max-steps", "100000", "--checkpoint-every", "1"]
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:  # run_limited's fork server
+        ranks = start_command(script_command(args, nproc=2), tmp_path, script_env(MALLOC_ARENA_MAX="1"), stdout=out,
+                              stderr=err)
+    try:
+        wait_for_step(ranks, log, 1)  # and so the checkpoint of step 1 is written
+        rank_0 = int(re.search(r"pid (\d+)", (log / ".lock").read_text()).group(1))  # rank 0 holds the log dir
+        rank_1 = next(int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
+                      if int(pid) != rank_0 and (process_stat(pid) or (None, None))[1] == ranks.pid)
+        os.kill(rank_1, signal.SIGKILL)
+        code = ranks.wait(60)
+    finally:
+        ranks.kill()
+    latest = run_files.latest_checkpoint(log)
+    check_usage_error(code, open(tmp_path / "out.txt").read(), open(tmp_path / "err.txt").read(), "error: rank 1 died",
+                      f"the latest checkpoint, {latest}, is kept: run the same command again to resume from it")
