@@ -98,24 +98,6 @@ def save(run):
                                        plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
 
 
-@contextlib.contextmanager
-def saved_if_failing(run, worth_saving):
-    """A UsageError raised inside, before a step, as by a shard that went bad (every rank reads the whole global batch,
-    so every rank raises it), saves the run as it stands on every rank, if worth_saving (steps were taken since the
-    last checkpoint) and its steps were finite, then ends it in one line that says how to go on."""
-    try:
-        yield
-    except UsageError as e:
-        kept = None
-        if worth_saving and run.nonfinite_since is None:
-            save(run)
-            kept = f"the run is saved at step {run.step}"
-        latest = run_files.latest_checkpoint(run.cfg.log_dir)
-        kept = kept or (f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet")
-        raise UsageError(f"{e}; {kept}: once that is mended, the same command resumes from "
-                         f"{latest or 'the start'}") from None
-
-
 def prune(run):
     """Rank 0 deletes the checkpoints past --keep-checkpoints: only once the newest one's weights trained to a finite
     loss, so that the last checkpoint that trains is never deleted."""
@@ -344,26 +326,26 @@ def load_optimizers(optimizers, model, ckpt, path, sharded):
             group.update(flags)
 
 
-def restore(run, ckpt, path, get_lr):
+def restore(run, ckpt, path):
     """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizers,
-    the data position and the RNGs, saying how its schedule (the recipe's get_lr) changes, if it does. Evaluating
-    needs the weights alone, on any --data."""
+    the data position and the RNGs, saying how its schedule (its recipe's) changes, if it does. Evaluating needs the
+    weights alone, on any --data."""
     cfg = run.cfg
     check_same_model(ckpt, run.model, path)
     load_weights(run.model, ckpt, path)
     run.step, run.resumed_from = ckpt["step"], path
     run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
-    # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
-    run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
     if cfg.eval_only:  # its settings are the checkpoint's (settings.take_model_settings)
         release(ckpt)
         return
+    # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
+    run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
     if run.step > cfg.max_steps:
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
     check_same_training(ckpt, cfg, run.stream, path)
     if run.master:
-        say_schedule_change(ckpt["train_config"], cfg, run.step, get_lr)
+        say_schedule_change(ckpt["train_config"], cfg, run.step, run.recipe.get_lr)
     run.stream.load_state_dict(ckpt["stream"])
     load_optimizers(run.optimizers, run.model, ckpt, path, cfg.fsdp)
     release(ckpt)

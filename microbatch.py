@@ -82,19 +82,35 @@ def next_smaller(batch_size, sequences_per_step):
     return max(b for b in range(1, batch_size // 2 + 1) if sequences_per_step % b == 0)
 
 
-def optimizer_room(optimizers):
-    """The bytes a training step holds past its forward and backward passes: the optimizers' state, which their first
-    step allocates (two moments the size of each parameter, as Adam keeps; Muon keeps one), and one more copy of the
-    weights for the update's temporaries (foreach Adam's square roots) and the fragments they leave."""
-    params = [(p, not optimizer.state.get(p)) for optimizer in optimizers for group in optimizer.param_groups
-              for p in group["params"]]
-    return sum((3 if state_to_come else 1) * p.numel() * p.element_size() for p, state_to_come in params)
+@contextlib.contextmanager
+def optimizer_state_held(optimizers, device):
+    """Inside, the optimizers' state as their first step allocates it on device, made by such a step at a learning
+    rate of 0 (no weight moves), whatever the optimizer, and gone again after; where an optimizer has its state
+    already (a resumed run), one more copy of its weights for the temporaries of its update."""
+    fresh = [optimizer for optimizer in optimizers if not optimizer.state]
+    rates = [[group["lr"] for group in optimizer.param_groups] for optimizer in fresh]
+    held = sum(p.numel() * p.element_size() for optimizer in optimizers if optimizer.state
+               for group in optimizer.param_groups for p in group["params"])
+    try:
+        for optimizer in fresh:
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
+            optimizer.step()
+        room = torch.empty(held, dtype=torch.uint8, device=device)
+        yield
+        del room
+    finally:
+        for optimizer, lrs in zip(fresh, rates):
+            optimizer.state.clear()
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
 
 
 def try_step(run, batch_size, gradient_sync):
-    """A training step's forward and backward passes of batch_size sequences on this rank, with no gradient reduced
-    (gradient_sync: train_gpt2's); for --eval-only, a forward pass. On a GPU, or under an address-space limit, the
-    passes run again with the optimizers' room held, as every step holds it after the first."""
+    """A training step of batch_size sequences on this rank that changes nothing, with no gradient reduced
+    (gradient_sync: train_gpt2's): its forward and backward passes; on a GPU, or under an address-space limit, then
+    the optimizers' step (optimizer_state_held) and the passes again with its state held, as every later step holds
+    it. For --eval-only, a forward pass."""
     cfg, env = run.cfg, run.env
     tokens = torch.zeros((batch_size, cfg.seq_len), dtype=torch.long, device=env.device)  # (B, T)
     if cfg.eval_only:
@@ -111,12 +127,10 @@ def try_step(run, batch_size, gradient_sync):
     forward_and_backward()
     if env.device_type == "cpu" and not address_space_limited():
         return  # only an allocation larger than the system grants fails there, and the first pass made the largest
-    # beside the gradients, as the optimizers' first step allocates their state
-    room = torch.empty(optimizer_room(run.optimizers), dtype=torch.uint8, device=env.device)
-    for p in run.model.parameters():
-        p.grad = None  # as the next step's zero_grad leaves them
-    forward_and_backward()
-    del room  # held through the second pass
+    with optimizer_state_held(run.optimizers, env.device):
+        for p in run.model.parameters():
+            p.grad = None  # as the next step's zero_grad leaves them
+        forward_and_backward()
 
 
 def step_fits(run, batch_size, gradient_sync):

@@ -70,6 +70,8 @@ def check_settings(cfg, given):
         raise UsageError(f"--fsdp --recipe modern shards Muon with the steps of torch.optim.Muon's own update, which "
                          f"this torch ({torch.__version__}) does not have where it looked (torch.optim._muon); use the "
                          f"torch that requirements.txt names, or drop --fsdp")
+    settings.require(cfg, ("logit_softcap",), lambda v: v > 0, "positive")
+    settings.require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
     head_size = cfg.n_embd // cfg.n_head
     if head_size % 2:  # rotate turns each value of a head's first half with its partner in the second
         raise UsageError(f"--recipe modern turns queries and keys in pairs of values (rotary positions), which needs "

@@ -65,6 +65,10 @@ class UsageError(Exception):
     """A mistake or a problem the user can fix: the command line prints it as one line, without a traceback."""
 
 
+class DataError(UsageError):
+    """Training data that cannot be read, or holds what no model can train on, found as the stream reaches it."""
+
+
 def every_rank(value):
     """[each rank's value], on every rank; [value] in a single process. All ranks must call it."""
     import torch.distributed as dist  # here, not at the top: see the module's docstring
@@ -191,9 +195,9 @@ class Shard:
                 f.seek(self.offset + 2 * start)
                 read = f.readinto(tokens)  # buffered: reads on to the end, past one read call's 2 GiB
         except OSError as e:
-            raise UsageError(unopenable(self.path, e)) from None
+            raise DataError(unopenable(self.path, e)) from None
         if read < tokens.nbytes:
-            raise UsageError(f"{self.path}: it ends before token {start + read // 2:,} of {self.length:,}: it changed "
+            raise DataError(f"{self.path}: it ends before token {start + read // 2:,} of {self.length:,}: it changed "
                              f"since this run began; restore it, or make the shards again with fineweb.py")
         return tokens
 

@@ -38,12 +38,12 @@ def log_evaluation(run, results, line):
     report(run, {"step": step, "tokens": step * cfg.total_batch_size, **results, **extra}, f"step {step:5d} | {line}")
 
 
-def log_step(run, result, lr, dt):
-    """One line and one log.jsonl record for the step just taken: the step out of the total, and the time left at
-    this launch's pace; the record keeps the run's training time so far (elapsed_s), across its launches."""
+def log_step(run, result, lr, dt, seconds_left):
+    """One line and one log.jsonl record for the step just taken: the step out of the total, and the time left
+    (seconds_left, None where not known yet); the record keeps the run's training time so far (elapsed_s), across its
+    launches."""
     cfg, env, step = run.cfg, run.env, run.step
     tok_per_sec = cfg.total_batch_size / dt
-    now = time.perf_counter()
     record = {"step": step, "tokens": (step + 1) * cfg.total_batch_size,
               "train_loss": result.loss if result.finite else None, "lr": lr, "grad_norm": result.grad_norm,
               "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec, "elapsed_s": run.seconds_trained()}
@@ -60,11 +60,8 @@ def log_step(run, result, lr, dt):
         line += f" | non-finite: update skipped ({step - run.nonfinite_since + 1} in a row)"
     elif not math.isfinite(result.grad_norm):  # fp16 gradients overflowed: the scaler skipped the update
         record["skipped"] = True
-    if run.pace_from is None:  # the pace is measured from the end of this launch's first step, which compiles
-        run.pace_from = now, step
-    elif step + 1 < cfg.max_steps:  # evaluations and checkpoints included, as they will come again
-        pace = (now - run.pace_from[0]) / (step - run.pace_from[1])
-        line += f" | {duration(pace * (cfg.max_steps - step - 1))} left"
+    if seconds_left is not None:
+        line += f" | {duration(seconds_left)} left"
     report(run, record, line)
 
 

@@ -391,18 +391,19 @@ def check_config(cfg, world_size):
     require(cfg, [name for name, value in vars(cfg).items() if isinstance(value, float)], math.isfinite,
             "a finite number")  # --max-lr inf trained with lr nan, --logit-softcap inf gave NaN at every step
     require(cfg, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "seq_len",
-                  "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "max_lr", "grad_clip",
-                  "muon_lr", "embed_lr", "head_lr", "logit_softcap"),
+                  "total_batch_size", "val_tokens", "keep_checkpoints", "max_bad_steps", "grad_clip"),
             lambda v: v > 0, "positive")
     require(cfg, ("max_steps", "warmup_steps", "eval_every", *BENCHMARKS, "core_max_per_task", "checkpoint_every",
                   "num_samples", "max_new_tokens", "weight_decay"), lambda v: v >= 0, "zero or more")
-    # Adam divides its rate by 1 - beta1 (10 or 5 times it at the first step), Muon multiplies its own by up to 2:
-    # near float32's largest number, the optimizer's step overflows (a traceback inside torch)
+    # a setting named *_lr is a learning rate, wherever it is declared (a recipe's optimizers bring their own). Adam
+    # divides its rate by 1 - beta1 (10 or 5 times it at the first step), Muon multiplies its own by up to 2: near
+    # float32's largest number, the optimizer's step overflows (a traceback inside torch)
     most = torch.finfo(torch.float32).max / 100
-    require(cfg, [name for name in vars(cfg) if name.endswith("_lr")], lambda v: v <= most,
-            f"at most {most:.2g} (a larger rate can overflow float32 in the optimizer's step)")
+    rates = [name for name in vars(cfg) if name.endswith("_lr")]
+    require(cfg, rates, lambda v: v > 0, "positive")
+    require(cfg, rates, lambda v: v <= most, f"at most {most:.2g} (a larger rate can overflow float32 in the "
+                                             f"optimizer's step)")
     require(cfg, ("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1")
-    require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
     require(cfg, ("seed",), lambda v: 0 <= v < 2**32, "from 0 to 2**32 - 1")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")

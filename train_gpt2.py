@@ -22,7 +22,6 @@ import math
 import os
 import signal
 import sys
-import time
 from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple, Optional
 
@@ -43,9 +42,10 @@ import modern
 import plumbing
 import reporting
 import run_files
+import run_state
 import settings
 from chunked_loss import chunked_cross_entropy, cross_entropy
-from plumbing import EOT, GPT2_VOCAB, UsageError
+from plumbing import EOT, GPT2_VOCAB, DataError, UsageError
 from settings import setting
 
 # imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
@@ -344,17 +344,15 @@ def generate(model, prompt_tokens, num_samples, max_new_tokens, generator, top_k
 def check_token_ids(tokens, vocab_size, source):
     n_tokens = min(vocab_size, GPT2_VOCAB)  # the ids the model scores: padding rows are not tokens
     if len(tokens) and int(tokens.max()) >= n_tokens:
-        raise UsageError(f"{source} holds token id {int(tokens.max())}, but the model scores ids below {n_tokens} only "
+        raise DataError(f"{source} holds token id {int(tokens.max())}, but the model scores ids below {n_tokens} only "
                          f"(--vocab-size {vocab_size}, capped at GPT-2's {GPT2_VOCAB}); re-create the data with the "
                          f"GPT-2 tokenizer")
 
 
 class TokenStream:
-    """The training tokens as one endless stream: every shard end to end, in an order reshuffled each epoch.
-
-    Each optimizer step consumes the next total_batch_size tokens (plus one, for the last target). That global
-    batch is cut into chunks of B*T tokens, and micro-step m of rank r reads chunk m*world + r, so any split of
-    the same total batch over processes and accumulation steps trains on exactly the same tokens.
+    """The training tokens as one endless stream: every shard end to end, in an order reshuffled each epoch. A step
+    takes the next total_batch_size tokens (and one more, the last target), cut into chunks of B*T: micro-step m of rank
+    r reads chunk m*world + r, so any split of a batch over processes and accumulation steps trains on the same tokens.
     """
 
     def __init__(self, shards, names, seed):
@@ -701,14 +699,15 @@ def evaluations_due(run):
 
 
 def evaluate(run):
-    """The evaluations due at run.step, logged: the validation loss with samples, HellaSwag and CORE."""
+    """The evaluations due at run.step, logged, each once: the validation loss with samples, HellaSwag and CORE; none
+    if a stop signal is voted for first (run.begin_evaluation)."""
     cfg, env, step = run.cfg, run.env, run.step
     val_due, benchmarks_due = evaluations_due(run)
+    if not run.begin_evaluation(val_due or bool(benchmarks_due)):
+        return
     if val_due:
-        run.val_loss = evaluate_val(run.compiled, run.val, run.micro_batch, cfg.seq_len, env.device, run.autocast_ctx,
-                                    env.rank, env.world_size)
-        run.val_step = step
-        reporting.log_evaluation(run, {"val_loss": run.val_loss}, f"val loss {run.val_loss:.4f}")
+        run.validated(evaluate_val(run.compiled, run.val, run.micro_batch, cfg.seq_len, env.device, run.autocast_ctx,
+                                   env.rank, env.world_size))
         if cfg.num_samples > 0:  # eager, so that growing lengths never recompile
             print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
                           run.micro_batch, show=run.master)
@@ -716,56 +715,8 @@ def evaluate(run):
         reporting.log_evaluation(run, *benchmark.evaluate_run(run, run.benchmarks[benchmark]))
 
 
-def evaluate_unless_stopped(run, stop_signal):
-    """Runs the evaluations due at run.step, unless a stop signal is voted for first: a preempted run saves before a
-    long evaluation, as the grace period before SIGKILL is short. Returns whether to stop."""
-    if not run.evaluated and any(evaluations_due(run)):
-        if plumbing.any_rank(bool(stop_signal), run.env.device):
-            return True
-        evaluate(run)
-    run.evaluated = True  # also when none was due: nothing is left to evaluate at this step
-    return False
-
-
 # -----------------------------------------------------------------------------
-# A run: what it is made of, set up from the settings, and restored from its checkpoint.
-
-
-@dataclass
-class Run:
-    """What a training run is made of: built by set_up, moved on by the training loop, saved in its checkpoints."""
-    cfg: TrainConfig
-    env: Env
-    stream: TokenStream  # the training tokens
-    val: np.ndarray  # the fixed validation tokens
-    benchmarks: dict  # {hellaswag or core: its examples, read once (load_run)} of those on
-    model: nn.Module  # its weights are what checkpoints save and samples come from
-    compiled: nn.Module  # the model compiled, and in DDP under torchrun: what trains and evaluates
-    optimizers: list
-    scaler: torch.amp.GradScaler
-    autocast_ctx: object
-    log: run_files.RunLog
-    micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py)
-    step: int = 0  # optimizer steps taken
-    evaluated: bool = False  # the evaluations due at step are done
-    val_loss: Optional[float] = None  # the latest
-    val_step: Optional[int] = None  # the step val_loss was measured at
-    nonfinite_since: Optional[int] = None  # the first of the latest steps in a row with a non-finite loss
-    resumed_from: Optional[str] = None  # the checkpoint's path
-    seconds_before: float = 0.0  # the training time of the launches before this one, as its checkpoint kept it
-    launch_start: Optional[float] = None  # when this launch began to train (time.perf_counter())
-    pace_from: Optional[tuple] = None  # (time, step) at the end of this launch's first step: the pace is since then
-
-    @property
-    def master(self):
-        return self.env.rank == 0  # only rank 0 prints and writes files
-
-    @property
-    def accumulation_steps(self):  # micro-batches per optimizer step, in each process
-        return self.cfg.total_batch_size // (self.micro_batch * self.cfg.seq_len * self.env.world_size)
-
-    def seconds_trained(self):  # across its launches: the earlier ones' and this one's so far
-        return self.seconds_before + time.perf_counter() - self.launch_start
+# The run: its settings resolved, then set up from them (run_state.Run), and restored from its checkpoint
 
 
 def layered_config(flags, given, env):
@@ -796,18 +747,17 @@ def set_up(draft, env):
     benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core) if getattr(cfg, module.EVERY)}
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
     compiled = wrap_model(model, cfg, env)
-    run = Run(cfg, env, stream, val, benchmarks, model, compiled,
-              optimizers=make_optimizers(model, cfg, env.device_type),
-              scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 gradients underflow
-              autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_files.RunLog(cfg.log_dir))
+    run = run_state.Run(cfg, env, RECIPES[cfg.recipe], stream, val, benchmarks, model, compiled,
+                        optimizers=make_optimizers(model, cfg, env.device_type),
+                        scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 underflows
+                        autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_files.RunLog(cfg.log_dir))
     trained_with = None if ckpt is None else ckpt.get("micro_batch")  # not kept before it was chosen
     if ckpt is not None:
-        checkpoints.restore(run, ckpt, ckpt_path, RECIPES[cfg.recipe].get_lr)
+        checkpoints.restore(run, ckpt, ckpt_path)
         if checkpoints.finished(run):
             return None
     del ckpt  # its tensors are loaded: what it read is no longer held while the micro-batch is tried
-    run.micro_batch, said = microbatch.largest_that_fits(run, gradient_sync, trained_with)  # before any file moves
-    reporting.start(run, said, RECIPES[cfg.recipe].named)
+    run.launch(gradient_sync, trained_with)  # the micro-batch that fits, found before any file moves
     return run
 
 
@@ -816,45 +766,18 @@ def set_up(draft, env):
 
 
 def train(run):
-    """Trains from run.step to --max-steps, evaluating and saving checkpoints on the way, then evaluates and saves
-    the end. SIGTERM and SIGINT (preemption, Ctrl-C) stop it after the step in progress, every rank at the same
-    step (they vote on it), with a checkpoint."""
+    """The training loop, from run.step to --max-steps, evaluating as it goes and at the end. Around each step the
+    run (run_state.Run) keeps itself safe: checkpoints, a stop on SIGTERM or Ctrl-C at the same step on every rank."""
     cfg, env = run.cfg, run.env
-    stop_signal = checkpoints.catch_stop_signals()
-    first_step, run.launch_start, save_due, stopped = run.step, time.perf_counter(), False, False
-    while run.step < cfg.max_steps and not stopped:
-        stopped = evaluate_unless_stopped(run, stop_signal)
-        if stopped:
-            break
-        save_due |= run.step > first_step and cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0
-        saved = save_due and run.nonfinite_since is None  # not while steps are non-finite: their weights may be why
-        if saved:
-            checkpoints.save(run)
-            save_due = False
-        t1 = time.perf_counter()
-        with checkpoints.saved_if_failing(run, worth_saving=run.step > first_step and not saved):  # a shard gone bad
-            batches = run.stream.next_step(run.micro_batch, cfg.seq_len, run.accumulation_steps, env.rank,
-                                           env.world_size, cfg.vocab_size)
+    evaluate(run)  # at the launch's first step: step 0's, or a resumed step's not yet done
+    while run.before_step():  # False at --max-steps or once a stop signal is voted for; saves a checkpoint due
+        batches = run.stream.next_step(run.micro_batch, cfg.seq_len, run.accumulation_steps, env.rank, env.world_size,
+                                       cfg.vocab_size)
         set_lr(run.optimizers, run.step, cfg)
         result = train_step(run.compiled, run.optimizers, run.scaler, batches, run.autocast_ctx, cfg.grad_clip)
-        if env.device_type == "cuda":
-            torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
-        if result.finite:
-            run.nonfinite_since = None
-            if saved:  # the newest checkpoint's weights trained to a finite loss: the older ones may go
-                checkpoints.prune(run)
-        elif run.nonfinite_since is None:
-            run.nonfinite_since = run.step
-        reporting.log_step(run, result, run.optimizers[0].param_groups[0]["lr"], time.perf_counter() - t1)
-        checkpoints.stop_if_diverging(run, RECIPES[cfg.recipe].rate_flags())
-        run.step, run.evaluated = run.step + 1, False
-        stopped = plumbing.any_rank(bool(stop_signal), env.device)  # a signal that came during the step
-    stopped = stopped or evaluate_unless_stopped(run, stop_signal)  # the final evaluation
-    # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it
-    if (run.step > first_step or (run.resumed_from and run.evaluated)) and run.nonfinite_since is None:
-        checkpoints.save(run)
-        checkpoints.prune(run)  # the run ended on a finite step
-    reporting.finish(run, stopped)
+        run.after_step(result)  # prints the log line, counts the step, votes on a stop signal
+        evaluate(run)  # those due at the step reached: all of them at --max-steps
+    run.finish()  # saves the end, or where a signal stopped the run, and says how it ended
 
 
 def start(flags, given):
@@ -866,8 +789,7 @@ def start(flags, given):
     with checkpoints.holding_log_dir(draft, env):
         run = set_up(draft, env)
         if run is not None:
-            with reporting.wandb(run), plumbing.failing_alone(lambda: checkpoints.how_to_resume(run.cfg)), \
-                    microbatch.out_of_memory_in_one_line(run.cfg, run):
+            with run.running():  # each error in one line, with W&B's run if there is one
                 evaluate(run) if run.cfg.eval_only else train(run)
 
 
