@@ -347,6 +347,14 @@ def run_as_main(kind, target):
         exec(compile(target, "<string>", "exec"), main.__dict__)
 
 
+def own_frames(traceback):
+    """traceback from the command's own first frame on, as python shows it: without the server's and runpy's."""
+    server_files = (HERE, runpy.run_path.__code__.co_filename)
+    while traceback is not None and traceback.tb_frame.f_code.co_filename in server_files:
+        traceback = traceback.tb_next
+    return traceback
+
+
 def run_then_exit(kind, target, after=None):
     """Runs the command as __main__, then ends the process as Python would, but for the teardown of every module it
     inherited: the exit code of SystemExit, or 1 after the traceback; the non-daemon threads waited for, the atexit
@@ -362,8 +370,8 @@ def run_then_exit(kind, target, after=None):
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt:  # as Python does: it ends by the signal, for the shell to see
         code = -signal.SIGINT
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as e:
+        sys.excepthook(type(e), e.with_traceback(own_frames(e.__traceback__)), e.__traceback__)
         code = 1
     threading._shutdown()
     atexit._run_exitfuncs()
