@@ -118,8 +118,9 @@ def script_command(args, nproc=1, script=SCRIPT, torchrun=False):
 
 def run_command(command, cwd, env, timeout, **how):
     """subprocess.run(command, capture_output=True, text=True, ...): forked by the fork server where it can be (a
-    python command, or a console script: forkserver.py), any other command run as it is; how: the resource limits,
-    ignored signals or new session the fork server gives the command (forkserver.Process's)."""
+    python command, or a console script: forkserver.py; a real process where it is switched off), any other command
+    run as it is; how: the resource limits, ignored signals, new session or tmpfs the fork server gives the command
+    (forkserver.Process's)."""
     if forkserver.forkable(command):
         return forkserver.run(command, cwd, env, timeout, **how)
     assert not how, f"only the fork server's commands take {how}"
@@ -153,8 +154,7 @@ def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1, before=
     if probe is None or probe.returncode != 0:
         pytest.skip(f"no private tmpfs mount here ({probe.stderr.strip() if probe else 'no unshare command'})")
     listing = f"echo; ls -A {shlex.quote(str(mount))} | tr '\\n' ' '"
-    tmpfs = dict(mount=str(mount), options=options, before=before or None, after=listing)
-    return run_command(script_command(args, nproc), cwd, script_env(), timeout, tmpfs=tmpfs)  # its ranks forked too
+    return dict(mount=str(mount), options=options, before=before or None, after=listing)
 
 
 def run_source(source, tmp_path, args=(), nproc=1, **env):
@@ -223,7 +223,7 @@ def assert_tensors_equal(a, b, exact=True, atol=1e-5):
 
 
 def start_script(args, cwd, stdout_path):
-    """The script started in a process of its own (forked by the fork server), its stdout and stderr going to
+    """The script started in a process of its own (forkserver.Process), its stdout and stderr going to
     stdout_path: a Popen's pid, poll, wait, send_signal and kill."""
     with open(stdout_path, "w") as out:
         return forkserver.Process(script_command(args), cwd, script_env(), stdout=out)
