@@ -143,10 +143,16 @@ def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, torchrun=False, *
 
 def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1, before=""):
     """The script (in nproc ranks, forked as torchrun would start them) with a tmpfs of its own mounted at mount
-    (options: "ro", or "size=256k" for a small disk), in a private mount namespace (made as `unshare --map-root-user
-    --mount` makes it: as root, or where user namespaces are allowed), so that its writes meet a real read-only or
-    full file system; before: a shell command run in the mount first. The files left in the mount are listed on the
-    last line of stdout. Skips where unshare(1) cannot make such a namespace."""
+    (private_tmpfs), so that its writes meet a real read-only or full file system. Skips where there is none."""
+    tmpfs = private_tmpfs(mount, options, before)
+    return run_command(script_command(args, nproc), cwd, script_env(), timeout, tmpfs=tmpfs)  # its ranks forked too
+
+
+def private_tmpfs(mount, options, before=""):
+    """run_command's tmpfs: one mounted at mount (options: "ro", or "size=256k" for a small disk) in a private mount
+    namespace (made as `unshare --map-root-user --mount` makes it: as root, or where user namespaces are allowed);
+    before: a shell command run in the mount first. The files left in the mount are listed on the last line of
+    stdout. Skips where unshare(1) cannot make such a namespace."""
     os.makedirs(mount, exist_ok=True)
     unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
     mount_it = f"mount -t tmpfs -o {shlex.quote(options)} tmpfs {shlex.quote(str(mount))}"
