@@ -23,7 +23,7 @@ The project's own modules are not imported by the server: a test may run an edit
 
 TRAIN_GPT2_TESTS_FORKSERVER=0 switches the server off, for the day it breaks on a new torch or glibc: every command is
 then a real process (subprocess.Popen), made as the server would make it (stdin /dev/null, stderr stdout's unless
-given; limits and ignored signals set by a preexec_fn, start_new_session by Popen's own, the tmpfs by `unshare
+given; signals and limits set by become()'s own preexec_fn, start_new_session by Popen's own, the tmpfs by `unshare
 --map-root-user --mount` and `mount -t tmpfs` in a shell), and run, Process and popen take the same arguments and give
 the same results. 1, or unset, leaves it on; any other value is refused, so that a misspelt "off" is not taken for on.
 """
@@ -135,8 +135,8 @@ def Process(argv, cwd, env, stdout=None, stderr=None, text=False, limits=None, i
     if FORK:
         return Forked(argv, cwd, env, stdout, stderr, text, limits, ignore, start_new_session, tmpfs)
     argv = on_private_tmpfs(argv, **tmpfs) if tmpfs else [str(a) for a in argv]
-    # a preexec_fn only where one is needed, as it stops Popen from starting the process by the quicker vfork
-    preexec = functools.partial(limit_and_ignore, limits or {}, ignore) if limits or ignore else None
+    # a preexec_fn is safe beside the tests' threads here: it makes system calls only, taking no lock one of them held
+    preexec = functools.partial(set_signals_and_limits, limits or {}, ignore)
     return start_process(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
                          stderr=subprocess.STDOUT if stderr is None else stderr, text=text,
                          start_new_session=start_new_session, preexec_fn=preexec)
@@ -161,8 +161,8 @@ exit "$code"
 
 
 def on_private_tmpfs(argv, mount, options, before=None, after=None):
-    """The command that runs argv in a tmpfs of its own, as become() does for a forked one (the limits and ignored
-    signals of a preexec_fn then hold from the shell on, the mount's own commands included)."""
+    """The command that runs argv in a tmpfs of its own, as become() does for a forked one (its signals and limits,
+    set first, hold for the mount's own commands too, as there)."""
     return ["unshare", "--map-root-user", "--mount", "sh", "-c", TMPFS_SHELL, "sh", options, str(mount), before or "",
             after or "", *map(str, argv)]
 
@@ -322,8 +322,8 @@ def serve(path):
 
 
 def become(request, fds, base_path, default_threads):
-    """This process becomes the command request describes, as a preexec_fn would leave it: in a session of its own
-    if start_new_session, under the resource limits named in limits, with the signals named in ignore ignored. Returns
+    """This process becomes the command request describes, as a preexec_fn would leave it: its signals and limits
+    set (set_signals_and_limits), in a session of its own if start_new_session, on its tmpfs if tmpfs. Returns
     what to run: ("script", path), ("code", source) or ("module", name)."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -333,15 +333,14 @@ def become(request, fds, base_path, default_threads):
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it: KeyboardInterrupt
+    set_signals_and_limits(request["limits"], request["ignore"])
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # as Python sets it as it starts: KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if request["new_session"]:
         os.setsid()
     tmpfs = request["tmpfs"] or {}
     if tmpfs:
         mount_private_tmpfs(tmpfs["mount"], tmpfs["options"], tmpfs.get("before"))
-    limit_and_ignore(request["limits"], request["ignore"])
     argv = request["argv"]
     if argv[0] != sys.executable:  # a console script: python runs it as a script
         argv = [sys.executable, *argv]
@@ -368,10 +367,13 @@ def become(request, fds, base_path, default_threads):
     return kind, target, tmpfs.get("after")
 
 
-def limit_and_ignore(limits, ignore):
-    """This process under the resource limits named in limits ({"RLIMIT_FSIZE": (soft, hard)}), with the signals named
-    in ignore ignored: what become() does, and a real process's preexec_fn (safe beside the tests' threads: it takes no
-    lock that one of them could hold at the fork, only system calls)."""
+def set_signals_and_limits(limits, ignore):
+    """Sets this process's signals and limits as a command starts with them: SIGINT, SIGTERM, SIGHUP, SIGUSR1 and
+    SIGUSR2 at their defaults, the resource limits named in limits ({"RLIMIT_FSIZE": (soft, hard)}), the signals named
+    in ignore ignored; become()'s, and a real process's preexec_fn."""
+    # whatever the tests' process made of them: a shell's background job (CI's, maybe) ignores SIGINT, say
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
     for name, (soft, hard) in limits.items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
     for name in ignore:

@@ -83,6 +83,19 @@ def test_a_private_tmpfs_is_the_same_in_a_real_process(killed, tmp_path, monkeyp
     assert os.listdir(mount) == []  # the mount was the process's own
 
 
+def test_a_real_process_starts_with_sigint_as_python_sets_it_whatever_the_tests_process_made_of_it(tmp_path,
+                                                                                                  monkeypatch):
+    """A shell's background job (CI's, maybe) ignores SIGINT, and its children would inherit that: a test's SIGINT
+    must still raise KeyboardInterrupt in its command."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forked, real = both_ways(monkeypatch, lambda: python_c(code, tmp_path))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert forked == real == (0, "True\n", "")
+
+
 def test_a_signal_ends_a_real_process_as_it_ends_a_forked_one(tmp_path, monkeypatch):
     def signalled():
         code = "import time; print('ready', flush=True); time.sleep(60)"
