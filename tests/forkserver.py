@@ -20,13 +20,21 @@ The project's own modules are not imported by the server: a test may run an edit
     popen(argv, **options)  ->  subprocess.Popen's stand-in: a Process where the server can run argv with options
     how: limits={"RLIMIT_NOFILE": (256, 256)}, ignore=("SIGXFSZ",), start_new_session=True (as Popen's),
         tmpfs={"mount": DIR, "options": "size=8k", "before": SHELL, "after": SHELL} (a private tmpfs)
+
+TRAIN_GPT2_TESTS_FORKSERVER=0 switches the server off, for the day it breaks on a new torch or glibc: every command is
+then a real process (subprocess.Popen), made as the server would make it (stdin /dev/null, stderr stdout's unless
+given; signals and limits set by become()'s own preexec_fn, start_new_session by Popen's own, the tmpfs by `unshare
+--map-root-user --mount` and `mount -t tmpfs` in a shell), and run, Process and popen take the same arguments and give
+the same results. 1, or unset, leaves it on; any other value is refused, so that a misspelt "off" is not taken for on.
 """
 import atexit
 import contextlib
+import functools
 import gc
 import io
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -36,6 +44,18 @@ import tempfile
 import threading
 
 HERE = os.path.abspath(__file__)
+SWITCH = "TRAIN_GPT2_TESTS_FORKSERVER"
+
+
+def switched_on(value):
+    """Whether SWITCH's value leaves the server on: "1" (its default) does, "0" does not, and nothing else is one."""
+    if value not in ("0", "1"):
+        raise ValueError(f"{SWITCH}={value!r}: 1 (or unset) forks each command from the tests' fork server, 0 starts "
+                         "each as a real process")
+    return value == "1"
+
+
+FORK = switched_on(os.environ.get(SWITCH, "1"))
 
 
 def forkable(argv):
@@ -106,13 +126,51 @@ class Server:
             return cls.started[key]
 
 
-class Process:
-    """argv run by the fork server, its stdout and stderr the given files or file descriptors, or PIPE (then read
-    from .stdout and .stderr, text if text), or STDOUT for stderr (stdout None: this process's own; stderr None:
-    stdout's). limits, ignore, start_new_session, tmpfs: see become()."""
+def Process(argv, cwd, env, stdout=None, stderr=None, text=False, limits=None, ignore=(), start_new_session=False,
+            tmpfs=None):
+    """argv in a process of its own, its stdin /dev/null, its stdout and stderr the given files or file descriptors,
+    or PIPE (then read from .stdout and .stderr, text if text), or STDOUT for stderr (stdout None: this process's own;
+    stderr None: stdout's); limits, ignore, start_new_session, tmpfs: see become(). Forked by the server (a Forked),
+    or with FORK off a subprocess.Popen."""
+    if FORK:
+        return Forked(argv, cwd, env, stdout, stderr, text, limits, ignore, start_new_session, tmpfs)
+    argv = on_private_tmpfs(argv, **tmpfs) if tmpfs else [str(a) for a in argv]
+    # a preexec_fn is safe beside the tests' threads here: it makes system calls only, taking no lock one of them held
+    preexec = functools.partial(set_signals_and_limits, limits or {}, ignore)
+    return start_process(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                         stderr=subprocess.STDOUT if stderr is None else stderr, text=text,
+                         start_new_session=start_new_session, preexec_fn=preexec)
 
-    def __init__(self, argv, cwd, env, stdout=None, stderr=None, text=False, limits=None, ignore=(),
-                 start_new_session=False, tmpfs=None):
+
+# the shell, run by `unshare --map-root-user --mount`, in which a real process gets the private tmpfs become() mounts
+# and ends as a forked one does (an exit code over 128 is taken for the signal a shell would report by it)
+TMPFS_SHELL = """mount -t tmpfs -o "$1" tmpfs "$2" || exit
+[ -z "$3" ] || (cd "$2" && sh -c "$3") || exit
+after=$4
+shift 4
+# the shell's own stderr is /dev/null, so that it adds no "Terminated" for a command a signal ended
+exec 3>&2 2>/dev/null
+(exec "$@" 2>&3 3>&-)
+code=$?
+# after, as a forked command's process runs it at its end: not when a signal other than SIGINT killed it
+if [ "$code" -le 128 ] || [ "$code" -eq 130 ]; then [ -z "$after" ] || sh -c "$after" 2>&3 3>&-; fi
+# the signal that ended the command ends the shell, for the caller to see it as the server reports it
+[ "$code" -le 128 ] || kill -"$((code - 128))" $$
+exit "$code"
+"""
+
+
+def on_private_tmpfs(argv, mount, options, before=None, after=None):
+    """The command that runs argv in a tmpfs of its own, as become() does for a forked one (its signals and limits,
+    set first, hold for the mount's own commands too, as there)."""
+    return ["unshare", "--map-root-user", "--mount", "sh", "-c", TMPFS_SHELL, "sh", options, str(mount), before or "",
+            after or "", *map(str, argv)]
+
+
+class Forked:
+    """Process's argv forked by the fork server, seen as a Popen."""
+
+    def __init__(self, argv, cwd, env, stdout, stderr, text, limits, ignore, start_new_session, tmpfs):
         self.args, self.returncode, self.stdout, self.stderr = argv, None, None, None
         server = Server.get(env)
         self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -192,9 +250,9 @@ class Process:
 
 
 def popen(args, **options):
-    """subprocess.Popen(args, **options), forked by the server where it can be: a python command with no options but
-    FORKED_OPTIONS; any other command started as it is."""
-    if not forkable(args) or not set(options) <= FORKED_OPTIONS:
+    """subprocess.Popen(args, **options), forked by the server where it can be: with FORK on, a python command with no
+    options but FORKED_OPTIONS; any other command started as it is."""
+    if not FORK or not forkable(args) or not set(options) <= FORKED_OPTIONS:
         return start_process(args, **options)
     cwd, env = options.pop("cwd", None), options.pop("env", None)
     return Process(args, cwd, dict(os.environ) if env is None else env, **options)
@@ -264,8 +322,8 @@ def serve(path):
 
 
 def become(request, fds, base_path, default_threads):
-    """This process becomes the command request describes, as a preexec_fn would leave it: in a session of its own
-    if start_new_session, under the resource limits named in limits, with the signals named in ignore ignored. Returns
+    """This process becomes the command request describes, as a preexec_fn would leave it: its signals and limits
+    set (set_signals_and_limits), in a session of its own if start_new_session, on its tmpfs if tmpfs. Returns
     what to run: ("script", path), ("code", source) or ("module", name)."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -275,18 +333,14 @@ def become(request, fds, base_path, default_threads):
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it: KeyboardInterrupt
+    set_signals_and_limits(request["limits"], request["ignore"])
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # as Python sets it as it starts: KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if request["new_session"]:
         os.setsid()
     tmpfs = request["tmpfs"] or {}
     if tmpfs:
         mount_private_tmpfs(tmpfs["mount"], tmpfs["options"], tmpfs.get("before"))
-    for name, (soft, hard) in request["limits"].items():
-        resource.setrlimit(getattr(resource, name), (soft, hard))
-    for name in request["ignore"]:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
     argv = request["argv"]
     if argv[0] != sys.executable:  # a console script: python runs it as a script
         argv = [sys.executable, *argv]
@@ -311,6 +365,19 @@ def become(request, fds, base_path, default_threads):
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else default_threads)
     return kind, target, tmpfs.get("after")
+
+
+def set_signals_and_limits(limits, ignore):
+    """Sets this process's signals and limits as a command starts with them: SIGINT, SIGTERM, SIGHUP, SIGUSR1 and
+    SIGUSR2 at their defaults, the resource limits named in limits ({"RLIMIT_FSIZE": (soft, hard)}), the signals named
+    in ignore ignored; become()'s, and a real process's preexec_fn."""
+    # whatever the tests' process made of them: a shell's background job (CI's, maybe) ignores SIGINT, say
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    for name, (soft, hard) in limits.items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    for name in ignore:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def mount_private_tmpfs(mount, options, before=None):
@@ -347,6 +414,14 @@ def run_as_main(kind, target):
         exec(compile(target, "<string>", "exec"), main.__dict__)
 
 
+def own_frames(traceback):
+    """traceback from the command's own first frame on, as python shows it: without the server's and runpy's."""
+    server_files = (HERE, runpy.run_path.__code__.co_filename)
+    while traceback is not None and traceback.tb_frame.f_code.co_filename in server_files:
+        traceback = traceback.tb_next
+    return traceback
+
+
 def run_then_exit(kind, target, after=None):
     """Runs the command as __main__, then ends the process as Python would, but for the teardown of every module it
     inherited: the exit code of SystemExit, or 1 after the traceback; the non-daemon threads waited for, the atexit
@@ -362,8 +437,8 @@ def run_then_exit(kind, target, after=None):
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt:  # as Python does: it ends by the signal, for the shell to see
         code = -signal.SIGINT
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as e:
+        sys.excepthook(type(e), e.with_traceback(own_frames(e.__traceback__)), e.__traceback__)
         code = 1
     threading._shutdown()
     atexit._run_exitfuncs()
@@ -382,7 +457,6 @@ def run_then_exit(kind, target, after=None):
 if __name__ == "__main__":
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     import ctypes
-    import resource
     import runpy
     import types
 

@@ -118,8 +118,9 @@ def script_command(args, nproc=1, script=SCRIPT, torchrun=False):
 
 def run_command(command, cwd, env, timeout, **how):
     """subprocess.run(command, capture_output=True, text=True, ...): forked by the fork server where it can be (a
-    python command, or a console script: forkserver.py), any other command run as it is; how: the resource limits,
-    ignored signals or new session the fork server gives the command (forkserver.Process's)."""
+    python command, or a console script: forkserver.py; a real process where it is switched off), any other command
+    run as it is; how: the resource limits, ignored signals, new session or tmpfs the fork server gives the command
+    (forkserver.Process's)."""
     if forkserver.forkable(command):
         return forkserver.run(command, cwd, env, timeout, **how)
     assert not how, f"only the fork server's commands take {how}"
@@ -142,10 +143,16 @@ def run_script(args, cwd, nproc=1, timeout=240, script=SCRIPT, torchrun=False, *
 
 def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1, before=""):
     """The script (in nproc ranks, forked as torchrun would start them) with a tmpfs of its own mounted at mount
-    (options: "ro", or "size=256k" for a small disk), in a private mount namespace (made as `unshare --map-root-user
-    --mount` makes it: as root, or where user namespaces are allowed), so that its writes meet a real read-only or
-    full file system; before: a shell command run in the mount first. The files left in the mount are listed on the
-    last line of stdout. Skips where unshare(1) cannot make such a namespace."""
+    (private_tmpfs), so that its writes meet a real read-only or full file system. Skips where there is none."""
+    tmpfs = private_tmpfs(mount, options, before)
+    return run_command(script_command(args, nproc), cwd, script_env(), timeout, tmpfs=tmpfs)  # its ranks forked too
+
+
+def private_tmpfs(mount, options, before=""):
+    """run_command's tmpfs: one mounted at mount (options: "ro", or "size=256k" for a small disk) in a private mount
+    namespace (made as `unshare --map-root-user --mount` makes it: as root, or where user namespaces are allowed);
+    before: a shell command run in the mount first. The files left in the mount are listed on the last line of
+    stdout. Skips where unshare(1) cannot make such a namespace."""
     os.makedirs(mount, exist_ok=True)
     unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
     mount_it = f"mount -t tmpfs -o {shlex.quote(options)} tmpfs {shlex.quote(str(mount))}"
@@ -153,8 +160,7 @@ def run_script_on_tmpfs(args, cwd, mount, options, timeout=240, nproc=1, before=
     if probe is None or probe.returncode != 0:
         pytest.skip(f"no private tmpfs mount here ({probe.stderr.strip() if probe else 'no unshare command'})")
     listing = f"echo; ls -A {shlex.quote(str(mount))} | tr '\\n' ' '"
-    tmpfs = dict(mount=str(mount), options=options, before=before or None, after=listing)
-    return run_command(script_command(args, nproc), cwd, script_env(), timeout, tmpfs=tmpfs)  # its ranks forked too
+    return dict(mount=str(mount), options=options, before=before or None, after=listing)
 
 
 def run_source(source, tmp_path, args=(), nproc=1, **env):
@@ -223,7 +229,7 @@ def assert_tensors_equal(a, b, exact=True, atol=1e-5):
 
 
 def start_script(args, cwd, stdout_path):
-    """The script started in a process of its own (forked by the fork server), its stdout and stderr going to
+    """The script started in a process of its own (forkserver.Process), its stdout and stderr going to
     stdout_path: a Popen's pid, poll, wait, send_signal and kill."""
     with open(stdout_path, "w") as out:
         return forkserver.Process(script_command(args), cwd, script_env(), stdout=out)

@@ -1,0 +1,109 @@
+"""The tests' fork server and its switch (TRAIN_GPT2_TESTS_FORKSERVER=0): a command run as a real process gives what
+the forked one gives, its how options (limits, ignored signals, a new session, a private tmpfs) included."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import forkserver
+from helpers import TINY, assert_tensors_equal, checkpoint_path, load_ckpt, private_tmpfs, run_script, script_env
+
+pytestmark = pytest.mark.skipif(not forkserver.FORK, reason=f"{forkserver.SWITCH}=0: the fork server is switched off, "
+                                "and there is no forked command to compare")
+
+TIMINGS = r"\d[\d.,]* ?(ms|tok/s|s)\b"  # a step's time and speed, a save's, the run's: all that differs by run
+TIMING_KEYS = ("dt_ms", "tok_per_sec", "elapsed_s")
+
+
+def both_ways(monkeypatch, run):
+    """run() with the fork server on, then switched off: the two results."""
+    results = []
+    for fork in (True, False):
+        monkeypatch.setattr(forkserver, "FORK", fork)
+        results.append(run())
+    return results
+
+
+def python_c(code, tmp_path, **how):
+    """`python -c code` in tmp_path: (exit code, stdout, stderr)."""
+    result = forkserver.run([sys.executable, "-c", code], tmp_path, script_env(), 60, **how)
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_a_tiny_training_run_is_the_same_in_a_real_process(shards, tmp_path, monkeypatch):
+    def train():
+        cwd = tmp_path / ("forked" if forkserver.FORK else "real")
+        cwd.mkdir()
+        result = run_script(TINY + ["--data", shards, "--log-dir", "log", "--max-steps", "1"], cwd)
+        records = [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+                   for line in (cwd / "log" / "log.jsonl").read_text().splitlines()]
+        return (result.returncode, re.sub(TIMINGS, "T", result.stdout), result.stderr,
+                sorted(os.listdir(cwd / "log")), records, load_ckpt(checkpoint_path(cwd / "log", 1))["model"])
+
+    forked, real = both_ways(monkeypatch, train)
+    assert forked[0] == 0, forked[2][-3000:]
+    assert forked[:5] == real[:5]
+    assert_tensors_equal(forked[5], real[5])
+
+
+# a write past RLIMIT_FSIZE fails with EFBIG, not SIGXFSZ's kill: python ignores that signal itself
+@pytest.mark.parametrize("code, how, expected", [
+    ("try: open('big', 'wb').write(b'x' * 100_000)\nfinally: print(__import__('os').path.getsize('big'))",
+     {"limits": {"RLIMIT_FSIZE": (16384, 16384)}}, r"^16384\n.*OSError: \[Errno 27\] File too large\n$"),
+    ("[open('/dev/null') for _ in range(64)]", {"limits": {"RLIMIT_NOFILE": (32, 32)}},
+     r"OSError: \[Errno 24\] Too many open files"),
+    ("import signal; print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)", {"ignore": ("SIGUSR1",)}, "^True\n$"),
+    ("import os; print(os.getsid(0) == os.getpid())", {"start_new_session": True}, "^True\n$"),
+    ("import os; print(os.getsid(0) == os.getpid())", {}, "^False\n$"),
+])
+def test_a_limit_an_ignored_signal_or_a_session_is_the_same_in_a_real_process(code, how, expected, tmp_path,
+                                                                              monkeypatch):
+    forked, real = both_ways(monkeypatch, lambda: python_c(code, tmp_path, **how))
+    assert forked == real
+    assert re.search(expected, forked[1] + forked[2], re.S)
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_a_private_tmpfs_is_the_same_in_a_real_process(killed, tmp_path, monkeypatch):
+    mount = tmp_path / "mount"
+    tmpfs = private_tmpfs(mount, "size=8k", before="echo before > first")
+    end = "os.kill(os.getpid(), signal.SIGTERM)" if killed else "open(mount + '/second', 'w').write('x' * 20_000)"
+    code = f"import os, signal; mount = {str(mount)!r}; print(os.listdir(mount), flush=True); {end}"
+    forked, real = both_ways(monkeypatch, lambda: python_c(code, tmp_path, tmpfs=tmpfs))
+    assert forked == real
+    if killed:  # no listing: the process ended before it could run after
+        assert forked == (-signal.SIGTERM, "['first']\n", "")
+    else:
+        assert forked[0] == 1 and forked[2].endswith("OSError: [Errno 28] No space left on device\n")
+        assert forked[1].splitlines() == ["['first']", "", "first second "]  # then after's listing of the mount
+    assert os.listdir(mount) == []  # the mount was the process's own
+
+
+def test_a_real_process_starts_with_sigint_as_python_sets_it_whatever_the_tests_process_made_of_it(tmp_path,
+                                                                                                  monkeypatch):
+    """A shell's background job (CI's, maybe) ignores SIGINT, and its children would inherit that: a test's SIGINT
+    must still raise KeyboardInterrupt in its command."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forked, real = both_ways(monkeypatch, lambda: python_c(code, tmp_path))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert forked == real == (0, "True\n", "")
+
+
+def test_a_signal_ends_a_real_process_as_it_ends_a_forked_one(tmp_path, monkeypatch):
+    def signalled():
+        code = "import time; print('ready', flush=True); time.sleep(60)"
+        process = forkserver.Process([sys.executable, "-c", code], tmp_path, script_env(), stdout=subprocess.PIPE,
+                                     text=True)
+        ready = process.stdout.readline()
+        process.send_signal(signal.SIGTERM)
+        return ready, process.wait(30), process.communicate()
+
+    forked, real = both_ways(monkeypatch, signalled)
+    assert forked == real == ("ready\n", -signal.SIGTERM, ("", None))
