@@ -90,7 +90,8 @@ def test_the_float8_matmul_is_its_emulation_and_its_backward_bf16s():
     emulated = ((x8.double() * x_scale.double()) @ (w8.double() * w_scale.double()).T).to(torch.bfloat16)
     out = Float8Matmul.apply(x, w)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), emulated.float(), rtol=2**-7, atol=1e-30)  # one bf16 rounding apart
+    atol = 1e-5 * emulated.abs().max().item()  # float32's summation error, where a sum nearly cancels
+    torch.testing.assert_close(out.float(), emulated.float(), rtol=2**-7, atol=atol)  # one bf16 rounding apart
     exact = x.detach().double() @ w.detach().double().T
     relative = ((out.double() - exact).norm() / exact.norm()).item()
     assert 1e-3 < relative < 0.05, relative  # float8, and close
