@@ -292,6 +292,7 @@ def main(argv=None):
             if skipped:
                 print(NAME.format(name), f"skipped: {skipped}", flush=True)
                 rows.append({**row, "status": "skipped", "reason": skipped})
+                save(args, rows, time.perf_counter() - start)
                 continue
             print(NAME.format(name), end=" ", flush=True)  # the rung's name shows while it runs
             if rung.settings is None:
@@ -304,6 +305,7 @@ def main(argv=None):
             if isinstance(result, str):
                 print(f"failed: {result[:120]}", flush=True)
                 rows.append({**row, "status": "failed", "reason": result, "flags": as_flags(settings)})
+                save(args, rows, time.perf_counter() - start)
                 continue
             base = defaults if rung.kind in ("speed-up", "modern") else previous  # tokens/s: the batch may change
             speedup = result["tok_per_sec"] / base["tok_per_sec"] if base else None
@@ -312,6 +314,7 @@ def main(argv=None):
             print(format_numbers(result, speedup, loss_change), flush=True)
             rows.append({**row, "status": "ok", "flags": as_flags(settings), **result, "speedup": speedup,
                          "loss_change": loss_change})
+            save(args, rows, time.perf_counter() - start)
             if rung.kind in ("lecture", "past"):
                 previous = result
             if rung.key == "defaults":
@@ -327,15 +330,24 @@ def main(argv=None):
     print(f"MFU = (6N + 12*L*H*Q*T) flops per token x tokens per step / step time / the GPU's dense bf16 peak"
           f"{f' ({peak / 1e12:.0f} TFLOPS)' if peak else ' (no GPU with a known peak here: no MFU)'}; "
           f"N = parameters but the position embedding: {flops_per_token(model, T) / 1e9:.3g} GFLOP per token here")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     wall = time.perf_counter() - start
+    save(args, rows, wall)
+    print(f"{device_name(args)} | torch {torch.__version__} | T={T}, B as in each row | the ladder took {wall:.0f} s")
+
+
+def device_name(args):
+    return torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+
+
+def save(args, rows, wall):
+    """The rows so far to --json, if given: after each rung, so that a ladder stopped midway keeps what it measured."""
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "torch": torch.__version__, "batch_size": args.batch_size,
-                       "lecture_batch_size": args.lecture_batch_size, "seq_len": T, "n_layer": args.n_layer,
-                       "n_head": args.n_head, "n_embd": args.n_embd, "warmup_steps": args.warmup_steps,
-                       "timed_steps": args.timed_steps, "wall_s": wall, "rungs": rows}, f, indent=2)
-    print(f"{device} | torch {torch.__version__} | T={T}, B as in each row | the ladder took {wall:.0f} s")
+            json.dump({"device": device_name(args), "torch": torch.__version__, "batch_size": args.batch_size,
+                       "lecture_batch_size": args.lecture_batch_size, "seq_len": args.seq_len,
+                       "n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
+                       "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "wall_s": wall,
+                       "rungs": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

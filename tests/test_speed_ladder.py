@@ -141,3 +141,55 @@ def test_profile_step_reports_bad_flags():
     result = run("profile_step.py", "--device", "cpu", "--n-embd", "65", "--n-head", "2")
     assert result.returncode != 0
     assert result.stderr.strip() == "error: --n-embd 65 must be a multiple of --n-head 2"
+
+
+def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, capsys, monkeypatch):
+    """benchmarks/gpu_check.py: its commands in order (--dry-run); refused without CUDA; and on a GPU (its parts
+    replaced by their outputs' shapes, each taking 100 s of a clock of its own), one table of what each measured,
+    the parts with no time left named for the next call."""
+    import gpu_check
+
+    code, out, _ = run_main(["--dry-run"], capsys, main=gpu_check.main)
+    assert code == 0 and [line.split(" ")[0] for line in out.splitlines()] == gpu_check.NAMES
+    assert "--rungs defaults,chunked-loss,cudnn,flash,grow-batch,recompute,fp8-head" in out.splitlines()[1]
+    if not torch.cuda.is_available():
+        code, _, err = run_main([], capsys, main=gpu_check.main)
+        assert code == 2 and err.startswith("error: gpu_check.py measures a CUDA GPU, and PyTorch sees none here")
+    now = [0.0]
+    outputs = {
+        "tests": "...........\n10 passed in 61.02s\n",
+        "ladder": "the ladder's table\n",
+        "core-500": "gpt2 shapes\nours, 10,000 examples (500 a task), 65,536 tokens a pass: first 30.0 s, then 10.0 s: "
+                    "1,000.0 examples/s; CORE 0.0100\nplain, ...\n",
+    }
+    ladder = {"rungs": [
+        {"rung": "9. trainer defaults", "status": "ok", "micro_batch": 64, "tok_per_sec": 466568.0, "mfu": 0.403,
+         "peak_mem_gib": 28.95, "launch_s": 35.2, "first_step_s": 21.0, "loss": 10.9794, "speedup": None,
+         "loss_change": None},
+        {"rung": "11. cuDNN attention", "status": "failed", "reason": "CUDA out of memory"}]}
+
+    def part_run(part, out, seconds):
+        now[0] += 100
+        if part.name == "ladder":
+            (tmp_path / "ladder.json").write_text(json.dumps(ladder))
+        return "done", 100.0, outputs[part.name]
+
+    monkeypatch.setattr(gpu_check, "run_part", part_run)
+    monkeypatch.setattr(gpu_check, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    code, out, err = run_main(["--out", tmp_path, "--budget", "320"], capsys, main=gpu_check.main)
+    assert code == 0, err
+    table = out.splitlines()[-8:]
+    assert table[0].startswith(f"NVIDIA H100 80GB HBM3, torch {torch.__version__}, commit ") and \
+        table[0].endswith(": 300 s of --budget 320")
+    assert [line.split("  ")[0].strip() for line in table[1:]] == [
+        "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 11. cuDNN attention", "CORE, 500 a task",
+        "CORE, every example", "modern recipe, whole card", "compile modes"], table
+    assert table[1].endswith("10 passed in 61.02s [100 s]")
+    assert "B 64 | 466,568 tok/s | MFU 40.3% | 28.95 GiB | launch 35 s, 1st step 21.0 s | loss 10.9794" in table[2]
+    assert table[3].endswith("failed: CUDA out of memory")
+    assert "ours, 10,000 examples (500 a task)" in table[4]
+    assert all(line.endswith("not run: no time left of --budget 320 s (--parts " + name + ")")
+               for line, name in zip(table[5:], ["core-all", "modern-peak", "compile-modes"]))
+    assert (tmp_path / "table.txt").read_text().splitlines() == table
