@@ -209,7 +209,7 @@ def format_numbers(result, speedup, loss_change):
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "-"
     mem = f"{result['peak_mem_gib']:.2f}" if result["peak_mem_gib"] is not None else "-"
     loss = f"{result['loss']:.4f}" if result["loss"] is not None else "-"
-    return NUMBERS.format(result["micro_batch"], f"{result['launch_s']:.0f} s", f"{result['first_step_s']:.1f} s",
+    return NUMBERS.format(result["micro_batch"], f"{result['launch_s']:.1f} s", f"{result['first_step_s']:.1f} s",
                           f"{result['ms_per_step']:.1f}", f"{result['tok_per_sec']:,.0f}", mfu, mem,
                           f"{speedup:.3f}x" if speedup else "-", loss,
                           f"{loss_change:+.0e}" if loss_change is not None else "-")
