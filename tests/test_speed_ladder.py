@@ -5,6 +5,7 @@ import os
 import sys
 import time
 
+import pytest
 import torch
 
 from helpers import REPO, process_stat, run_main, run_script, script_env
@@ -193,3 +194,17 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
     assert all(line.endswith("not run: no time left of --budget 320 s (--parts " + name + ")")
                for line, name in zip(table[5:], ["core-all", "modern-peak", "compile-modes"]))
     assert (tmp_path / "table.txt").read_text().splitlines() == table
+
+
+def test_loss_memory_on_cpu(capsys):
+    """benchmarks/loss_memory.py, eager on a small case (its peaks, a few MiB, are noise here): a line for each loss,
+    and the same loss."""
+    import loss_memory
+
+    code, out, err = run_main(["--device", "cpu", "--no-compile", "--rows", "1024", "--width", "16", "--vocab", "2048",
+                               "--chunk-rows", "512", "--steps", "1"], capsys, main=loss_memory.main)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("1024 rows x width 16 x vocab 2048, chunks of 512 rows, bf16 autocast, compile False")
+    losses = {line.split()[0]: float(line.split()[-1]) for line in lines[1:]}
+    assert list(losses) == ["full", "chunked"] and losses["chunked"] == pytest.approx(losses["full"], rel=1e-6)
