@@ -105,7 +105,7 @@ def test_the_compiled_chunked_loss_holds_one_chunk_of_logits_at_a_time():
     for name, loss_of in losses.items():
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         compiled = torch.compile(loss_of, dynamic=False)
-        for _ in range(2):  # the first compiles
+        for _ in range(3):  # the first two compile (the chunks' graphs, for each dispatch state of the op)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
