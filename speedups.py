@@ -60,6 +60,7 @@ def check(cfg, device):
 
 
 def check_fp8_head(cfg, device):
+    """Refuses --fp8-head where torch._scaled_mm's float8 matmul or its bf16 backward cannot run."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if capability is None or capability < FP8_CAPABILITY:
         where = f"this run is on {device.type}" if capability is None else "this GPU's is {}.{}".format(*capability)
