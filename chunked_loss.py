@@ -1,13 +1,17 @@
 """
 Cross-entropies with gradients of their own, for GPT-2's model in train_gpt2.py and the modern recipe's in modern.py.
 
---loss chunked: the output layer's matmul and the cross-entropy a chunk of rows at a time.
+--loss chunked: the output layer's matmul and the cross-entropy a chunk of rows at a time, so that no (B*T, V) tensor
+ever exists: at micro-batch 64 x 1024 and GPT-2's 50304-wide vocabulary, the full loss holds 6.1 GiB of bf16 logits
+for its backward. Each chunk's gradients are computed in the forward pass, while its logits exist; backward only
+scales them by the loss's own gradient. That is also why it cannot run with --dtype fp16: its gradients exist before
+the gradient scaler scales the loss.
 
-The full loss forms all (B*T, V) logits, and keeps them for the backward pass: at micro-batch 64 x 1024 and GPT-2's
-50304-wide vocabulary, 13 GB of float32 logits, and their gradient as much again. Here only (chunk, V) tensors ever
-exist. Each chunk's gradients are computed in the forward pass, while its logits exist; backward only scales them by
-the loss's own gradient. That is also why it cannot run with --dtype fp16: its gradients exist before the gradient
-scaler scales the loss.
+The chunks run inside a custom op (chunked_sums), which torch.compile calls as one opaque kernel; when the model is
+compiled, each chunk is compiled on its own. A loop that the compiler traces is unrolled into the model's graph, and
+inductor, free to order and fuse the chunks' independent kernels, ran every chunk's matmul first and all their
+softmaxes in one fused kernel: every chunk's logits and gradient were alive at once (39.7 GiB at micro-batch 64 on an
+H100, against the full loss's 28.95; docs/DEVELOPMENT.md has the evidence).
 
 The full loss, compiled (cross_entropy_with_pointwise_backward): F.cross_entropy's backward is a reduction over each
 row (the log-softmax's), which inductor fuses with the gradient it writes, so the gradient gets a (B*T, V) buffer of
@@ -15,7 +19,12 @@ its own beside the saved logits: 6 GiB more at micro-batch 64. Here the forward 
 backward is pointwise, and inductor writes the gradient over the logits it no longer needs.
 """
 
+import math
+from typing import Optional
+
 import torch
+
+CHUNK_ROWS = 8192  # 8192 rows of 50304 bf16 logits are 0.77 GiB; the matmuls of 8192 rows still fill a GPU
 
 
 def soft_cap(logits, cap):
@@ -23,40 +32,70 @@ def soft_cap(logits, cap):
     return cap * torch.tanh(logits / cap)
 
 
+def chunk_sums(x, weight, targets, mask, cap, need_grads):
+    """One chunk of rows: the cross-entropy of the logits x @ weight.T (soft-capped, if cap) + mask summed over the
+    targets that are not -1, and if need_grads, that sum's gradients for x (n, C) and weight (V, C), in their dtype."""
+    logits = (x @ weight.T).float()  # (n, V)
+    capped = logits = soft_cap(logits, cap) if cap else logits
+    if mask is not None:
+        logits = logits + mask
+    lse = logits.logsumexp(dim=-1)  # (n,)
+    valid = targets != -1  # (n,)
+    safe_targets = targets.clamp(min=0)  # -1 would index out of range; those rows count for nothing anyway
+    loss = ((lse - logits.gather(1, safe_targets[:, None]).squeeze(1)) * valid).sum()
+    if not need_grads:
+        return loss, None, None
+    # d loss_i / d logits_i = softmax_i - one_hot(target_i), zero for the rows left out; pointwise, so compile fuses it
+    is_target = torch.arange(logits.size(1), device=x.device) == safe_targets[:, None]  # (n, V)
+    grad = (logits - lse[:, None]).exp() - is_target.float()
+    if cap:
+        grad = grad * (1 - (capped / cap).square())  # d soft_cap(z) / dz = 1 - tanh(z / cap)**2
+    grad = (grad * valid[:, None]).to(x.dtype)
+    return loss, grad @ weight, grad.T @ x
+
+
+@torch.library.custom_op("train_gpt2::chunked_sums", mutates_args=())
+def chunked_sums(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
+                 cap: Optional[float], chunk_rows: int, need_grads: bool,
+                 compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunk_sums over all rows, a chunk at a time: the summed loss and, if need_grads, its gradients for x (in x's
+    dtype) and weight (float32 sums of the chunks'), else two empty tensors. compiled: each chunk torch.compiled."""
+    step = torch.compile(chunk_sums, dynamic=False) if compiled else chunk_sums  # looked up now: tests swap it
+    n_chunks = math.ceil(x.size(0) / chunk_rows)
+    rows = math.ceil(x.size(0) / n_chunks)  # as even as they go: at most two shapes to compile
+    loss_sum = torch.zeros((), device=x.device)
+    grad_x = torch.empty_like(x) if need_grads else x.new_empty(0)
+    grad_w = torch.zeros(weight.shape, device=x.device) if need_grads else x.new_empty(0)
+    with torch.autocast(x.device.type, enabled=False):  # the caller chose the matmuls' dtype: x's and weight's
+        for start in range(0, x.size(0), rows):
+            loss, chunk_grad_x, chunk_grad_w = step(x[start:start + rows], weight, targets[start:start + rows], mask,
+                                                    cap, need_grads)
+            loss_sum += loss
+            if need_grads:
+                grad_x[start:start + rows] = chunk_grad_x
+                grad_w += chunk_grad_w
+    return loss_sum, grad_x, grad_w
+
+
+@chunked_sums.register_fake
+def _(x, weight, targets, mask, cap, chunk_rows, need_grads, compiled):
+    loss_sum = x.new_empty((), dtype=torch.float32)
+    if not need_grads:
+        return loss_sum, x.new_empty(0), x.new_empty(0)
+    return loss_sum, torch.empty_like(x), weight.new_empty(weight.shape, dtype=torch.float32)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The mean cross-entropy of the logits x @ weight.T (soft-capped, if cap) + mask over the targets that are not
-    -1, a chunk of rows at a time."""
+    -1, a chunk of rows at a time (chunked_sums)."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, mask, cap, dtype, chunk_rows, need_grads):
         ctx.dtypes = x.dtype, weight.dtype
-        xd, wd = x.to(dtype), weight.to(dtype)  # (N, C), (V, C): the matmuls in the autocast dtype, as lm_head's are
-        valid = targets != -1  # (N,)
-        safe_targets = targets.clamp(min=0)  # -1 would index out of range; those rows count for nothing anyway
-        loss_sum = torch.zeros((), device=x.device)
-        grad_x = torch.empty(x.shape, device=x.device) if need_grads else None  # float32 sums, cast back in backward
-        grad_w = torch.zeros(weight.shape, device=x.device) if need_grads else None
-        for start in range(0, x.size(0), chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            logits = (xd[rows] @ wd.T).float()  # (n, V)
-            if cap:
-                logits = soft_cap(logits, cap)
-                if need_grads:
-                    cap_slope = 1 - (logits / cap).square()  # (n, V) d soft_cap(z) / dz = 1 - tanh(z / cap)**2
-            if mask is not None:
-                logits += mask
-            lse = logits.logsumexp(dim=-1)  # (n,)
-            target_logits = logits.gather(1, safe_targets[rows, None]).squeeze(1)  # (n,)
-            loss_sum += ((lse - target_logits) * valid[rows]).sum()
-            if need_grads:  # d loss_i / d logits_i = softmax_i - one_hot(target_i), zero for the rows left out
-                grad_logits = logits.sub_(lse[:, None]).exp_()  # (n, V) the softmax, in place of the logits
-                grad_logits[torch.arange(len(lse), device=x.device), safe_targets[rows]] -= 1.0
-                if cap:
-                    grad_logits *= cap_slope
-                grad_logits = grad_logits.mul_(valid[rows, None]).to(dtype)
-                grad_x[rows] = grad_logits @ wd  # (n, C)
-                grad_w += grad_logits.T @ xd[rows]  # (V, C)
-        n_valid = valid.sum()
+        # the matmuls in the autocast dtype, as lm_head's are
+        loss_sum, grad_x, grad_w = chunked_sums(x.to(dtype), weight.to(dtype), targets, mask, cap, chunk_rows,
+                                                need_grads, torch.compiler.is_compiling())
+        n_valid = (targets != -1).sum()
         ctx.save_for_backward(grad_x, grad_w, n_valid)
         return loss_sum / n_valid
 
@@ -67,10 +106,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), *[None] * 6
 
 
-def chunked_cross_entropy(x, weight, targets, mask=None, cap=None, chunk_rows=8192):
-    """F.cross_entropy(soft_cap(x @ weight.T) + mask, targets, ignore_index=-1) with no (N, V) tensor: 8192 rows of
-    50304 float32 logits are 1.6 GB, where all of a 64 x 1024 micro-batch's are 13 GB (and its gradient as much
-    again)."""
+def chunked_cross_entropy(x, weight, targets, mask=None, cap=None, chunk_rows=CHUNK_ROWS):
+    """F.cross_entropy(soft_cap(x @ weight.T) + mask, targets, ignore_index=-1) with no (N, V) tensor: chunk_rows rows
+    of logits at a time."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     need_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation needs none

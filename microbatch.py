@@ -8,6 +8,9 @@ leaves the others waiting in a collective. The accumulation steps rise to match:
 On a CPU the tries run in the heap mode the run keeps (plumbing.keep_freed_memory): freed memory kept in the heap
 (faster), or given back to the system under an address-space limit (address_space_limited).
 
+With --grow-batch-size (speedups.py), a B that fits at once goes up instead, to the next divisor of the batch at least
+twice as large, while a try of it fits on every rank: fewer accumulation steps.
+
 Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. Such an
 error (an evaluation, a fragmented allocator) is recorded in the log directory (RECORD), so that the next start with the
 same model on no more memory chooses a smaller micro-batch, not the same one again. It never imports train_gpt2: the run
@@ -196,7 +199,32 @@ def search(run, gradient_sync):
         tried = ", ".join(map(str, too_large[:-1])) + (" and " if len(too_large) > 1 else "") + str(too_large[-1])
         said.append(f"micro-batch {batch_size}, as {tried} did not fit in {last_where}: found in "
                     f"{time.perf_counter() - t0:.1f} s; --batch-size {batch_size} starts there")
+    elif cfg.grow_batch_size:  # --batch-size fits: a larger one may too
+        batch_size, said = grow(run, batch_size, sequences_per_step, gradient_sync, said)
     return batch_size, said
+
+
+def next_larger(batch_size, sequences_per_step):
+    """The smallest micro-batch at least twice batch_size that cuts a rank's sequences_per_step exactly, or None."""
+    return min((b for b in range(2 * batch_size, sequences_per_step + 1) if sequences_per_step % b == 0), default=None)
+
+
+def grow(run, batch_size, sequences_per_step, gradient_sync, said):
+    """--grow-batch-size: the micro-batch from batch_size (which fits) up, to a rank's sequences_per_step, while a try
+    fits on every rank and stays below any that ran out of memory after it was chosen (RECORD); and said, with the
+    line that says so. Fewer accumulation steps, the same tokens a step."""
+    records = [r["micro_batch"] for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
+    ceiling, grown, where, t0 = min(records, default=sequences_per_step + 1), batch_size, None, time.perf_counter()
+    while (larger := next_larger(grown, sequences_per_step)) is not None and larger < ceiling:
+        where = where_it_does_not_fit(run, larger, gradient_sync)
+        if where is not None:
+            break
+        grown = larger
+    failed = f"{larger} did not fit in {where}" if where is not None else ""
+    if grown > batch_size:
+        return grown, said + [f"micro-batch {grown}, up from {batch_size} (--grow-batch-size): a step of it fits"
+                              f"{'; ' + failed if failed else ''}; found in {time.perf_counter() - t0:.1f} s"]
+    return batch_size, said + ([f"micro-batch {batch_size}, as given: {failed} (--grow-batch-size)"] if failed else [])
 
 
 def address_space_limited():

@@ -44,6 +44,7 @@ import reporting
 import run_files
 import run_state
 import settings
+import speedups
 from chunked_loss import chunked_cross_entropy, cross_entropy
 from plumbing import EOT, GPT2_VOCAB, DataError, UsageError
 from settings import setting
@@ -73,7 +74,7 @@ MODEL_SIZES = {  # n_layer, n_head, n_embd of OpenAI's four GPT-2 models
 
 
 @dataclass(frozen=True)  # the run's settings are decided once (settings.resolve), then never assigned
-class TrainConfig(modern.Settings):  # the modern recipe's own settings (--muon-lr, ...) are in modern.py
+class TrainConfig(speedups.Settings, modern.Settings):  # and the settings of modern.py, then speedups.py
     # data and outputs
     data: str = setting("edu_fineweb10B", "a directory of *train* and *val* shards (.npy or .bin), or a text file")
     log_dir: str = setting("log", "where log.jsonl and checkpoints go")
@@ -746,6 +747,7 @@ def set_up(draft, env):
     stream, val = load_data(cfg)
     benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core) if getattr(cfg, module.EVERY)}
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
+    speedups.apply(cfg, env, model)  # each speed-up asked for, or its one-line refusal: before the model compiles
     compiled = wrap_model(model, cfg, env)
     run = run_state.Run(cfg, env, RECIPES[cfg.recipe], stream, val, benchmarks, model, compiled,
                         optimizers=make_optimizers(model, cfg, env.device_type),

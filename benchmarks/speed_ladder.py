@@ -1,17 +1,27 @@
 """
-The speed ladder of the GPT-2 lecture, measured on the real trainer, then the steps past it. Each rung adds one
-speed-up to the settings of the rungs before it, runs train_gpt2.py on random tokens, and reads the step times back
-from its log.jsonl, so it times exactly what a training run does, with no copy of the training step.
+The speed ladder of the GPT-2 lecture, measured on the real trainer, then the speed-ups past it. Each rung runs
+train_gpt2.py on random tokens and reads the step times back from its log.jsonl, so it times exactly what a training
+run does, with no copy of the training step.
 
     python benchmarks/speed_ladder.py                                       # GPT-2 124M, T=1024, on the GPU
     python benchmarks/speed_ladder.py --batch-size 32 --lecture-batch-size 8  # a GPU with less memory
-    python benchmarks/speed_ladder.py --tiny --device cpu                   # 2 layers on the CPU: a smoke test only
+    python benchmarks/speed_ladder.py --rungs defaults,chunked-loss,cudnn   # the rungs named, in the ladder's order
+    python benchmarks/speed_ladder.py --tiny --device cpu --compile-modes   # 2 layers on the CPU: a smoke test only
 
-The lecture's 7 rungs run at its micro-batch of 16 sequences (--lecture-batch-size), the table to compare with its
-numbers; the rungs past it at the trainer's 64 (--batch-size), and the last one is the trainer's own defaults.
-It prints one row per rung (the median of the timed steps after the warm-up steps, and the first step's time, which
-is mostly compilation) and can save them as JSON. Once a rung's steps are logged, its run is stopped: the final
-evaluation and checkpoint of the trainer are no part of the measurement, and would only take time.
+The lecture's 7 rungs run at its micro-batch of 16 sequences (--lecture-batch-size), one micro-batch a step, each
+adding a speed-up to the rungs before it: the table to compare with its numbers. Past it, at the trainer's 64
+(--batch-size), two micro-batches a step: the lecture's settings, the trainer's own defaults, then each speed-up of
+speedups.py (and the chunked loss, and the compile modes) on top of the defaults alone, ranked against them, with
+its loss beside theirs: the same steps of the same tokens, so a speed-up that keeps the arithmetic keeps the losses.
+Last, the modern recipe's step. The compile modes' rungs take minutes each: they run when named in --rungs, or with
+--compile-modes.
+
+It prints one row per rung: the micro-batch that trained, the seconds from the trainer's launch to its first step
+logged (its start-up, the micro-batch search, compiling), the first step's time (mostly compilation where compile is
+on), the median of the timed steps after the warm-up steps (ms, tokens/s, MFU), the peak CUDA memory, the speed-up,
+and the loss of the last timed step; and can save them as JSON. Once a rung's steps are logged, its run is stopped:
+the final evaluation and checkpoint of the trainer are no part of the measurement, and would only take time.
+Rungs whose graphs are the same share inductor's cache on disk (a later one compiles faster).
 """
 
 import argparse
@@ -37,32 +47,53 @@ TRAINER = os.path.join(REPO, "train_gpt2.py")
 
 
 class Rung(NamedTuple):
+    key: str  # its name in --rungs
     name: str
-    settings: Optional[dict]  # train_gpt2.py settings this rung changes, kept by the rungs after it; None: its defaults
+    settings: Optional[dict]  # train_gpt2.py settings this rung changes; None: the trainer's defaults
     skip_on_cpu: str = ""  # why the rung cannot run, or is not worth running, on a CPU
-    lecture: bool = True  # at --lecture-batch-size, else at --batch-size
+    kind: str = "lecture"  # lecture: at --lecture-batch-size, its settings kept by the lecture's rungs after it;
+    # past: at --batch-size; speed-up: on top of the trainer's defaults alone, ranked against them, losses beside
+    # theirs; modern: on top of the defaults, ranked against them
+    long: bool = False  # minutes of compiling: only when named in --rungs, or with --compile-modes
 
 
 COMPILING_ON_CPU = "compiling takes minutes on a CPU"
+NEEDS_CUDA_ATTENTION = "needs CUDA: a choice among CUDA's attention kernels"
 RUNGS = [  # the lecture's A100 ms/step at B=16, T=1024: 1000, 333, 300, 130, 96, 93, 90
-    Rung("fp32", dict(dtype="fp32", compile=False, attn="naive", vocab_size=GPT2_VOCAB, fused_adamw=False)),
-    Rung("TF32", dict(dtype="tf32"), skip_on_cpu="needs CUDA: TF32 is a mode of NVIDIA tensor cores"),
-    Rung("bf16 autocast", dict(dtype="bf16")),
-    Rung("torch.compile", dict(compile=True), skip_on_cpu=COMPILING_ON_CPU),
-    Rung("flash attention", dict(attn="sdpa")),
-    Rung("vocab 50304", dict(vocab_size=50304)),  # the 47 padding ids masked out of the softmax
-    Rung("fused AdamW", dict(fused_adamw=True), skip_on_cpu="needs CUDA: the fused AdamW kernel is CUDA-only"),
+    Rung("fp32", "fp32", dict(dtype="fp32", compile=False, attn="naive", vocab_size=GPT2_VOCAB, fused_adamw=False)),
+    Rung("tf32", "TF32", dict(dtype="tf32"), skip_on_cpu="needs CUDA: TF32 is a mode of NVIDIA tensor cores"),
+    Rung("bf16", "bf16 autocast", dict(dtype="bf16")),
+    Rung("compile", "torch.compile", dict(compile=True), skip_on_cpu=COMPILING_ON_CPU),
+    Rung("sdpa", "flash attention", dict(attn="sdpa")),
+    Rung("vocab", "vocab 50304", dict(vocab_size=50304)),  # the 47 padding ids masked out of the softmax
+    Rung("fused-adamw", "fused AdamW", dict(fused_adamw=True),
+         skip_on_cpu="needs CUDA: the fused AdamW kernel is CUDA-only"),
     # past the lecture
-    Rung("micro-batch {B}", {}, lecture=False),  # the memory the fused, masked loss frees, spent on a larger batch
-    Rung("chunked loss", dict(loss="chunked"), lecture=False),
-    Rung("trainer defaults", None, lecture=False),
+    Rung("micro-batch", "micro-batch {B}", {}, kind="past"),  # the memory the masked loss frees, spent on a larger B
+    Rung("defaults", "trainer defaults", None, kind="past"),
+    # the speed-ups, each on the defaults alone: a winner (+1% tok/s or more, the losses unchanged) becomes a default
+    Rung("chunked-loss", "chunked loss", dict(loss="chunked"), kind="speed-up"),
+    Rung("cudnn", "cuDNN attention", dict(sdpa_backend="cudnn"), skip_on_cpu=NEEDS_CUDA_ATTENTION, kind="speed-up"),
+    Rung("flash", "flash attention kernel", dict(sdpa_backend="flash"), skip_on_cpu=NEEDS_CUDA_ATTENTION,
+         kind="speed-up"),
+    # --batch-size B tried first: two micro-batches a step let the search go up to 2B, one a step
+    Rung("grow-batch", "grown micro-batch", dict(grow_batch_size=True, fit_batch_size=True), kind="speed-up"),
+    Rung("recompute", "recompute pointwise", dict(recompute_pointwise=True), skip_on_cpu=COMPILING_ON_CPU,
+         kind="speed-up"),
+    Rung("fp8-head", "FP8 head", dict(fp8_head=True), kind="speed-up",
+         skip_on_cpu="needs CUDA: a GPU of compute capability 8.9 or later"),
+    # the modern recipe's model and optimizers: what a step of it costs (it needs far fewer)
+    Rung("modern", "modern recipe", dict(recipe="modern"), kind="modern"),
+    # compile options: minutes of autotuning each, so not in the default ladder
+    Rung("coordinate-descent", "coordinate descent", dict(coordinate_descent=True), skip_on_cpu=COMPILING_ON_CPU,
+         kind="speed-up", long=True),
+    Rung("max-autotune", "max-autotune", dict(compile_mode="max-autotune-no-cudagraphs"),
+         skip_on_cpu=COMPILING_ON_CPU, kind="speed-up", long=True),
+    Rung("cuda-graphs", "CUDA graphs", dict(compile_mode="max-autotune"), skip_on_cpu=COMPILING_ON_CPU,
+         kind="speed-up", long=True),
 ]
-COMPILE_MODE_RUNGS = [  # --compile-modes: minutes of autotuning each, so not in the 10-minute ladder
-    Rung("max-autotune", dict(compile_mode="max-autotune-no-cudagraphs"), skip_on_cpu=COMPILING_ON_CPU, lecture=False),
-    Rung("CUDA graphs", dict(compile_mode="max-autotune"), skip_on_cpu=COMPILING_ON_CPU, lecture=False),
-]
-# last, on top of all the rest: the modern recipe's model and optimizers, what a step of it costs
-MODERN_RUNG = Rung("modern recipe", dict(recipe="modern"), lecture=False)
+KEYS = [rung.key for rung in RUNGS]
+MICRO_BATCHES_A_STEP = {"lecture": 1, "past": 2, "speed-up": 2, "modern": 2}
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, batch_size=8, lecture_batch_size=4, seq_len=32, warmup_steps=1,
             timed_steps=2)
@@ -102,13 +133,20 @@ def read_steps(log_path):
 
 
 def train_until_logged(command, log_path, n_steps, output, timeout):
-    """Runs the trainer until n_steps steps are in its log, then stops it. Returns the step records, or an error
-    string."""
+    """Runs the trainer until n_steps steps are in its log, then stops it. Returns the step records, the first with
+    logged_after_s: the seconds from the launch until it was logged (to the 0.2 s of the polling: imports, set-up,
+    the micro-batch search and the first step); or an error string."""
     with open(output, "w") as out:
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
+    launched = time.monotonic()
+    deadline, first_logged = launched + timeout, None
     try:
-        while process.poll() is None and len(read_steps(log_path)) < n_steps and time.monotonic() < deadline:
+        while process.poll() is None and time.monotonic() < deadline:
+            logged = len(read_steps(log_path))
+            if logged and first_logged is None:
+                first_logged = time.monotonic() - launched
+            if logged >= n_steps:
+                break
             time.sleep(0.2)
     finally:
         if process.poll() is None:  # its own session: the kill reaches the compile workers it started too
@@ -116,6 +154,7 @@ def train_until_logged(command, log_path, n_steps, output, timeout):
             process.wait()
     steps = read_steps(log_path)
     if len(steps) >= n_steps:
+        steps[0]["logged_after_s"] = first_logged if first_logged is not None else time.monotonic() - launched
         return steps
     if time.monotonic() >= deadline:
         return f"timed out after {timeout} s, at {len(steps)} of {n_steps} steps"
@@ -123,43 +162,57 @@ def train_until_logged(command, log_path, n_steps, output, timeout):
         return last_line(f.read())  # out of memory, or anything else: the row says why, and the ladder goes on
 
 
-def run_rung(settings, B, args, data_dir, log_dir):
-    """Trains for warm-up + timed steps at micro-batch B; the median timed step and the first step as a dict, or an
-    error string."""
+def micro_batch_trained(log_path):
+    """The micro-batch of the run's start record (--grow-batch-size may change it)."""
+    with open(log_path) as f:
+        return next(record["micro_batch"] for record in map(json.loads, f) if "event" in record)
+
+
+def run_rung(settings, B, micro_batches, args, data_dir, log_dir, timeout):
+    """Trains for warm-up + timed steps of micro_batches micro-batches of B sequences; the median timed step, the
+    first step, the micro-batch trained and the last timed step's loss as a dict, or an error string."""
     T = args.seq_len
     n_steps = args.warmup_steps + args.timed_steps
     command = [
         sys.executable, TRAINER, "--data", data_dir, "--log-dir", log_dir, "--no-resume", "--device", args.device,
         "--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd", str(args.n_embd),
         "--batch-size", str(B), "--no-fit-batch-size",  # B itself, or the row says it does not fit
-        "--seq-len", str(T), "--block-size", str(T), "--total-batch-size", str(B * T),
+        "--seq-len", str(T), "--block-size", str(T), "--total-batch-size", str(micro_batches * B * T),
         # one step more than is read: the run is stopped before its final evaluation and checkpoint
         "--max-steps", str(n_steps + 1),
         "--eval-every", "0", "--val-tokens", str(T), "--hellaswag-every", "0", "--core-every", "0",
         "--num-samples", "0", "--checkpoint-every", "0",
         *as_flags(settings),
     ]
-    steps = train_until_logged(command, os.path.join(log_dir, "log.jsonl"), n_steps, log_dir + ".out",
-                               args.rung_timeout)
+    log_path = os.path.join(log_dir, "log.jsonl")
+    steps = train_until_logged(command, log_path, n_steps, log_dir + ".out", timeout)
     if isinstance(steps, str):
         return steps
     timed = [r for r in steps if r["step"] >= args.warmup_steps][: args.timed_steps]
     # the (lower) median step: a step that really happened, so its time, tok/s and MFU agree with each other
     median = sorted(timed, key=lambda r: r["dt_ms"])[(len(timed) - 1) // 2]
-    return {"ms_per_step": median["dt_ms"], "tok_per_sec": median["tok_per_sec"], "mfu": median.get("mfu"),
-            "peak_mem_gb": max((r["peak_mem_gb"] for r in steps if "peak_mem_gb" in r), default=None),
-            "first_step_s": steps[0]["dt_ms"] / 1000, "timed_ms": [r["dt_ms"] for r in timed]}
+    return {"micro_batch": micro_batch_trained(log_path), "ms_per_step": median["dt_ms"],
+            "tok_per_sec": median["tok_per_sec"], "mfu": median.get("mfu"),
+            "peak_mem_gib": max((r["peak_mem_gb"] for r in steps if "peak_mem_gb" in r), default=None),
+            "first_step_s": steps[0]["dt_ms"] / 1000, "launch_s": steps[0]["logged_after_s"],
+            "timed_ms": [r["dt_ms"] for r in timed],
+            "loss": timed[-1]["train_loss"]}
 
 
-NAME = "{:<22}"
-NUMBERS = "{:>4} {:>10} {:>10} {:>12} {:>7} {:>9} {:>9}"
+NAME = "{:<26}"
+NUMBERS = "{:>4} {:>7} {:>8} {:>8} {:>10} {:>6} {:>8} {:>8} {:>8} {:>8}"
+HEADER = NAME.format("rung") + " " + NUMBERS.format("B", "launch", "1st step", "ms/step", "tok/s", "MFU", "peak GiB",
+                                                     "speed-up", "loss", "Δ loss")
 
 
-def format_numbers(B, result, speedup):
+def format_numbers(result, speedup, loss_change):
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "-"
-    mem = f"{result['peak_mem_gb']:.1f} GB" if result["peak_mem_gb"] is not None else "-"
-    return NUMBERS.format(B, f"{result['first_step_s']:.1f} s", f"{result['ms_per_step']:.1f}",
-                          f"{result['tok_per_sec']:,.0f}", mfu, mem, f"{speedup:.2f}x" if speedup else "-")
+    mem = f"{result['peak_mem_gib']:.2f}" if result["peak_mem_gib"] is not None else "-"
+    loss = f"{result['loss']:.4f}" if result["loss"] is not None else "-"
+    return NUMBERS.format(result["micro_batch"], f"{result['launch_s']:.1f} s", f"{result['first_step_s']:.1f} s",
+                          f"{result['ms_per_step']:.1f}", f"{result['tok_per_sec']:,.0f}", mfu, mem,
+                          f"{speedup:.3f}x" if speedup else "-", loss,
+                          f"{loss_change:+.0e}" if loss_change is not None else "-")
 
 
 def parse_args(argv=None):
@@ -178,10 +231,15 @@ def parse_args(argv=None):
                         f"{DEFAULTS['warmup_steps']})")
     parser.add_argument("--timed-steps", type=int,
                         help=f"steps whose median is reported (default: {DEFAULTS['timed_steps']})")
+    parser.add_argument("--rungs", default="", help=f"the rungs to run, by name, comma-separated, in the ladder's "
+                        f"order whatever the order given (default: all but the compile modes'): {', '.join(KEYS)}")
     parser.add_argument("--compile-modes", action="store_true",
-                        help="also torch.compile's max-autotune modes, after the defaults (minutes each)")
+                        help="also the rungs of torch.compile's tuning (minutes each), after the others")
     parser.add_argument("--rung-timeout", type=int, default=300,
                         help="seconds a rung may take before its row says so (default: 300)")
+    parser.add_argument("--time-budget", type=int, default=0,
+                        help="seconds for the whole ladder: a rung starts only while some are left, and stops when "
+                             "they are spent (default: 0, none)")
     parser.add_argument("--json", default="", help="also write the table to this JSON file")
     args = parser.parse_args(argv)
     preset = {**MODEL_SIZES[args.model], **DEFAULTS} if not args.tiny else TINY
@@ -191,8 +249,14 @@ def parse_args(argv=None):
     for name in ("batch_size", "lecture_batch_size", "seq_len", "timed_steps", "rung_timeout"):
         if getattr(args, name) <= 0:
             parser.exit(2, f"error: --{name.replace('_', '-')} must be positive, not {getattr(args, name)}\n")
-    if args.warmup_steps < 0:
-        parser.exit(2, f"error: --warmup-steps must be zero or more, not {args.warmup_steps}\n")
+    for name in ("warmup_steps", "time_budget"):
+        if getattr(args, name) < 0:
+            parser.exit(2, f"error: --{name.replace('_', '-')} must be zero or more, not {getattr(args, name)}\n")
+    named = [key for key in args.rungs.split(",") if key]
+    unknown = [key for key in named if key not in KEYS]
+    if unknown:
+        parser.exit(2, f"error: --rungs {','.join(unknown)}: no such rung; the rungs are {', '.join(KEYS)}\n")
+    args.rungs = named or [rung.key for rung in RUNGS if args.compile_modes or not rung.long]
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -203,55 +267,87 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     T, start = args.seq_len, time.perf_counter()
-    rungs = RUNGS + (COMPILE_MODE_RUNGS if args.compile_modes else []) + [MODERN_RUNG]
+    deadline = start + args.time_budget if args.time_budget else float("inf")
     print(f"speed ladder: {args.n_layer} layers, {args.n_head} heads, width {args.n_embd}, T={T} on {args.device}; "
           f"median of {args.timed_steps} steps after {args.warmup_steps} warm-up steps")
-    print(NAME.format("rung"), NUMBERS.format("B", "1st step", "ms/step", "tok/s", "MFU", "peak mem", "speed-up"))
-    rows, settings, previous = [], {}, None
+    print(HEADER)
+    rows, lecture_settings, previous, defaults = [], {}, None, None
     with tempfile.TemporaryDirectory(prefix="speed_ladder_") as tmp:
         data_dir = os.path.join(tmp, "data")
         os.makedirs(data_dir)
-        steps_of_tokens = (args.warmup_steps + args.timed_steps + 1) * max(args.batch_size, args.lecture_batch_size)
-        write_random_shards(data_dir, steps_of_tokens * T + 1, T + 1)
-        for number, rung in enumerate(rungs, 1):
-            B = args.lecture_batch_size if rung.lecture else args.batch_size
-            name = rung.name.format(B=B)
-            print(NAME.format(f"{number}. {name}"), end=" ", flush=True)  # the rung's name shows while it runs
-            row = {"rung": name, "batch_size": B, "settings": rung.settings}
-            # its settings are not applied either, so later rungs run without them
-            if args.device == "cpu" and rung.skip_on_cpu:
-                print(f"skipped: {rung.skip_on_cpu}", flush=True)
-                rows.append({**row, "status": "skipped", "reason": rung.skip_on_cpu})
+        most_sequences = max(args.lecture_batch_size, 2 * args.batch_size)  # a step's, of any rung
+        write_random_shards(data_dir, (args.warmup_steps + args.timed_steps + 1) * most_sequences * T + 1, T + 1)
+        for number, rung in enumerate(RUNGS, 1):
+            B = args.lecture_batch_size if rung.kind == "lecture" else args.batch_size
+            name = f"{number}. {rung.name.format(B=B)}"
+            row = {"rung": name, "key": rung.key, "batch_size": B, "settings": rung.settings}
+            skipped = rung.skip_on_cpu if args.device == "cpu" else ""
+            # kept by the lecture's rungs after it, run or not; not those of a rung the CPU cannot run
+            if rung.kind == "lecture" and not skipped:
+                lecture_settings = {**lecture_settings, **rung.settings}
+            if rung.key not in args.rungs:
                 continue
-            settings = {} if rung.settings is None else {**settings, **rung.settings}
-            result = run_rung(settings, B, args, data_dir, os.path.join(tmp, f"log_{number}"))
+            if not skipped and time.perf_counter() >= deadline:
+                skipped = f"no time left of --time-budget {args.time_budget} s"
+            if skipped:
+                print(NAME.format(name), f"skipped: {skipped}", flush=True)
+                rows.append({**row, "status": "skipped", "reason": skipped})
+                save(args, rows, time.perf_counter() - start)
+                continue
+            print(NAME.format(name), end=" ", flush=True)  # the rung's name shows while it runs
+            if rung.settings is None:
+                settings = {}  # the trainer's own defaults
+            else:
+                settings = lecture_settings if rung.kind in ("lecture", "past") else rung.settings
+            timeout = max(1, int(min(args.rung_timeout, deadline - time.perf_counter())))
+            result = run_rung(settings, B, MICRO_BATCHES_A_STEP[rung.kind], args, data_dir,
+                              os.path.join(tmp, f"log_{number}"), timeout)
             if isinstance(result, str):
                 print(f"failed: {result[:120]}", flush=True)
                 rows.append({**row, "status": "failed", "reason": result, "flags": as_flags(settings)})
+                save(args, rows, time.perf_counter() - start)
                 continue
-            speedup = result["tok_per_sec"] / previous if previous else None  # tokens/s: the batch may change
-            print(format_numbers(B, result, speedup), flush=True)
-            rows.append({**row, "status": "ok", "flags": as_flags(settings), **result, "speedup": speedup})
-            previous = result["tok_per_sec"]
+            base = defaults if rung.kind in ("speed-up", "modern") else previous  # tokens/s: the batch may change
+            speedup = result["tok_per_sec"] / base["tok_per_sec"] if base else None
+            loss_change = (result["loss"] - defaults["loss"] if rung.kind == "speed-up" and defaults
+                           and None not in (result["loss"], defaults["loss"]) else None)
+            print(format_numbers(result, speedup, loss_change), flush=True)
+            rows.append({**row, "status": "ok", "flags": as_flags(settings), **result, "speedup": speedup,
+                         "loss_change": loss_change})
+            save(args, rows, time.perf_counter() - start)
+            if rung.kind in ("lecture", "past"):
+                previous = result
+            if rung.key == "defaults":
+                defaults = result
 
     with torch.device("meta"):  # the shapes alone
         model = GPT(GPTConfig(T, GPT2_VOCAB, args.n_layer, args.n_head, args.n_embd))
     peak = peak_flops("cuda") if args.device == "cuda" else None
-    print("speed-up: tokens/s over the previous rung that ran; 1st step: its time, mostly compilation where compile "
-          "is on")
+    print("speed-up: tokens/s over the previous rung that ran, the speed-ups' and the modern recipe's over the "
+          "trainer's defaults; launch: seconds from the trainer's launch to its first step logged (imports, set-up, "
+          "the micro-batch search, compiling); 1st step: its time, mostly compilation where compile is on; loss: of "
+          "the last timed step, and (Δ) its change from the defaults' at that step")
     print(f"MFU = (6N + 12*L*H*Q*T) flops per token x tokens per step / step time / the GPU's dense bf16 peak"
           f"{f' ({peak / 1e12:.0f} TFLOPS)' if peak else ' (no GPU with a known peak here: no MFU)'}; "
           f"N = parameters but the position embedding: {flops_per_token(model, T) / 1e9:.3g} GFLOP per token here")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     wall = time.perf_counter() - start
+    save(args, rows, wall)
+    print(f"{device_name(args)} | torch {torch.__version__} | T={T}, B as in each row | the ladder took {wall:.0f} s")
+
+
+def device_name(args):
+    return torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+
+
+def save(args, rows, wall):
+    """The rows so far to --json, if given: after each rung, so that a ladder stopped midway keeps what it measured."""
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "torch": torch.__version__, "batch_size": args.batch_size,
-                       "lecture_batch_size": args.lecture_batch_size, "seq_len": T, "n_layer": args.n_layer,
-                       "n_head": args.n_head, "n_embd": args.n_embd, "warmup_steps": args.warmup_steps,
-                       "timed_steps": args.timed_steps,
-                       "wall_s": wall, "rungs": rows}, f, indent=2)
-    print(f"{device} | torch {torch.__version__} | T={T}, B as in each row | the ladder took {wall:.0f} s")
+            json.dump({"device": device_name(args), "torch": torch.__version__, "batch_size": args.batch_size,
+                       "lecture_batch_size": args.lecture_batch_size, "seq_len": args.seq_len,
+                       "n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
+                       "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "wall_s": wall,
+                       "rungs": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -322,9 +322,14 @@ def chunked_case(N=37, C=16, V=300, n_pad=20, seed=0):
     return x, w, targets, mask
 
 
-def float64_loss_and_grads(x, w, targets, mask):
+def float64_loss_and_grads(x, w, targets, mask, cap=None):
+    """F.cross_entropy's loss of cap * tanh(x @ w.T / cap) + mask (without the cap or the mask where they are None)
+    and its gradients for x and w, all in float64."""
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    loss = F.cross_entropy(x64 @ w64.T + mask.double(), targets, ignore_index=-1)
+    logits = x64 @ w64.T
+    logits = cap * torch.tanh(logits / cap) if cap else logits
+    logits = logits if mask is None else logits + mask.double()
+    loss = F.cross_entropy(logits, targets, ignore_index=-1)
     loss.backward()
     return loss.detach(), x64.grad, w64.grad
 

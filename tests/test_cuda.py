@@ -1,13 +1,15 @@
 """On a CUDA GPU only, skipped elsewhere: the trainer's default step (inductor, bf16 autocast, fused AdamW) on a tiny
-model, and both losses compiled by inductor against float64. The rest of the suite pins the CPU."""
+model, both losses compiled by inductor against float64, the chunked loss's memory, and the speed-ups of speedups.py
+under inductor. The rest of the suite pins the CPU."""
 import copy
 import math
 
 import pytest
 import torch
 
+import speedups
 import train_gpt2
-from chunked_loss import chunked_cross_entropy
+from chunked_loss import chunked_cross_entropy, cross_entropy
 from helpers import chunked_case, float64_loss_and_grads, reference, tiny_gpt, with_loud_padding
 from plumbing import GPT2_VOCAB
 from train_gpt2 import TrainConfig
@@ -84,3 +86,108 @@ def test_chunked_cross_entropy_on_cuda():
         assert abs(loss.item() - want_loss.item()) < tolerance * want_loss.item()
         assert (xi.grad.double() - want_dx).norm() < tolerance * want_dx.norm()
         assert (wi.grad.double() - want_dw).norm() < tolerance * want_dw.norm()
+
+
+# -----------------------------------------------------------------------------
+# The speed-ups of speedups.py and the chunked loss, under inductor (benchmarks/speed_ladder.py measures their speed)
+
+
+def test_the_compiled_chunked_loss_holds_one_chunk_of_logits_at_a_time():
+    """Compiled by inductor, at 16384 rows of GPT-2's padded vocabulary in chunks of 1024: the full loss's peak is
+    at least its bf16 logits (1.5 GiB); the chunked loss's, under half of them. The same loss to rounding."""
+    x, targets = torch.randn(16384, 64, device="cuda"), torch.randint(0, GPT2_VOCAB, (16384,), device="cuda")
+    w = 0.02 * torch.randn(50304, 64, device="cuda")
+    mask = torch.zeros(50304, device="cuda")
+    mask[GPT2_VOCAB:] = float("-inf")
+    losses = {"full": lambda x, w: cross_entropy(x @ w.T + mask.to(torch.bfloat16), targets),
+              "chunked": lambda x, w: chunked_cross_entropy(x, w, targets, mask, chunk_rows=1024)}
+    peaks, values = {}, {}
+    for name, loss_of in losses.items():
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        compiled = torch.compile(loss_of, dynamic=False)
+        for _ in range(3):  # the first two compile (the chunks' graphs, for each dispatch state of the op)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(xi, wi)
+            loss.backward()
+            torch.cuda.synchronize()
+            peaks[name], values[name] = torch.cuda.max_memory_allocated() - before, loss.item()
+            xi.grad = wi.grad = None
+    logits_bytes = 16384 * 50304 * 2
+    assert peaks["full"] >= logits_bytes and peaks["chunked"] < 0.5 * logits_bytes, peaks
+    assert values["chunked"] == pytest.approx(values["full"], rel=1e-3)
+
+
+@pytest.fixture
+def attention_kernels():
+    """Puts back the attention kernels that a test switches."""
+    kernels = ("flash", "cudnn", "mem_efficient", "math")
+    before = [getattr(torch.backends.cuda, f"{kernel}_sdp_enabled")() for kernel in kernels]
+    yield
+    for kernel, enabled in zip(kernels, before):
+        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(enabled)
+
+
+def compiled_bf16_loss_and_grads(model, x, y):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = torch.compile(model, dynamic=False)(x, y)
+    loss.backward()
+    return loss.item(), [p.grad.float() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_each_attention_kernel_trains_as_torchs_choice(backend, attention_kernels):
+    """--sdpa-backend, its kernel alone (the math fallback off: a kernel that could not run would raise): compiled,
+    bf16, causal, the loss and gradients of torch's own choice, to bf16's rounding."""
+    x, y = (t.cuda() for t in batch())
+    want_loss, want_grads = compiled_bf16_loss_and_grads(tiny(), x, y)
+    torch._dynamo.reset()
+    speedups.choose_attention(backend)
+    torch.backends.cuda.enable_math_sdp(False)
+    loss, grads = compiled_bf16_loss_and_grads(tiny(), x, y)
+    assert loss == pytest.approx(want_loss, rel=1e-2)
+    for grad, want in zip(grads, want_grads):
+        assert (grad - want).norm() <= 5e-2 * want.norm() + 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < speedups.FP8_CAPABILITY,
+                    reason="needs a GPU of compute capability 8.9 or later")
+def test_the_fp8_head_under_inductor():
+    """Float8Matmul compiled: its float64 emulation to one bf16 rounding; a compiled bf16 step with --fp8-head: the
+    bf16 head's loss and gradients to float8's precision."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(256, 64, generator=g).cuda(), (0.1 * torch.randn(512, 64, generator=g)).cuda()
+    (a8, a_scale), (b8, b_scale) = speedups.to_float8(a), speedups.to_float8(b)
+    emulated = ((a8.double() * a_scale.double()) @ (b8.double() * b_scale.double()).T).to(torch.bfloat16)
+    out = torch.compile(lambda a, b: speedups.Float8Matmul.apply(a, b))(a, b)
+    atol = 1e-5 * emulated.abs().max().item()  # float32's summation error, where a sum nearly cancels
+    torch.testing.assert_close(out.float(), emulated.float(), rtol=2**-7, atol=atol)
+    x, y = (t.cuda() for t in batch())
+    want_loss, want_grads = compiled_bf16_loss_and_grads(tiny(), x, y)
+    torch._dynamo.reset()
+    model = tiny()
+    speedups.apply(TrainConfig(fp8_head=True, dtype="bf16", n_embd=64, compile=True),
+                   train_gpt2.Env(0, 0, 1, "cuda:0", "cuda"), model)
+    assert isinstance(model.lm_head, speedups.Float8Head)
+    loss, grads = compiled_bf16_loss_and_grads(model, x, y)
+    assert loss == pytest.approx(want_loss, rel=1e-2) and loss != want_loss
+    for grad, want in zip(grads, want_grads):
+        assert (grad - want).norm() <= 0.1 * want.norm() + 1e-6
+
+
+@torch._functorch.config.patch(aggressive_recomputation=True)
+def test_recompute_pointwise_under_inductor():
+    """What --recompute-pointwise switches on: in float32, the loss and every gradient of the eager model."""
+    train_gpt2.set_tf32(False)
+    model = with_loud_padding(tiny())
+    x, y = (t.cuda() for t in batch())
+    eager = copy.deepcopy(model)
+    _, want = eager(x, y)
+    want.backward()
+    _, loss = torch.compile(model, dynamic=False)(x, y)
+    loss.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)

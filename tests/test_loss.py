@@ -8,7 +8,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
+import chunked_loss
 import hellaswag
 import train_gpt2
 from chunked_loss import ChunkedCrossEntropy, CrossEntropyWithPointwiseBackward, chunked_cross_entropy
@@ -148,18 +151,23 @@ def test_the_compiled_full_loss_takes_the_pointwise_backward_and_eager_keeps_f_c
 
 
 @pytest.mark.parametrize("chunk_rows", [5, 16, 1000])
-def test_chunked_cross_entropy_matches_float64(chunk_rows):
+@pytest.mark.parametrize("masked, cap", [(True, None), (False, None), (True, 3.0), (False, 3.0)])
+def test_chunked_cross_entropy_matches_float64(chunk_rows, masked, cap):
+    """With and without the padding ids' mask and the modern recipe's soft-cap (3: the logits here reach ~10, so it
+    bends them), with -1 targets (a whole chunk of them when chunk_rows is 5), in chunks that do and do not divide the
+    37 rows."""
     x, w, targets, mask = chunked_case()
-    want_loss, want_dx, want_dw = float64_loss_and_grads(x, w, targets, mask)
+    mask = mask if masked else None
+    want_loss, want_dx, want_dw = float64_loss_and_grads(x, w, targets, mask, cap)
     x.requires_grad_(), w.requires_grad_()
-    loss = chunked_cross_entropy(x, w, targets, mask, chunk_rows=chunk_rows)
+    loss = chunked_cross_entropy(x, w, targets, mask, cap, chunk_rows=chunk_rows)
     (0.5 * loss).backward()  # the gradient of the loss is 1 / accumulation steps in train_step
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), want_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(x.grad.double(), 0.5 * want_dx, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(w.grad.double(), 0.5 * want_dw, rtol=1e-5, atol=1e-7)
-    assert torch.all(w.grad[-20:] == 0) and torch.all(x.grad[3:9] == 0)
-    (0.5 * chunked_cross_entropy(x, w, targets, mask, chunk_rows=chunk_rows)).backward()  # accumulation: gradients add
+    assert torch.all(x.grad[3:9] == 0) and (not masked or torch.all(w.grad[-20:] == 0))
+    (0.5 * chunked_cross_entropy(x, w, targets, mask, cap, chunk_rows=chunk_rows)).backward()  # gradients add
     torch.testing.assert_close(w.grad.double(), want_dw, rtol=1e-5, atol=1e-7)
 
 
@@ -237,19 +245,36 @@ def test_chunked_model_matches_full_model_over_accumulated_micro_batches():
 
 
 @pytest.mark.parametrize("loss_impl", LOSSES)
-def test_loss_under_compile_matches_eager(loss_impl):
-    """Traced by dynamo and AOTAutograd as for inductor, in one graph (backend aot_eager generates no code: inductor
-    takes ~30 s per tiny model on a CPU; tests/test_cuda.py compiles with inductor)."""
-    batches = [(random_ids(2, 32), random_ids(2, 32, seed=2))]
+def test_loss_under_compile_matches_eager(loss_impl, monkeypatch):
+    """Traced by dynamo and AOTAutograd as for inductor, in one graph (no code generated, as backend aot_eager: inductor
+    takes ~30 s per tiny model on a CPU; tests/test_cuda.py compiles with inductor). The chunked loss's loop is one
+    call of its custom op in the model's forward graph, which holds no row of logits: unrolled there, inductor ran all
+    the chunks at once. Each chunk is compiled on its own (here too without code generated)."""
+    batches = [(random_ids(3, 32), random_ids(3, 32, seed=2))]  # 96 rows: the logits' shape is no weight's
     eager_loss, eager_grads = loss_and_grads(with_loud_padding(tiny_gpt(loss=loss_impl)), batches)
     torch._dynamo.reset()
+    graphs, compiled_functions, real_compile = [], [], torch.compile
+
+    def keep_graph(graph, example_inputs):
+        graphs.append(graph)
+        return make_boxed_func(graph)
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: compiled_functions.append(function)
+                        or real_compile(function, **{**options, "backend": "aot_eager"}))
     model = with_loud_padding(tiny_gpt(loss=loss_impl))
-    compiled = torch.compile(model, backend="aot_eager", dynamic=False, fullgraph=True)
+    backend = aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph)
+    compiled = real_compile(model, backend=backend, dynamic=False, fullgraph=True)
     loss, grads = loss_and_grads(compiled, batches)
     assert loss == pytest.approx(eager_loss, rel=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert torch.all(grads["transformer.wte.weight"][GPT2_VOCAB:] == 0)  # lm_head.weight, tied
+    forward = [node for node in graphs[0].graph.nodes if node.op == "call_function"]
+    rows_of_logits = [node for node in forward if isinstance(node.meta.get("val"), torch.Tensor)
+                      and node.meta["val"].shape[-1:] == (50304,) and node.meta["val"].numel() >= 96 * 50304]
+    chunk_loops = [node for node in forward if node.target == torch.ops.train_gpt2.chunked_sums.default]
+    assert (len(chunk_loops), bool(rows_of_logits)) == ((1, False) if loss_impl == "chunked" else (0, True))
+    assert compiled_functions == ([chunked_loss.chunk_sums] if loss_impl == "chunked" else [])
 
 
 def test_chunked_loss_under_ddp(tmp_path):

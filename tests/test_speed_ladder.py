@@ -5,6 +5,7 @@ import os
 import sys
 import time
 
+import pytest
 import torch
 
 from helpers import REPO, process_stat, run_main, run_script, script_env
@@ -14,9 +15,12 @@ import speed_ladder  # noqa: E402
 
 MUON = hasattr(torch.optim, "Muon")  # the modern recipe's rung needs PyTorch 2.9; before, its row says it failed
 CPU_RUNGS = ["1. fp32", "3. bf16 autocast", "5. flash attention", "6. vocab 50304", "8. micro-batch 8",
-             "9. chunked loss", "10. trainer defaults"] + (["11. modern recipe"] if MUON else [])
+             "9. trainer defaults", "10. chunked loss", "13. grown micro-batch",
+             *(["16. modern recipe"] if MUON else [])]
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
-SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW"]
+SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW", "11. cuDNN attention", "12. flash attention kernel",
+                 "14. recompute pointwise", "15. FP8 head", "17. coordinate descent", "18. max-autotune",
+                 "19. CUDA graphs"]
 
 
 def run(script, *flags):
@@ -24,21 +28,26 @@ def run(script, *flags):
 
 
 def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch, forked_python_commands):
-    """The ladder, run in this process: each rung's trainer forked by the fork server, in a session of its own."""
+    """The whole ladder, run in this process: each rung's trainer forked by the fork server, in a session of its own;
+    the rungs the CPU cannot run say why. The speed-ups run on the trainer's defaults alone, and those that keep the
+    arithmetic keep its losses: the chunked loss, and the micro-batch grown from 8 x 2 to 16 x 1."""
     for name in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):  # the rungs' environment: the
         monkeypatch.setenv(name, script_env()[name])  # tests' scripts'
-    code, out, err = run_main(["--tiny", "--device", "cpu", "--json", str(tmp_path / "ladder.json")], capsys,
-                              main=speed_ladder.main)
+    code, out, err = run_main(["--tiny", "--device", "cpu", "--compile-modes", "--json", str(tmp_path / "ladder.json")],
+                              capsys, main=speed_ladder.main)
     assert code == 0, err
     lines = out.splitlines()
-    rows = {line[:22].strip(): line[22:] for line in lines if line.split(".")[0].isdigit()}
-    assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS + ([] if MUON else ["11. modern recipe"]))
-    for name in CPU_RUNGS:  # B, first step ("0.1 s"), ms/step, tok/s, MFU, peak mem, speed-up
-        B, first, _, ms, tok_per_sec, mfu, mem, speedup = rows[name].split()
-        assert int(B) == (4 if int(name.split(".")[0]) <= 7 else 8), rows[name]  # the lecture's rungs, then ours
-        assert float(first) > 0 and float(ms) > 0 and float(tok_per_sec.replace(",", "")) > 0, rows[name]
+    rows = {line[:26].strip(): line[26:] for line in lines if line.split(".")[0].isdigit()}
+    assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS + ([] if MUON else ["16. modern recipe"]))
+    for name in CPU_RUNGS:  # B, launch ("3 s"), first step ("0.1 s"), ms/step, tok/s, MFU, peak GiB, speed-up, loss, Δ
+        B, launch, _, first, _, ms, tok_per_sec, mfu, mem, speedup, loss, change = rows[name].split()
+        number = int(name.split(".")[0])
+        assert int(B) == (4 if number <= 7 else 16 if number == 13 else 8), rows[name]  # the lecture's, then ours
+        assert float(launch) > 0 and float(first) > 0 and float(ms) > 0, rows[name]
+        assert float(tok_per_sec.replace(",", "")) > 0 and 9 < float(loss) < 12, rows[name]
         assert (mfu, mem) == ("-", "-")  # both need CUDA
         assert speedup == "-" if name == CPU_RUNGS[0] else float(speedup.rstrip("x")) > 0
+        assert (change == "-") == (number not in (10, 13)), rows[name]
     for name in SKIPPED_RUNGS:
         assert rows[name].strip().startswith("skipped: "), rows[name]
     assert lines[-1].startswith(f"CPU ({os.cpu_count()} cores) | torch {torch.__version__} | T=32, B as in each row | "
@@ -46,18 +55,50 @@ def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch, forked_python_command
 
     saved = json.loads((tmp_path / "ladder.json").read_text())
     assert (saved["lecture_batch_size"], saved["batch_size"], saved["seq_len"], saved["n_layer"]) == (4, 8, 32, 2)
-    rungs = saved["rungs"]
-    assert [rung["status"] for rung in rungs] == ["ok", "skipped", "ok", "skipped", "ok", "ok", "skipped", "ok", "ok",
-                                                  "ok", "ok" if MUON else "failed"]
-    # cumulative: the vocab rung keeps bf16 and SDPA, and compile stays off on the CPU
-    assert rungs[5]["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304",
-                                 "--no-fused-adamw"]
-    assert rungs[8]["flags"] == rungs[5]["flags"] + ["--loss", "chunked"] and rungs[8]["batch_size"] == 8
-    assert rungs[9]["flags"] == []  # the trainer's own defaults
-    assert rungs[10]["flags"] == ["--recipe", "modern"]  # on top of them
-    for rung in rungs[8:]:
-        assert len(rung["timed_ms"]) == 2 and rung["ms_per_step"] in rung["timed_ms"] and rung["first_step_s"] > 0
-    assert rungs[1]["reason"] == "needs CUDA: TF32 is a mode of NVIDIA tensor cores"
+    rungs = {rung["key"]: rung for rung in saved["rungs"]}
+    assert [rung["key"] for rung in saved["rungs"]] == speed_ladder.KEYS
+    assert [key for key, rung in rungs.items() if rung["status"] == "skipped"] == [
+        "tf32", "compile", "fused-adamw", "cudnn", "flash", "recompute", "fp8-head", "coordinate-descent",
+        "max-autotune", "cuda-graphs"]
+    assert rungs["modern"]["status"] == ("ok" if MUON else "failed")
+    # the lecture's rungs cumulative, compile staying off on the CPU; the speed-ups each on the defaults alone
+    assert rungs["vocab"]["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304",
+                                       "--no-fused-adamw"]
+    assert rungs["micro-batch"]["flags"] == rungs["vocab"]["flags"] and rungs["defaults"]["flags"] == []
+    assert rungs["chunked-loss"]["flags"] == ["--loss", "chunked"]
+    assert rungs["grow-batch"]["flags"] == ["--grow-batch-size", "--fit-batch-size"]
+    assert (rungs["grow-batch"]["batch_size"], rungs["grow-batch"]["micro_batch"]) == (8, 16)
+    assert rungs["modern"]["flags"] == ["--recipe", "modern"]
+    for key in ("chunked-loss", "grow-batch"):
+        assert abs(rungs[key]["loss_change"]) < 1e-4 * rungs["defaults"]["loss"], rungs[key]
+        assert rungs[key]["speedup"] == rungs[key]["tok_per_sec"] / rungs["defaults"]["tok_per_sec"]
+    for rung in saved["rungs"][7:]:
+        if rung["status"] == "ok":
+            assert len(rung["timed_ms"]) == 2 and rung["ms_per_step"] in rung["timed_ms"] and rung["first_step_s"] > 0
+    assert rungs["tf32"]["reason"] == "needs CUDA: TF32 is a mode of NVIDIA tensor cores"
+
+
+def test_the_rungs_named_and_the_time_budget(tmp_path, capsys, monkeypatch):
+    """--rungs runs those named, in the ladder's order; a rung starts only while --time-budget has time left, and
+    gets what is left as its timeout. (The trainer is replaced: each run takes 1.1 s here.)"""
+    timeouts = []
+
+    def one_second_and_a_bit(settings, B, micro_batches, args, data_dir, log_dir, timeout):
+        timeouts.append(timeout)
+        time.sleep(1.1)
+        return {"micro_batch": B, "ms_per_step": 1.0, "tok_per_sec": 1.0, "mfu": None, "peak_mem_gib": None,
+                "first_step_s": 1.0, "launch_s": 1.1, "timed_ms": [1.0], "loss": 10.0}
+
+    monkeypatch.setattr(speed_ladder, "run_rung", one_second_and_a_bit)
+    code, out, err = run_main(["--tiny", "--device", "cpu", "--rungs", "modern,defaults,cudnn", "--time-budget", "1"],
+                              capsys, main=speed_ladder.main)
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.split(".")[0].isdigit()]
+    assert [row[:26].strip() for row in rows] == ["9. trainer defaults", "11. cuDNN attention", "16. modern recipe"]
+    assert rows[1].endswith("skipped: needs CUDA: a choice among CUDA's attention kernels")
+    assert rows[2].endswith("skipped: no time left of --time-budget 1 s") and timeouts == [1]
+    code, _, err = run_main(["--tiny", "--rungs", "defaults,turbo"], capsys, main=speed_ladder.main)
+    assert code == 2 and err.startswith("error: --rungs turbo: no such rung; the rungs are fp32, tf32, ")
 
 
 def test_a_rung_is_stopped_once_its_steps_are_logged(tmp_path):
@@ -101,3 +142,69 @@ def test_profile_step_reports_bad_flags():
     result = run("profile_step.py", "--device", "cpu", "--n-embd", "65", "--n-head", "2")
     assert result.returncode != 0
     assert result.stderr.strip() == "error: --n-embd 65 must be a multiple of --n-head 2"
+
+
+def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, capsys, monkeypatch):
+    """benchmarks/gpu_check.py: its commands in order (--dry-run); refused without CUDA; and on a GPU (its parts
+    replaced by their outputs' shapes, each taking 100 s of a clock of its own), one table of what each measured,
+    the parts with no time left named for the next call."""
+    import gpu_check
+
+    code, out, _ = run_main(["--dry-run"], capsys, main=gpu_check.main)
+    assert code == 0 and [line.split(" ")[0] for line in out.splitlines()] == gpu_check.NAMES
+    assert "--rungs defaults,chunked-loss,cudnn,flash,grow-batch,recompute,fp8-head" in out.splitlines()[1]
+    if not torch.cuda.is_available():
+        code, _, err = run_main([], capsys, main=gpu_check.main)
+        assert code == 2 and err.startswith("error: gpu_check.py measures a CUDA GPU, and PyTorch sees none here")
+    now = [0.0]
+    outputs = {
+        "tests": "...........\n10 passed in 61.02s\n",
+        "ladder": "the ladder's table\n",
+        "core-500": "gpt2 shapes\nours, 10,000 examples (500 a task), 65,536 tokens a pass: first 30.0 s, then 10.0 s: "
+                    "1,000.0 examples/s; CORE 0.0100\nplain, ...\n",
+    }
+    ladder = {"rungs": [
+        {"rung": "9. trainer defaults", "status": "ok", "micro_batch": 64, "tok_per_sec": 466568.0, "mfu": 0.403,
+         "peak_mem_gib": 28.95, "launch_s": 35.2, "first_step_s": 21.0, "loss": 10.9794, "speedup": None,
+         "loss_change": None},
+        {"rung": "11. cuDNN attention", "status": "failed", "reason": "CUDA out of memory"}]}
+
+    def part_run(part, out, seconds):
+        now[0] += 100
+        if part.name == "ladder":
+            (tmp_path / "ladder.json").write_text(json.dumps(ladder))
+        return "done", 100.0, outputs[part.name]
+
+    monkeypatch.setattr(gpu_check, "run_part", part_run)
+    monkeypatch.setattr(gpu_check, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    code, out, err = run_main(["--out", tmp_path, "--budget", "320"], capsys, main=gpu_check.main)
+    assert code == 0, err
+    table = out.splitlines()[-8:]
+    assert table[0].startswith(f"NVIDIA H100 80GB HBM3, torch {torch.__version__}, commit ") and \
+        table[0].endswith(": 300 s of --budget 320")
+    assert [line.split("  ")[0].strip() for line in table[1:]] == [
+        "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 11. cuDNN attention", "CORE, 500 a task",
+        "CORE, every example", "modern recipe, whole card", "compile modes"], table
+    assert table[1].endswith("10 passed in 61.02s [100 s]")
+    assert "B 64 | 466,568 tok/s | MFU 40.3% | 28.95 GiB | launch 35 s, 1st step 21.0 s | loss 10.9794" in table[2]
+    assert table[3].endswith("failed: CUDA out of memory")
+    assert "ours, 10,000 examples (500 a task)" in table[4]
+    assert all(line.endswith("not run: no time left of --budget 320 s (--parts " + name + ")")
+               for line, name in zip(table[5:], ["core-all", "modern-peak", "compile-modes"]))
+    assert (tmp_path / "table.txt").read_text().splitlines() == table
+
+
+def test_loss_memory_on_cpu(capsys):
+    """benchmarks/loss_memory.py, eager on a small case (its peaks, a few MiB, are noise here): a line for each loss,
+    and the same loss."""
+    import loss_memory
+
+    code, out, err = run_main(["--device", "cpu", "--no-compile", "--rows", "1024", "--width", "16", "--vocab", "2048",
+                               "--chunk-rows", "512", "--steps", "1"], capsys, main=loss_memory.main)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("1024 rows x width 16 x vocab 2048, chunks of 512 rows, bf16 autocast, compile False")
+    losses = {line.split()[0]: float(line.split()[-1]) for line in lines[1:]}
+    assert list(losses) == ["full", "chunked"] and losses["chunked"] == pytest.approx(losses["full"], rel=1e-6)

@@ -1,0 +1,146 @@
+"""
+Speed-ups past the lecture's, for train_gpt2.py: each behind a setting that is off by default, until one GPU call
+ranks them all against the trainer's defaults (benchmarks/speed_ladder.py --rungs, benchmarks/gpu_check.py): a winner
+becomes a default, a loser is removed. train_gpt2.TrainConfig inherits Settings, so each is a flag, and set_up calls
+apply, which refuses in one line what cannot run here and switches on the rest, for the run's process.
+
+- --sdpa-backend flash or cudnn: attention's kernel chosen, not left to torch's order of them (one H100 ran cuDNN's
+  with torch 2.11)
+- --grow-batch-size: the micro-batch search may also go up, to fewer accumulation steps (microbatch.py)
+- --recompute-pointwise: torch.compile recomputes the blocks' norms, GELUs and casts in the backward instead of keeping
+  them, about half the activations' memory
+- --coordinate-descent: inductor tunes each kernel's launch settings (longer compiles)
+- --fp8-head: the output layer's matmul, the model's largest, in float8 with a scale per row; its backward in bf16
+--loss chunked (chunked_loss.py) and --compile-mode are the trainer's own settings.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch._functorch.config
+import torch._inductor.config
+import torch.nn as nn
+
+from plumbing import UsageError
+from settings import flag, setting
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: float8 e4m3's largest finite value
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The speed-ups' settings, each off by default: train_gpt2.py's TrainConfig inherits them."""
+    sdpa_backend: str = setting("auto", "attention's kernel: auto (torch's choice), flash or cudnn (CUDA only; the "
+                                "math kernel where the chosen one cannot run)", ["auto", "flash", "cudnn"])
+    grow_batch_size: bool = setting(False, "the micro-batch search may also go up from --batch-size while a step "
+                                    "fits, to a process's sequences a step (fewer accumulation steps)")
+    recompute_pointwise: bool = setting(False, "torch.compile recomputes the norms, GELUs and casts in the backward "
+                                        "instead of keeping them (about half the activations' memory)")
+    coordinate_descent: bool = setting(False, "inductor tunes each kernel's launch settings by coordinate descent "
+                                       "(longer compiles)")
+    fp8_head: bool = setting(False, "the output layer's matmul in float8 with a scale per row, its backward in bf16 "
+                             "(CUDA, compute capability 8.9 or later)")
+
+
+def check(cfg, device):
+    """Refuses, in one line naming the flag, a speed-up that cannot run on device (a torch.device)."""
+    if cfg.sdpa_backend != "auto" and device.type != "cuda":
+        raise UsageError(f"--sdpa-backend {cfg.sdpa_backend} chooses one of CUDA's attention kernels, and this run is "
+                         f"on {device.type}; drop it")
+    for name in ("recompute_pointwise", "coordinate_descent"):
+        if getattr(cfg, name) and not cfg.compile:
+            raise UsageError(f"{flag(name)} is an option of torch.compile, which is off (its default without CUDA); "
+                             f"pass --compile, or drop it")
+    if cfg.grow_batch_size and not cfg.fit_batch_size:
+        raise UsageError("--grow-batch-size searches for a larger micro-batch, and --no-fit-batch-size trains "
+                         "--batch-size as given; drop one of them")
+    if cfg.fp8_head:
+        check_fp8_head(cfg, device)
+
+
+def check_fp8_head(cfg, device):
+    """Refuses --fp8-head where torch._scaled_mm's float8 matmul or its bf16 backward cannot run."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < FP8_CAPABILITY:
+        where = f"this run is on {device.type}" if capability is None else "this GPU's is {}.{}".format(*capability)
+        raise UsageError(f"--fp8-head needs a CUDA GPU of compute capability 8.9 or later (Ada, Hopper), and {where}; "
+                         f"drop it")
+    if cfg.dtype != "bf16":
+        raise UsageError(f"--fp8-head computes its backward in bf16, and this run is --dtype {cfg.dtype}; pass "
+                         f"--dtype bf16, or drop it")
+    if cfg.loss == "chunked":
+        raise UsageError("--fp8-head is the output layer's matmul, which --loss chunked computes in its own chunks; "
+                         "drop one of them")
+    if cfg.vocab_size % 16 or cfg.n_embd % 16:
+        raise UsageError(f"--fp8-head's float8 matmul needs --vocab-size and --n-embd multiples of 16, not "
+                         f"{cfg.vocab_size} and {cfg.n_embd}; pad them, or drop it")
+
+
+def apply(cfg, env, model):
+    """Switches the speed-ups asked for on, in this process and on the model (its output layer in float8 with
+    --fp8-head); refuses in one line one that cannot run here."""
+    check(cfg, torch.device(env.device))
+    if cfg.sdpa_backend != "auto":
+        choose_attention(cfg.sdpa_backend)
+    if cfg.recompute_pointwise:
+        torch._functorch.config.aggressive_recomputation = True
+    if cfg.coordinate_descent:
+        torch._inductor.config.coordinate_descent_tuning = True
+    if cfg.fp8_head:
+        model.lm_head = Float8Head.sharing(model.lm_head)
+
+
+def choose_attention(backend):
+    """F.scaled_dot_product_attention's CUDA kernels, for this process: backend's alone, and the math kernel where it
+    cannot run. Compiled models choose as they are traced, so this comes before."""
+    torch.backends.cuda.enable_flash_sdp(backend == "flash")
+    torch.backends.cuda.enable_cudnn_sdp(backend == "cudnn")
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
+# -----------------------------------------------------------------------------
+# --fp8-head
+
+
+def to_float8(t):
+    """t (rows, k) in float8 e4m3, each row scaled so that its largest magnitude is the format's largest, and the
+    float32 scales (rows, 1) that undo it."""
+    scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX  # an all-zero row stays zero
+    return (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+class Float8Matmul(torch.autograd.Function):
+    """x (N, k) @ weight.T (k, V), both in float8 (to_float8) and the result in bf16; the backward's matmuls in bf16,
+    as autocast's are."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.dtypes = x.dtype, weight.dtype
+        ctx.save_for_backward(x.to(torch.bfloat16), weight.to(torch.bfloat16))
+        (x8, x_scale), (w8, w_scale) = to_float8(x), to_float8(weight)
+        return torch._scaled_mm(x8, w8.T, scale_a=x_scale, scale_b=w_scale.T, out_dtype=torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(torch.bfloat16)
+        return (grad @ weight).to(ctx.dtypes[0]), (grad.T @ x).to(ctx.dtypes[1])
+
+
+class Float8Head(nn.Linear):
+    """The output layer, its matmul in float8 in training (Float8Matmul); without gradients (evaluation, samples),
+    nn.Linear's, in bf16 under autocast."""
+
+    @classmethod
+    def sharing(cls, head):
+        """A Float8Head with head's weight, the same parameter (GPT-2 ties it to the embedding)."""
+        fp8_head = cls(head.in_features, head.out_features, bias=False, device="meta")
+        fp8_head.weight = head.weight
+        return fp8_head
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            return super().forward(x)
+        return Float8Matmul.apply(x.flatten(0, -2), self.weight).unflatten(0, x.shape[:-1])
