@@ -17,8 +17,6 @@ apply, which refuses in one line what cannot run here and switches on the rest, 
 from dataclasses import dataclass
 
 import torch
-import torch._functorch.config
-import torch._inductor.config
 import torch.nn as nn
 
 from plumbing import UsageError
@@ -84,9 +82,13 @@ def apply(cfg, env, model):
     if cfg.sdpa_backend != "auto":
         choose_attention(cfg.sdpa_backend)
     if cfg.recompute_pointwise:
-        torch._functorch.config.aggressive_recomputation = True
+        from torch._functorch import config  # here: importing the compiler's configs takes a second or more
+
+        config.aggressive_recomputation = True
     if cfg.coordinate_descent:
-        torch._inductor.config.coordinate_descent_tuning = True
+        from torch._inductor import config
+
+        config.coordinate_descent_tuning = True
     if cfg.fp8_head:
         model.lm_head = Float8Head.sharing(model.lm_head)
 

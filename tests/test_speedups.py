@@ -3,6 +3,8 @@ line where it cannot run, and the micro-batch search going up (--grow-batch-size
 (the attention kernels, float8 under inductor, the chunked loss's memory) is in tests/test_cuda.py."""
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 
 import microbatch
 import speedups
