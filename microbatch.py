@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import plumbing
 import run_files
+import speedups
 from plumbing import UsageError
 
 GIB = 2**30
@@ -268,7 +269,8 @@ def step_shape(run):
     cfg, env = run.cfg, run.env
     shape = {"model": dataclasses.asdict(run.model.config), "seq_len": cfg.seq_len, "dtype": cfg.dtype,
              "compile": cfg.compile, "compile_mode": cfg.compile_mode, "fused_adamw": cfg.fused_adamw,
-             "fsdp": cfg.fsdp, "device": env.device_type, "world_size": env.world_size}
+             "fsdp": cfg.fsdp, "device": env.device_type, "world_size": env.world_size,
+             "speedups": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(speedups.Settings)}}
     return json.loads(json.dumps(shape))
 
 
