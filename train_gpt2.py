@@ -8,9 +8,10 @@ training loop, and main, which runs them: main -> start -> set_up, then train ->
     python train_gpt2.py --help                             # every setting, with its default and the presets
 
 Without FineWeb shards (make them with `python fineweb.py`) it trains a small model on tiny Shakespeare. Beside it,
-none importing it: the variations modern.py (--recipe modern), fsdp.py (--fsdp) and chunked_loss.py (--loss chunked,
-and the compiled full loss); the run's machinery in settings.py, microbatch.py, checkpoints.py, reporting.py,
-commands.py (--sample, --export-hf), run_files.py, plumbing.py.
+none importing it: the variations modern.py (--recipe modern), fsdp.py (--fsdp), chunked_loss.py (--loss chunked,
+and the compiled full loss) and speedups.py (speed-ups off until measured); the run's machinery in settings.py,
+run_state.py (a run, and what moves it on), microbatch.py, checkpoints.py, reporting.py, commands.py (--sample,
+--export-hf), run_files.py, plumbing.py.
 """
 
 import argparse
@@ -643,7 +644,7 @@ def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: the validation loss, samples, and HellaSwag (hellaswag.py).
+# Evaluation: the validation loss, samples, HellaSwag (hellaswag.py) and CORE (core.py).
 
 
 @torch.no_grad()
