@@ -185,7 +185,8 @@ def search(run, gradient_sync):
         return cfg.batch_size, []
     sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
     # an evaluation's forward passes need less than the training steps that RECORD is of
-    batch_size, said = (cfg.batch_size, []) if cfg.eval_only else below_recorded(run, sequences_per_step)
+    record = None if cfg.eval_only else recorded_on_some_rank(run)
+    batch_size, said = below_recorded(cfg, record, sequences_per_step)
     if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
         # would leave the others waiting, so the micro-batch given is trained as it is
         return batch_size, said + [f"micro-batch {batch_size}, as given: under --fsdp on several processes it is not "
@@ -201,7 +202,8 @@ def search(run, gradient_sync):
         said.append(f"micro-batch {batch_size}, as {tried} did not fit in {last_where}: found in "
                     f"{time.perf_counter() - t0:.1f} s; --batch-size {batch_size} starts there")
     elif cfg.grow_batch_size:  # --batch-size fits: a larger one may too
-        batch_size, said = grow(run, batch_size, sequences_per_step, gradient_sync, said)
+        ceiling = sequences_per_step + 1 if record is None else record["micro_batch"]
+        batch_size, said = grow(run, batch_size, sequences_per_step, ceiling, gradient_sync, said)
     return batch_size, said
 
 
@@ -210,12 +212,11 @@ def next_larger(batch_size, sequences_per_step):
     return min((b for b in range(2 * batch_size, sequences_per_step + 1) if sequences_per_step % b == 0), default=None)
 
 
-def grow(run, batch_size, sequences_per_step, gradient_sync, said):
+def grow(run, batch_size, sequences_per_step, ceiling, gradient_sync, said):
     """--grow-batch-size: the micro-batch from batch_size (which fits) up, to a rank's sequences_per_step, while a try
-    fits on every rank and stays below any that ran out of memory after it was chosen (RECORD); and said, with the
-    line that says so. Fewer accumulation steps, the same tokens a step."""
-    records = [r["micro_batch"] for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
-    ceiling, grown, where, t0 = min(records, default=sequences_per_step + 1), batch_size, None, time.perf_counter()
+    fits on every rank and stays below ceiling (one that ran out of memory after it was chosen, RECORD); and said,
+    with the line that says so. Fewer accumulation steps, the same tokens a step."""
+    grown, where, t0 = batch_size, None, time.perf_counter()
     while (larger := next_larger(grown, sequences_per_step)) is not None and larger < ceiling:
         where = where_it_does_not_fit(run, larger, gradient_sync)
         if where is not None:
@@ -306,12 +307,17 @@ def recorded_on_this_rank(run):
     return min(held, key=lambda r: r["micro_batch"], default=None)
 
 
-def below_recorded(run, sequences_per_step):
-    """--batch-size, or the largest micro-batch below the smallest that ran out of memory after it was chosen on some
-    rank (RECORD), or 1 again where that was 1 (a hint, which the try of 1 then checks), with the line that says so."""
-    cfg = run.cfg
+def recorded_on_some_rank(run):
+    """The record of the smallest micro-batch that ran out of memory, of those that hold on each rank
+    (recorded_on_this_rank), on every rank; or None. All ranks must call it."""
     records = [r for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
-    record = min(records, key=lambda r: r["micro_batch"], default=None)
+    return min(records, key=lambda r: r["micro_batch"], default=None)
+
+
+def below_recorded(cfg, record, sequences_per_step):
+    """--batch-size, or the largest micro-batch below record's (recorded_on_some_rank: the smallest that ran out of
+    memory after it was chosen), or 1 again where that was 1 (a hint, which the try of 1 then checks), with the line
+    that says so."""
     if record is None or record["micro_batch"] > cfg.batch_size or cfg.batch_size == 1:
         return cfg.batch_size, []
     failed, path = record["micro_batch"], os.path.join(cfg.log_dir, RECORD)
