@@ -230,8 +230,7 @@ def how_to_resume(cfg):
     latest = run_files.latest_checkpoint(cfg.log_dir)
     if latest is None:
         return "no checkpoint was written yet: run the same command again to start over"
-    same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
-    return f"the latest checkpoint, {latest}, is kept: run {same} again to resume from it"
+    return f"the latest checkpoint, {latest}, is kept: run {settings.resume_command(cfg)} again to resume from it"
 
 
 def find_resume_checkpoint(cfg, rank, world_size):

@@ -198,7 +198,7 @@ class Shard:
             raise DataError(unopenable(self.path, e)) from None
         if read < tokens.nbytes:
             raise DataError(f"{self.path}: it ends before token {start + read // 2:,} of {self.length:,}: it changed "
-                             f"since this run began; restore it, or make the shards again with fineweb.py")
+                            f"since this run began; restore it, or make the shards again with fineweb.py")
         return tokens
 
 
@@ -454,8 +454,8 @@ def lock_holder(lock_path):
             except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: a writer holds it
                 return holder_of(lock_file)
             fcntl.lockf(lock_file, fcntl.LOCK_UN)
-    except OSError:
-        return None
+    except OSError:  # no lock file: nobody holds it
+        pass
     return None
 
 

@@ -182,9 +182,8 @@ def finish(run, stopped_by_signal):
         print("stopped by signal before the first step: nothing to save")
     elif stopped_by_signal:
         left = " (the last: only its final evaluation is left)" if run.step == cfg.max_steps else ""
-        same = "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
-        print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with {same} (it picks up "
-              f"{cfg.log_dir})")
+        print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with "
+              f"{settings.resume_command(cfg)} (it picks up {cfg.log_dir})")
     else:
         hint = f"; for more samples: {shlex.join(['python', 'train_gpt2.py', '--sample', last])}" if last else ""
         launch = f" ({duration(time.perf_counter() - run.launch_start)} in this launch)" if run.resumed_from else ""

@@ -171,11 +171,9 @@ class Run:
         try:
             yield
         except DataError as e:
-            kept = None
-            if self.step > self.first_step and self.saved_step != self.step and self.nonfinite_since is None:
-                self.save()
-                kept = f"the run is saved at step {self.step}"
-            latest = run_files.latest_checkpoint(self.cfg.log_dir)
-            kept = kept or (f"the latest checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet")
-            raise DataError(f"{e}; {kept}: once that is mended, the same command resumes from "
-                            f"{latest or 'the start'}") from None
+            if not (self.step > self.first_step and self.saved_step != self.step and self.nonfinite_since is None):
+                raise DataError(f"{e}; once that is mended: {checkpoints.how_to_resume(self.cfg)}") from None
+            self.save()
+            raise DataError(f"{e}; the run is saved at step {self.step}: once that is mended, "
+                            f"{settings.resume_command(self.cfg)} resumes from "
+                            f"{run_files.latest_checkpoint(self.cfg.log_dir)}") from None

@@ -72,6 +72,11 @@ class Recipe(NamedTuple):
         return [flag(name) for name in self.settings if name.endswith("_lr")]
 
 
+def resume_command(cfg):
+    """The command that resumes this run, in words: --no-resume or --resume PATH would start over, or go back."""
+    return "the same command" if cfg.resume == "auto" else "the same command without --no-resume or --resume"
+
+
 def flag(name):
     return "--" + name.replace("_", "-")
 

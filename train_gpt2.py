@@ -75,7 +75,7 @@ MODEL_SIZES = {  # n_layer, n_head, n_embd of OpenAI's four GPT-2 models
 
 
 @dataclass(frozen=True)  # the run's settings are decided once (settings.resolve), then never assigned
-class TrainConfig(speedups.Settings, modern.Settings):  # and the settings of modern.py, then speedups.py
+class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (--muon-lr, ...) and speed-ups' too
     # data and outputs
     data: str = setting("edu_fineweb10B", "a directory of *train* and *val* shards (.npy or .bin), or a text file")
     log_dir: str = setting("log", "where log.jsonl and checkpoints go")
@@ -347,8 +347,8 @@ def check_token_ids(tokens, vocab_size, source):
     n_tokens = min(vocab_size, GPT2_VOCAB)  # the ids the model scores: padding rows are not tokens
     if len(tokens) and int(tokens.max()) >= n_tokens:
         raise DataError(f"{source} holds token id {int(tokens.max())}, but the model scores ids below {n_tokens} only "
-                         f"(--vocab-size {vocab_size}, capped at GPT-2's {GPT2_VOCAB}); re-create the data with the "
-                         f"GPT-2 tokenizer")
+                        f"(--vocab-size {vocab_size}, capped at GPT-2's {GPT2_VOCAB}); re-create the data with the "
+                        f"GPT-2 tokenizer")
 
 
 class TokenStream:
@@ -727,13 +727,13 @@ def layered_config(flags, given, env):
     return settings.layered(flags, given, env, RECIPES, MODEL_SIZES, PRESETS)
 
 
-def resolve_config(draft, env, ckpt=None, ckpt_path=None, show=True):
+def resolve_config(draft, env, ckpt=None, ckpt_path=None):
     """The run's settings (settings.resolve: draft's, then what the checkpoint resumed keeps, all checked), frozen;
-    rank 0 prints the lines that say which are not their defaults, and why, if show."""
+    rank 0 prints the lines that say which are not their defaults, and why."""
     resumed = None if ckpt is None else (ckpt["train_config"],
                                          asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
     cfg, lines = settings.resolve(draft, env, RECIPES, fsdp.check_settings, resumed)
-    if show and env.rank == 0 and lines:
+    if env.rank == 0 and lines:
         print("\n".join(lines))
     return cfg
 
