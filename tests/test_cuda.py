@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch._functorch.config  # the decorator below reads it at import; nothing else imports it first
 
 import speedups
 import train_gpt2
