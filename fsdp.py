@@ -38,8 +38,10 @@ def checkpoint_modules():
     return dcp, dcp_state
 
 
-def check_settings(cfg):
-    """Refuses, in one line, what --fsdp cannot run with."""
+def check_settings(cfg, env):
+    """Refuses, in one line, what --fsdp cannot run with (nothing without --fsdp)."""
+    if not cfg.fsdp:
+        return
     if not dist.is_available():
         raise UsageError(f"--fsdp needs torch.distributed, and this build of PyTorch ({torch.__version__}) has none; "
                          f"install one that has (pytorch.org), or drop --fsdp")

@@ -8,8 +8,8 @@ leaves the others waiting in a collective. The accumulation steps rise to match:
 On a CPU the tries run in the heap mode the run keeps (plumbing.keep_freed_memory): freed memory kept in the heap
 (faster), or given back to the system under an address-space limit (address_space_limited).
 
-With --grow-batch-size (speedups.py), a B that fits at once goes up instead, to the next divisor of the batch at least
-twice as large, while a try of it fits on every rank: fewer accumulation steps.
+With --grow-batch-size (on by default on CUDA), a B that fits at once goes up instead, to the next divisor of the batch
+at least twice as large, while a try of it fits on every rank: fewer accumulation steps.
 
 Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. Such an
 error (an evaluation, a fragmented allocator) is recorded in the log directory (RECORD), so that the next start with the

@@ -425,6 +425,9 @@ def check_config(cfg, world_size):
         raise UsageError("--loss chunked cannot run with --dtype fp16: it computes its gradients in fp16 before the "
                          "gradient scaler sees them, where they can underflow or overflow; use --dtype bf16 or fp32, "
                          "or --loss full")
+    if cfg.grow_batch_size and not cfg.fit_batch_size:
+        raise UsageError("--grow-batch-size searches for a larger micro-batch, and --no-fit-batch-size trains "
+                         "--batch-size as given; drop one of them")
     if cfg.compile_mode != "default" and not cfg.compile:
         raise UsageError(f"--compile-mode {cfg.compile_mode} needs --compile (off by default without CUDA); pass "
                          f"--compile or drop it")
@@ -562,12 +565,19 @@ def apply_model_preset(draft, model_sizes):
 
 
 def apply_device(draft, env):
-    """What the device decides: compiling (on CUDA), the precision, and no benchmarks where they are too slow."""
+    """What the device decides: compiling, growing the micro-batch and the chunked loss (on CUDA, where a GPU measured
+    them faster or leaner), the precision, and no benchmarks where they are too slow."""
+    cuda = env.device_type == "cuda"
     if draft.flags.compile is None:
-        draft.stand_in("compile", env.device_type == "cuda", f"{env.device_type}'s {env.device_type == 'cuda'}")
+        draft.stand_in("compile", cuda, f"{env.device_type}'s {cuda}")
+    if draft.flags.grow_batch_size is None:  # the search that goes up is part of the one that fits
+        draft.stand_in("grow_batch_size", cuda and draft.fit_batch_size, f"{env.device_type}'s {cuda}")
     dtype = resolve_dtype(draft.dtype, env.device_type)
     if draft.flags.dtype == "auto":
         draft.stand_in("dtype", dtype, f"{env.device_type}'s {dtype}")
+    if draft.flags.loss == "auto":  # fp16 scales the loss after the chunks' gradients exist; --fp8-head is the full one
+        loss = "chunked" if cuda and draft.dtype != "fp16" and not draft.fp8_head else "full"
+        draft.stand_in("loss", loss, f"{env.device_type}'s {loss}")
     off = [key for key in BENCHMARKS if key not in draft.given and getattr(draft, key) != 0]
     if off and (env.device_type != "cuda" or draft.vocab_size < GPT2_VOCAB):
         why = (f"on {env.device_type} (too slow without CUDA)" if env.device_type != "cuda" else
@@ -576,11 +586,12 @@ def apply_device(draft, env):
             draft.set(key, 0, f"no {' or '.join(BENCHMARKS[key] for key in off)} {why}")
 
 
-def resolve(draft, env, recipes, fsdp_check, resumed=None):
+def resolve(draft, env, recipes, checks, resumed=None):
     """The run's settings, frozen: draft's layers (layered), then what the checkpoint resumed keeps (resumed: its
     train_config, model_config and path; None for a new run), then the values fitted to the others, then every
     check. Also the lines for rank 0 to print first: what made each value that is not the file's. It prints and
-    writes nothing. fsdp_check: fsdp.py's refusals, for --fsdp."""
+    writes nothing. checks: the refusals of the modules that import this one (fsdp.py's, speedups.py's), each
+    check(cfg, env), so that a setting that cannot run here is refused before anything is read or downloaded."""
     if draft.eval_only and resumed is not None:  # the model as it was trained, whatever the flags' recipe
         take_model_settings(draft, *resumed)
     fit_seq_len(draft)
@@ -594,6 +605,6 @@ def resolve(draft, env, recipes, fsdp_check, resumed=None):
     cfg = draft.done()
     check_config(cfg, env.world_size)
     check_recipe(cfg, draft.given, recipes)  # once the shapes are whole: --model's, --init-from's, the checkpoint's
-    if cfg.fsdp:
-        fsdp_check(cfg)
+    for check in checks:
+        check(cfg, env)
     return cfg, lines

@@ -1,17 +1,15 @@
 """
-Speed-ups past the lecture's, for train_gpt2.py: each behind a setting that is off by default, until one GPU call
-ranks them all against the trainer's defaults (benchmarks/speed_ladder.py --rungs, benchmarks/gpu_check.py): a winner
-becomes a default, a loser is removed. train_gpt2.TrainConfig inherits Settings, so each is a flag, and set_up calls
-apply, which refuses in one line what cannot run here and switches on the rest, for the run's process.
+Speed-ups past the lecture's, for train_gpt2.py, each behind a setting that is off by default until a GPU call ranks it
+against the trainer's defaults (benchmarks/speed_ladder.py --rungs, benchmarks/gpu_check.py): a winner becomes a
+default, a loser is removed. train_gpt2.TrainConfig inherits Settings, so each is a flag; settings.resolve refuses in
+one line one that cannot run here (check), and set_up switches on the rest for the run's process (apply).
 
-- --sdpa-backend flash or cudnn: attention's kernel chosen, not left to torch's order of them (one H100 ran cuDNN's
-  with torch 2.11)
-- --grow-batch-size: the micro-batch search may also go up, to fewer accumulation steps (microbatch.py)
-- --recompute-pointwise: torch.compile recomputes the blocks' norms, GELUs and casts in the backward instead of keeping
-  them, about half the activations' memory
-- --coordinate-descent: inductor tunes each kernel's launch settings (longer compiles)
-- --fp8-head: the output layer's matmul, the model's largest, in float8 with a scale per row; its backward in bf16
---loss chunked (chunked_loss.py) and --compile-mode are the trainer's own settings.
+- --coordinate-descent: inductor tunes each kernel's launch settings (longer compiles); not yet ranked
+- --fp8-head: the output layer's matmul, the model's largest, in float8 with a scale per row; its backward in bf16.
+  3.0% faster on an H100 (2026-11-28), held off until its CUDA test passes there (README, Speed)
+
+The ranked winners are the trainer's own defaults now: --loss chunked on CUDA (chunked_loss.py) and the micro-batch
+search going up as well as down on CUDA (--grow-batch-size, microbatch.py).
 """
 
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from plumbing import UsageError
-from settings import flag, setting
+from settings import setting
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: float8 e4m3's largest finite value
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
@@ -29,32 +27,19 @@ FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
 @dataclass(frozen=True)
 class Settings:
     """The speed-ups' settings, each off by default: train_gpt2.py's TrainConfig inherits them."""
-    sdpa_backend: str = setting("auto", "attention's kernel: auto (torch's choice), flash or cudnn (CUDA only; the "
-                                "math kernel where the chosen one cannot run)", ["auto", "flash", "cudnn"])
-    grow_batch_size: bool = setting(False, "the micro-batch search may also go up from --batch-size while a step "
-                                    "fits, to a process's sequences a step (fewer accumulation steps)")
-    recompute_pointwise: bool = setting(False, "torch.compile recomputes the norms, GELUs and casts in the backward "
-                                        "instead of keeping them (about half the activations' memory)")
     coordinate_descent: bool = setting(False, "inductor tunes each kernel's launch settings by coordinate descent "
                                        "(longer compiles)")
     fp8_head: bool = setting(False, "the output layer's matmul in float8 with a scale per row, its backward in bf16 "
                              "(CUDA, compute capability 8.9 or later)")
 
 
-def check(cfg, device):
-    """Refuses, in one line naming the flag, a speed-up that cannot run on device (a torch.device)."""
-    if cfg.sdpa_backend != "auto" and device.type != "cuda":
-        raise UsageError(f"--sdpa-backend {cfg.sdpa_backend} chooses one of CUDA's attention kernels, and this run is "
-                         f"on {device.type}; drop it")
-    for name in ("recompute_pointwise", "coordinate_descent"):
-        if getattr(cfg, name) and not cfg.compile:
-            raise UsageError(f"{flag(name)} is an option of torch.compile, which is off (its default without CUDA); "
-                             f"pass --compile, or drop it")
-    if cfg.grow_batch_size and not cfg.fit_batch_size:
-        raise UsageError("--grow-batch-size searches for a larger micro-batch, and --no-fit-batch-size trains "
-                         "--batch-size as given; drop one of them")
+def check(cfg, env):
+    """Refuses, in one line naming the flag, a speed-up that cannot run on the run's device (env.device)."""
+    if cfg.coordinate_descent and not cfg.compile:
+        raise UsageError("--coordinate-descent is an option of torch.compile, which is off (its default without CUDA); "
+                         "pass --compile, or drop it")
     if cfg.fp8_head:
-        check_fp8_head(cfg, device)
+        check_fp8_head(cfg, torch.device(env.device))
 
 
 def check_fp8_head(cfg, device):
@@ -75,31 +60,15 @@ def check_fp8_head(cfg, device):
                          f"{cfg.vocab_size} and {cfg.n_embd}; pad them, or drop it")
 
 
-def apply(cfg, env, model):
+def apply(cfg, model):
     """Switches the speed-ups asked for on, in this process and on the model (its output layer in float8 with
-    --fp8-head); refuses in one line one that cannot run here."""
-    check(cfg, torch.device(env.device))
-    if cfg.sdpa_backend != "auto":
-        choose_attention(cfg.sdpa_backend)
-    if cfg.recompute_pointwise:
-        from torch._functorch import config  # here: importing the compiler's configs takes a second or more
-
-        config.aggressive_recomputation = True
+    --fp8-head); settings.resolve refused those that cannot run here, before anything was read."""
     if cfg.coordinate_descent:
-        from torch._inductor import config
+        from torch._inductor import config  # here: importing the compiler's configs takes a second or more
 
         config.coordinate_descent_tuning = True
     if cfg.fp8_head:
         model.lm_head = Float8Head.sharing(model.lm_head)
-
-
-def choose_attention(backend):
-    """F.scaled_dot_product_attention's CUDA kernels, for this process: backend's alone, and the math kernel where it
-    cannot run. Compiled models choose as they are traced, so this comes before."""
-    torch.backends.cuda.enable_flash_sdp(backend == "flash")
-    torch.backends.cuda.enable_cudnn_sdp(backend == "cudnn")
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    torch.backends.cuda.enable_math_sdp(True)
 
 
 # -----------------------------------------------------------------------------

@@ -97,6 +97,8 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
     batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process, halved until a step fits")
     fit_batch_size: bool = setting(True, "try a step of --batch-size first, halving it until one fits in memory "
                                    "(microbatch.py); off: train it as given")
+    grow_batch_size: Optional[bool] = setting(None, "where --batch-size fits, try larger ones up to a process's "
+                                              "sequences a step: fewer accumulation steps (default: on for CUDA)")
     seq_len: int = setting(1024, "tokens per sequence")
     total_batch_size: int = setting(524288, "tokens per optimizer step, over all processes (2**19, GPT-3 small's 0.5M)")
     # optimization
@@ -138,8 +140,9 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
                                 "graphs", ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
     fsdp: bool = setting(False, "shard weights, gradients, optimizer state over the processes (FSDP2), not copy them")
-    loss: str = setting("full", "full: one cross-entropy over all (B*T, vocab) logits; chunked: a chunk of rows at a "
-                        "time, never all the logits (less memory)", ["full", "chunked"], model=True)
+    loss: str = setting("auto", "full: one cross-entropy over all (B*T, vocab) logits; chunked: a chunk of rows at a "
+                        "time, never all the logits (less memory); auto: chunked on CUDA, where it is as fast, full "
+                        "elsewhere, where it is not", ["auto", "full", "chunked"], model=True)
 
 
 GPTConfig = settings.model_config_class(TrainConfig)  # the model's settings: those above marked model=True
@@ -732,7 +735,7 @@ def resolve_config(draft, env, ckpt=None, ckpt_path=None):
     rank 0 prints the lines that say which are not their defaults, and why."""
     resumed = None if ckpt is None else (ckpt["train_config"],
                                          asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
-    cfg, lines = settings.resolve(draft, env, RECIPES, fsdp.check_settings, resumed)
+    cfg, lines = settings.resolve(draft, env, RECIPES, (fsdp.check_settings, speedups.check), resumed)
     if env.rank == 0 and lines:
         print("\n".join(lines))
     return cfg
@@ -748,7 +751,7 @@ def set_up(draft, env):
     stream, val = load_data(cfg)
     benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core) if getattr(cfg, module.EVERY)}
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
-    speedups.apply(cfg, env, model)  # each speed-up asked for, or its one-line refusal: before the model compiles
+    speedups.apply(cfg, model)  # each speed-up asked for: before the model compiles
     compiled = wrap_model(model, cfg, env)
     run = run_state.Run(cfg, env, RECIPES[cfg.recipe], stream, val, benchmarks, model, compiled,
                         optimizers=make_optimizers(model, cfg, env.device_type),

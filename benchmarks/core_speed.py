@@ -139,6 +139,21 @@ def timed(function):
     return result, time.perf_counter() - started
 
 
+def plan(args, model_name, shapes, max_per_task, plain_per_task):
+    """--dry-run: a small bundle made and read (or --core-data's), the model's shapes built on the meta device (no
+    memory), and one line of what would be timed."""
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in model_of(GPTConfig(**shapes)).parameters())
+    with tempfile.TemporaryDirectory() as scratch:  # a synthetic bundle of 11 examples a task: enough for 10 shots
+        directory = args.core_data or synthetic_bundle(scratch, 11)
+        bundle = core.load(directory, "", 11)
+    counts = ({task.label: len(task.examples) for task in bundle.tasks} if args.core_data else
+              {label: shape[4] for label, shape in REAL_SHAPE.items()})
+    examples = sum(min(count, max_per_task or count) for count in counts.values())
+    print(f"dry run: {model_name} shapes, {n_params / 1e6:.1f}M parameters, on {args.device}: ours would score "
+          f"{examples:,} examples of {len(bundle.tasks)} tasks, the plain evaluation {plain_per_task or 'all'} a task")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--core-data", help="a CORE bundle directory (default: a synthetic one of the real shape)")
@@ -155,6 +170,8 @@ def main():
                         help="ours: tokens a forward pass (default: a run's micro-batch: 8 x 128 for the quick start, "
                              "64 x 1024 for GPT-2)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="default: on CUDA")
+    parser.add_argument("--dry-run", action="store_true", help="make and read the bundle, build the model's shapes on "
+                                                              "no device, and say what would be timed; time nothing")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     model_name = args.model or ("gpt2" if cuda else "quickstart")
@@ -168,6 +185,8 @@ def main():
         shapes = dict(MODEL_SIZES[model_name], block_size=1024, vocab_size=train_gpt2.PADDED_VOCAB)
         tokens_per_pass = args.tokens_per_pass or 64 * 1024
     torch.manual_seed(0)
+    if args.dry_run:
+        return plan(args, model_name, shapes, max_per_task, plain_per_task)
     if args.init_from:
         model = GPT.from_pretrained(args.init_from, GPTConfig(**shapes)).to(args.device).eval()
     else:

@@ -5,17 +5,21 @@ it; what had none is named, for the next call (--parts).
 
     python benchmarks/gpu_check.py --out $OUT             # on one H100: every part, in at most 8 minutes
     python benchmarks/gpu_check.py --parts modern-peak,compile-modes --out $OUT   # a second call: what had no time
+    python benchmarks/gpu_check.py --cpu                  # any machine, before the GPU call: every part starts
     python benchmarks/gpu_check.py --dry-run              # any machine: the commands, in order
 
-The parts, most needed first:
-  tests          python -m pytest -q tests/test_cuda.py: the CUDA-only tests (the speed-ups under inductor too)
-  ladder         benchmarks/speed_ladder.py: the trainer's defaults and each speed-up on them, ranked (5 timed steps)
-  core-500       benchmarks/core_speed.py --device cuda --max-per-task 500: CORE as a training run scores it
+The parts, most needed first (the speed-ups that a call ranked and settled are out of it):
+  tests          python -m pytest -q tests/test_cuda.py: the CUDA-only tests (the FP8 head under inductor too)
+  ladder         benchmarks/speed_ladder.py: the trainer's defaults against what they replaced, and the FP8 head on
+                 them, ranked (5 timed steps)
   core-all       benchmarks/core_speed.py --device cuda: every example, as the end of a run scores it
   modern-peak    benchmarks/small_cards.py --caps 0 -- --recipe modern: the modern recipe's peak memory
+  core-500       benchmarks/core_speed.py --device cuda --max-per-task 500: CORE as a training run scores it
   compile-modes  benchmarks/speed_ladder.py: the defaults again, coordinate descent, max-autotune, CUDA graphs
                  (minutes of compiling each)
-Each part's whole output is written to --out (PART.txt, and the JSON of those that write one).
+Each part's whole output is written to --out (PART.txt, and the JSON of those that write one). --cpu runs each part's
+command as the GPU call would, alone in a fresh process, with the flags that make it a CPU pass: the CUDA tests are
+collected and skip, the benchmarks read their flags and inputs and print their plan (--dry-run).
 """
 
 import argparse
@@ -40,37 +44,55 @@ class Part(NamedTuple):
     seconds: int  # at most, if the budget has them
     command: list  # after `python`; {out} is --out, {inner} the seconds given less the time to stop and report
     what: str
+    on_cpu: list = []  # flags added to command by --cpu: a pass of its code on the CPU, or its plan (--dry-run)
 
 
+LADDER_PLAN = ["--dry-run", "--device", "cuda"]  # each rung's command for a GPU, read by the trainer's parser
 PARTS = [
     Part("tests", 150, ["-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join("tests", "test_cuda.py")],
          "tests/test_cuda.py"),
     Part("ladder", 270, [os.path.join(BENCHMARKS, "speed_ladder.py"), "--rungs",
-                         "defaults,chunked-loss,cudnn,flash,grow-batch,recompute,fp8-head", *LADDER_STEPS,
-                         "--time-budget", "{inner}", "--json", "{out}/ladder.json"], "ladder"),
-    Part("core-500", 90, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda", "--max-per-task", "500"],
-         "CORE, 500 a task"),
-    Part("core-all", 150, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda"], "CORE, every example"),
+                         "defaults,full-loss,given-batch,fp8-head", *LADDER_STEPS, "--time-budget", "{inner}",
+                         "--json", "{out}/ladder.json"], "ladder", LADDER_PLAN),
+    Part("core-all", 180, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda"], "CORE, every example",
+         ["--dry-run"]),
     Part("modern-peak", 120, [os.path.join(BENCHMARKS, "small_cards.py"), "--caps", "0", "--steps", "3", "--json",
-                              "{out}/modern_peak.json", "--", "--recipe", "modern"], "modern recipe, whole card"),
+                              "{out}/modern_peak.json", "--", "--recipe", "modern"], "modern recipe, whole card",
+         ["--dry-run"]),
+    Part("core-500", 90, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda", "--max-per-task", "500"],
+         "CORE, 500 a task", ["--dry-run"]),
     Part("compile-modes", 600, [os.path.join(BENCHMARKS, "speed_ladder.py"), "--rungs",
                                 "defaults,coordinate-descent,max-autotune,cuda-graphs", *LADDER_STEPS,
-                                "--time-budget", "{inner}", "--json", "{out}/compile_modes.json"], "compile modes"),
+                                "--time-budget", "{inner}", "--json", "{out}/compile_modes.json"], "compile modes",
+         LADDER_PLAN),
 ]
 NAMES = [part.name for part in PARTS]
 LEAST = 30  # seconds: a part is not started with less
 STOPPING = 20  # seconds a ladder keeps back from its time to stop its last rung and write its table
 
 
-def command_of(part, out, seconds):
-    return [sys.executable, *(arg.format(out=out, inner=seconds - STOPPING) for arg in part.command)]
+def command_of(part, out, seconds, cpu=False):
+    """The part's command line; with cpu, its CPU pass (on_cpu's flags before those that go to the trainer)."""
+    command = [arg.format(out=out, inner=seconds - STOPPING) for arg in part.command]
+    if cpu:
+        cut = command.index("--") if "--" in command else len(command)
+        command[cut:cut] = part.on_cpu
+    return [sys.executable, *command]
 
 
-def run_part(part, out, seconds):
+def json_written(part, out):
+    """The JSON file that part writes (its --json), or None."""
+    return part.command[part.command.index("--json") + 1].format(out=out) if "--json" in part.command else None
+
+
+def run_part(part, out, seconds, cpu=False):
     """Runs part for at most seconds, then interrupts it (as Ctrl-C does: a ladder stops the trainer it started);
-    its status ('done', 'failed: exit N', 'timed out'), seconds taken and output."""
+    its status ('done', 'failed: exit N', 'timed out'), seconds taken and output. An earlier call's JSON in out goes
+    first: the table is of this call's."""
+    if json_written(part, out) and os.path.exists(json_written(part, out)):
+        os.remove(json_written(part, out))
     started = time.monotonic()
-    process = subprocess.Popen(command_of(part, out, seconds), cwd=REPO, stdout=subprocess.PIPE,
+    process = subprocess.Popen(command_of(part, out, seconds, cpu), cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=seconds)
@@ -112,7 +134,7 @@ def result_rows(part, status, output, out):
     last = next((line for line in reversed(output.splitlines()) if line.strip()), "no output")
     try:
         if part.name in ("ladder", "compile-modes"):
-            rows = ladder_rows(os.path.join(out, part.command[-1].split("/")[-1]))
+            rows = ladder_rows(json_written(part, out))
             return [(f"{part.what}: {what}", result) for what, result in rows] + (
                 [(part.what, f"{status}: {last[:150]}")] if status != "done" else [])
         if part.name == "tests":
@@ -120,7 +142,7 @@ def result_rows(part, status, output, out):
         if part.name.startswith("core"):
             ours = next(line for line in output.splitlines() if line.startswith("ours,"))
             return [(part.what, ours if status == "done" else f"{status}: {ours}")]
-        with open(os.path.join(out, "modern_peak.json")) as f:
+        with open(json_written(part, out)) as f:
             row = json.load(f)["rows"][0]
         return [(part.what, f"B {row['micro_batch']} | {row['tok_per_sec']:,.0f} tok/s | {row['peak_gib']:.2f} GiB | "
                             f"1st step {row['first_step_s']:.1f} s")]
@@ -150,6 +172,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="gpu_check_out", help="where each part's output goes (default: "
                                                                "gpu_check_out/)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
+    parser.add_argument("--cpu", action="store_true", help="run each part's CPU pass: a check, on any machine, that "
+                                                          "every part starts and runs as far as a CPU can take it")
     args = parser.parse_args(argv)
     args.parts = [name for name in args.parts.split(",") if name]
     unknown = [name for name in args.parts if name not in NAMES]
@@ -157,7 +181,7 @@ def parse_args(argv=None):
         parser.exit(2, f"error: --parts {','.join(unknown)}: no such part; the parts are {', '.join(NAMES)}\n")
     if args.budget < LEAST:
         parser.exit(2, f"error: --budget {args.budget}: a part needs {LEAST} s at least\n")
-    if not args.dry_run and not torch.cuda.is_available():
+    if not (args.dry_run or args.cpu) and not torch.cuda.is_available():
         parser.exit(2, "error: gpu_check.py measures a CUDA GPU, and PyTorch sees none here; --dry-run lists its "
                        "commands\n")
     return args
@@ -168,7 +192,8 @@ def main(argv=None):
     parts = [part for part in PARTS if part.name in args.parts]
     if args.dry_run:
         for part in parts:
-            print(f"{part.name} (at most {part.seconds} s): {' '.join(command_of(part, args.out, part.seconds))}")
+            print(f"{part.name} (at most {part.seconds} s): "
+                  f"{' '.join(command_of(part, args.out, part.seconds, args.cpu))}")
         return
     os.makedirs(args.out, exist_ok=True)
     started = time.monotonic()
@@ -180,11 +205,12 @@ def main(argv=None):
             rows.append((part.what, f"not run: no time left of --budget {args.budget} s (--parts {part.name})"))
             continue
         print(f"{part.name}: up to {seconds} s", flush=True)
-        status, took, output = run_part(part, args.out, seconds)
+        status, took, output = run_part(part, args.out, seconds, args.cpu)
         print(output, flush=True)
         rows += [(what, f"{result} [{took:.0f} s]" if i == 0 else result)
                  for i, (what, result) in enumerate(result_rows(part, status, output, args.out))]
-    header = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, commit {commit()}, "
+    device = "CPU pass" if args.cpu else torch.cuda.get_device_name()
+    header = (f"{device}, torch {torch.__version__}, commit {commit()}, "
               f"{datetime.date.today()}: {time.monotonic() - started:.0f} s of --budget {args.budget}")
     lines = table(rows, header)
     with open(os.path.join(args.out, "table.txt"), "w") as f:

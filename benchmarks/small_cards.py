@@ -10,6 +10,7 @@ and the largest blocks alive at its peak are listed by the line that allocated t
     python benchmarks/small_cards.py                                  # the whole card, 37 GiB, 22 GiB; 10 steps each
     python benchmarks/small_cards.py --caps 0 --steps 3 --history memory.pickle   # where the default step's memory goes
     python benchmarks/small_cards.py --caps 22 -- --recipe modern     # flags after -- go to train_gpt2.py
+    python benchmarks/small_cards.py --dry-run -- --recipe modern     # any machine: each run's command, its flags read
 """
 
 import argparse
@@ -42,6 +43,16 @@ def trainer_args(data_dir, log_dir, steps, extra):
     return ["--data", data_dir, "--log-dir", log_dir, "--no-resume", "--max-steps", str(steps), "--eval-every", "0",
             "--hellaswag-every", "0", "--core-every", "0", "--num-samples", "0", "--checkpoint-every", "0",
             "--val-tokens", "8192", *extra]
+
+
+def print_runs(args):
+    """Each run's command, as measure runs it, once train_gpt2.py's parser has read its flags (exiting on a bad one)."""
+    import train_gpt2
+
+    for gib in args.caps:
+        flags = trainer_args("DATA", f"LOG_{gib:g}", args.steps, args.trainer_args)
+        train_gpt2.parse_args(flags)
+        print(f"{'the whole card' if not gib else f'{gib:g} GiB'}: python train_gpt2.py {' '.join(flags)}")
 
 
 def run_capped(gib, history, args):
@@ -149,10 +160,12 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each run (default: 10)")
     parser.add_argument("--history", default="", help="record the first run's memory history and write it here")
     parser.add_argument("--json", default="", help="also write the rows to this JSON file")
+    parser.add_argument("--dry-run", action="store_true", help="print each run's command, its flags read by the "
+                                                              "trainer's parser; run none")
     parser.add_argument("--run-capped", type=float, default=None, help=argparse.SUPPRESS)  # the child of one run
     parser.add_argument("trainer_args", nargs="*", help="flags for train_gpt2.py, after --")
     args = parser.parse_args(argv)
-    if args.run_capped is None and not torch.cuda.is_available():
+    if args.run_capped is None and not args.dry_run and not torch.cuda.is_available():
         parser.exit(2, "error: small_cards.py caps a CUDA GPU's memory, and PyTorch sees none here; run it on a GPU "
                        "machine\n")
     if args.steps < 2:
@@ -164,6 +177,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.run_capped is not None:
         return run_capped(args.run_capped, args.history, args.trainer_args)
+    if args.dry_run:
+        return print_runs(args)
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).total_memory / GIB:.1f} GiB, torch "
           f"{torch.__version__}: train_gpt2.py's defaults, {args.steps} steps of random tokens per run", flush=True)
     rows = []

@@ -5,14 +5,16 @@ run does, with no copy of the training step.
 
     python benchmarks/speed_ladder.py                                       # GPT-2 124M, T=1024, on the GPU
     python benchmarks/speed_ladder.py --batch-size 32 --lecture-batch-size 8  # a GPU with less memory
-    python benchmarks/speed_ladder.py --rungs defaults,chunked-loss,cudnn   # the rungs named, in the ladder's order
+    python benchmarks/speed_ladder.py --rungs defaults,full-loss,fp8-head  # the rungs named, in the ladder's order
     python benchmarks/speed_ladder.py --tiny --device cpu --compile-modes   # 2 layers on the CPU: a smoke test only
+    python benchmarks/speed_ladder.py --dry-run --device cuda                # any machine: each rung's command, read
 
 The lecture's 7 rungs run at its micro-batch of 16 sequences (--lecture-batch-size), one micro-batch a step, each
 adding a speed-up to the rungs before it: the table to compare with its numbers. Past it, at the trainer's 64
-(--batch-size), two micro-batches a step: the lecture's settings, the trainer's own defaults, then each speed-up of
-speedups.py (and the chunked loss, and the compile modes) on top of the defaults alone, ranked against them, with
-its loss beside theirs: the same steps of the same tokens, so a speed-up that keeps the arithmetic keeps the losses.
+(--batch-size), two micro-batches a step: the lecture's settings, the trainer's own defaults (its micro-batch search
+included), then on top of the defaults alone, ranked against them with its loss beside theirs, each of what CUDA's
+defaults replaced (the full loss, the micro-batch as given), the speed-ups of speedups.py and the compile modes: the
+same steps of the same tokens, so a change that keeps the arithmetic keeps the losses.
 Last, the modern recipe's step. The compile modes' rungs take minutes each: they run when named in --rungs, or with
 --compile-modes.
 
@@ -42,6 +44,7 @@ sys.path.insert(0, REPO)
 from plumbing import GPT2_VOCAB  # noqa: E402
 from reporting import flops_per_token, peak_flops  # noqa: E402
 from train_gpt2 import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
+from train_gpt2 import parse_args as parse_trainer_args  # noqa: E402
 
 TRAINER = os.path.join(REPO, "train_gpt2.py")
 
@@ -58,9 +61,9 @@ class Rung(NamedTuple):
 
 
 COMPILING_ON_CPU = "compiling takes minutes on a CPU"
-NEEDS_CUDA_ATTENTION = "needs CUDA: a choice among CUDA's attention kernels"
 RUNGS = [  # the lecture's A100 ms/step at B=16, T=1024: 1000, 333, 300, 130, 96, 93, 90
-    Rung("fp32", "fp32", dict(dtype="fp32", compile=False, attn="naive", vocab_size=GPT2_VOCAB, fused_adamw=False)),
+    Rung("fp32", "fp32", dict(dtype="fp32", compile=False, attn="naive", vocab_size=GPT2_VOCAB, fused_adamw=False,
+                              loss="full")),
     Rung("tf32", "TF32", dict(dtype="tf32"), skip_on_cpu="needs CUDA: TF32 is a mode of NVIDIA tensor cores"),
     Rung("bf16", "bf16 autocast", dict(dtype="bf16")),
     Rung("compile", "torch.compile", dict(compile=True), skip_on_cpu=COMPILING_ON_CPU),
@@ -71,15 +74,11 @@ RUNGS = [  # the lecture's A100 ms/step at B=16, T=1024: 1000, 333, 300, 130, 96
     # past the lecture
     Rung("micro-batch", "micro-batch {B}", {}, kind="past"),  # the memory the masked loss frees, spent on a larger B
     Rung("defaults", "trainer defaults", None, kind="past"),
-    # the speed-ups, each on the defaults alone: a winner (+1% tok/s or more, the losses unchanged) becomes a default
-    Rung("chunked-loss", "chunked loss", dict(loss="chunked"), kind="speed-up"),
-    Rung("cudnn", "cuDNN attention", dict(sdpa_backend="cudnn"), skip_on_cpu=NEEDS_CUDA_ATTENTION, kind="speed-up"),
-    Rung("flash", "flash attention kernel", dict(sdpa_backend="flash"), skip_on_cpu=NEEDS_CUDA_ATTENTION,
-         kind="speed-up"),
-    # --batch-size B tried first: two micro-batches a step let the search go up to 2B, one a step
-    Rung("grow-batch", "grown micro-batch", dict(grow_batch_size=True, fit_batch_size=True), kind="speed-up"),
-    Rung("recompute", "recompute pointwise", dict(recompute_pointwise=True), skip_on_cpu=COMPILING_ON_CPU,
-         kind="speed-up"),
+    # each on the defaults alone, ranked against them: a speed-up that wins (+1% tok/s or more, the losses unchanged)
+    # becomes a default. First what CUDA's defaults replaced (on a CPU, its defaults already): the full loss, and the
+    # micro-batch as given, where the defaults' search goes up from B to 2B, one micro-batch a step
+    Rung("full-loss", "full loss", dict(loss="full"), kind="speed-up"),
+    Rung("given-batch", "micro-batch as given", dict(grow_batch_size=False), kind="speed-up"),
     Rung("fp8-head", "FP8 head", dict(fp8_head=True), kind="speed-up",
          skip_on_cpu="needs CUDA: a GPU of compute capability 8.9 or later"),
     # the modern recipe's model and optimizers: what a step of it costs (it needs far fewer)
@@ -168,15 +167,15 @@ def micro_batch_trained(log_path):
         return next(record["micro_batch"] for record in map(json.loads, f) if "event" in record)
 
 
-def run_rung(settings, B, micro_batches, args, data_dir, log_dir, timeout):
-    """Trains for warm-up + timed steps of micro_batches micro-batches of B sequences; the median timed step, the
-    first step, the micro-batch trained and the last timed step's loss as a dict, or an error string."""
+def rung_command(settings, B, micro_batches, args, data_dir, log_dir, fit):
+    """The trainer's command for warm-up + timed steps of micro_batches micro-batches of B sequences. fit: the
+    trainer's micro-batch search, as its defaults run it; else B itself, or the row says it does not fit."""
     T = args.seq_len
     n_steps = args.warmup_steps + args.timed_steps
-    command = [
+    return [
         sys.executable, TRAINER, "--data", data_dir, "--log-dir", log_dir, "--no-resume", "--device", args.device,
         "--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd", str(args.n_embd),
-        "--batch-size", str(B), "--no-fit-batch-size",  # B itself, or the row says it does not fit
+        "--batch-size", str(B), *([] if fit else ["--no-fit-batch-size"]),
         "--seq-len", str(T), "--block-size", str(T), "--total-batch-size", str(micro_batches * B * T),
         # one step more than is read: the run is stopped before its final evaluation and checkpoint
         "--max-steps", str(n_steps + 1),
@@ -184,6 +183,13 @@ def run_rung(settings, B, micro_batches, args, data_dir, log_dir, timeout):
         "--num-samples", "0", "--checkpoint-every", "0",
         *as_flags(settings),
     ]
+
+
+def run_rung(settings, B, micro_batches, args, data_dir, log_dir, timeout, fit):
+    """Trains as rung_command says; the median timed step, the first step, the micro-batch trained and the last timed
+    step's loss as a dict, or an error string."""
+    n_steps = args.warmup_steps + args.timed_steps
+    command = rung_command(settings, B, micro_batches, args, data_dir, log_dir, fit)
     log_path = os.path.join(log_dir, "log.jsonl")
     steps = train_until_logged(command, log_path, n_steps, log_dir + ".out", timeout)
     if isinstance(steps, str):
@@ -241,6 +247,8 @@ def parse_args(argv=None):
                         help="seconds for the whole ladder: a rung starts only while some are left, and stops when "
                              "they are spent (default: 0, none)")
     parser.add_argument("--json", default="", help="also write the table to this JSON file")
+    parser.add_argument("--dry-run", action="store_true", help="print each rung's command, its flags read by the "
+                                                              "trainer's parser; run none")
     args = parser.parse_args(argv)
     preset = {**MODEL_SIZES[args.model], **DEFAULTS} if not args.tiny else TINY
     for name, value in preset.items():
@@ -259,7 +267,7 @@ def parse_args(argv=None):
     args.rungs = named or [rung.key for rung in RUNGS if args.compile_modes or not rung.long]
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         parser.exit(2, "error: --device cuda, but PyTorch sees no CUDA GPU; use --device cpu (with --tiny)\n")
     return args
 
@@ -270,7 +278,8 @@ def main(argv=None):
     deadline = start + args.time_budget if args.time_budget else float("inf")
     print(f"speed ladder: {args.n_layer} layers, {args.n_head} heads, width {args.n_embd}, T={T} on {args.device}; "
           f"median of {args.timed_steps} steps after {args.warmup_steps} warm-up steps")
-    print(HEADER)
+    if not args.dry_run:
+        print(HEADER)
     rows, lecture_settings, previous, defaults = [], {}, None, None
     with tempfile.TemporaryDirectory(prefix="speed_ladder_") as tmp:
         data_dir = os.path.join(tmp, "data")
@@ -300,8 +309,15 @@ def main(argv=None):
             else:
                 settings = lecture_settings if rung.kind in ("lecture", "past") else rung.settings
             timeout = max(1, int(min(args.rung_timeout, deadline - time.perf_counter())))
-            result = run_rung(settings, B, MICRO_BATCHES_A_STEP[rung.kind], args, data_dir,
-                              os.path.join(tmp, f"log_{number}"), timeout)
+            command_args = (settings, B, MICRO_BATCHES_A_STEP[rung.kind], args, data_dir,
+                            os.path.join(tmp, f"log_{number}"))
+            fit = rung.kind not in ("lecture", "past") or rung.settings is None
+            if args.dry_run:
+                command = rung_command(*command_args, fit)
+                parse_trainer_args(command[2:])  # exits on a flag the trainer does not take
+                print("dry run: python train_gpt2.py", " ".join(command[2:]), flush=True)
+                continue
+            result = run_rung(*command_args, timeout, fit)
             if isinstance(result, str):
                 print(f"failed: {result[:120]}", flush=True)
                 rows.append({**row, "status": "failed", "reason": result, "flags": as_flags(settings)})
@@ -320,6 +336,8 @@ def main(argv=None):
             if rung.key == "defaults":
                 defaults = result
 
+    if args.dry_run:
+        return
     with torch.device("meta"):  # the shapes alone
         model = GPT(GPTConfig(T, GPT2_VOCAB, args.n_layer, args.n_head, args.n_embd))
     peak = peak_flops("cuda") if args.device == "cuda" else None

@@ -1,12 +1,11 @@
 """On a CUDA GPU only, skipped elsewhere: the trainer's default step (inductor, bf16 autocast, fused AdamW) on a tiny
-model, both losses compiled by inductor against float64, the chunked loss's memory, and the speed-ups of speedups.py
+model, both losses compiled by inductor against float64, the chunked loss's memory, and the FP8 head of speedups.py
 under inductor. The rest of the suite pins the CPU."""
 import copy
 import math
 
 import pytest
 import torch
-import torch._functorch.config  # the decorator below reads it at import; nothing else imports it first
 
 import speedups
 import train_gpt2
@@ -121,36 +120,11 @@ def test_the_compiled_chunked_loss_holds_one_chunk_of_logits_at_a_time():
     assert values["chunked"] == pytest.approx(values["full"], rel=1e-3)
 
 
-@pytest.fixture
-def attention_kernels():
-    """Puts back the attention kernels that a test switches."""
-    kernels = ("flash", "cudnn", "mem_efficient", "math")
-    before = [getattr(torch.backends.cuda, f"{kernel}_sdp_enabled")() for kernel in kernels]
-    yield
-    for kernel, enabled in zip(kernels, before):
-        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(enabled)
-
-
 def compiled_bf16_loss_and_grads(model, x, y):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, loss = torch.compile(model, dynamic=False)(x, y)
     loss.backward()
     return loss.item(), [p.grad.float() for p in model.parameters()]
-
-
-@pytest.mark.parametrize("backend", ["flash", "cudnn"])
-def test_each_attention_kernel_trains_as_torchs_choice(backend, attention_kernels):
-    """--sdpa-backend, its kernel alone (the math fallback off: a kernel that could not run would raise): compiled,
-    bf16, causal, the loss and gradients of torch's own choice, to bf16's rounding."""
-    x, y = (t.cuda() for t in batch())
-    want_loss, want_grads = compiled_bf16_loss_and_grads(tiny(), x, y)
-    torch._dynamo.reset()
-    speedups.choose_attention(backend)
-    torch.backends.cuda.enable_math_sdp(False)
-    loss, grads = compiled_bf16_loss_and_grads(tiny(), x, y)
-    assert loss == pytest.approx(want_loss, rel=1e-2)
-    for grad, want in zip(grads, want_grads):
-        assert (grad - want).norm() <= 5e-2 * want.norm() + 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < speedups.FP8_CAPABILITY,
@@ -161,34 +135,20 @@ def test_the_fp8_head_under_inductor():
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(256, 64, generator=g).cuda(), (0.1 * torch.randn(512, 64, generator=g)).cuda()
     (a8, a_scale), (b8, b_scale) = speedups.to_float8(a), speedups.to_float8(b)
-    emulated = ((a8.double() * a_scale.double()) @ (b8.double() * b_scale.double()).T).to(torch.bfloat16)
-    out = torch.compile(lambda a, b: speedups.Float8Matmul.apply(a, b))(a, b)
-    atol = 1e-5 * emulated.abs().max().item()  # float32's summation error, where a sum nearly cancels
-    torch.testing.assert_close(out.float(), emulated.float(), rtol=2**-7, atol=atol)
+    a64, b64 = a8.double() * a_scale.double(), b8.double() * b_scale.double()
+    emulated = (a64 @ b64.T).to(torch.bfloat16).double()
+    out = torch.compile(lambda a, b: speedups.Float8Matmul.apply(a, b))(a, b).double()
+    # Hopper's float8 matmuls add in fewer bits than float32 (about 14), so a sum that nearly cancels keeps an error
+    # of about 2**-13 of its terms' magnitudes: 4.9e-4 here on an H100 (2026-11-28), where float32's is 1e-7
+    magnitudes = a64.abs() @ b64.abs().T
+    assert torch.all((out - emulated).abs() <= 2**-7 * emulated.abs() + 2**-11 * magnitudes)
     x, y = (t.cuda() for t in batch())
     want_loss, want_grads = compiled_bf16_loss_and_grads(tiny(), x, y)
     torch._dynamo.reset()
     model = tiny()
-    speedups.apply(TrainConfig(fp8_head=True, dtype="bf16", n_embd=64, compile=True),
-                   train_gpt2.Env(0, 0, 1, "cuda:0", "cuda"), model)
+    speedups.apply(TrainConfig(fp8_head=True, dtype="bf16", n_embd=64, compile=True), model)
     assert isinstance(model.lm_head, speedups.Float8Head)
     loss, grads = compiled_bf16_loss_and_grads(model, x, y)
     assert loss == pytest.approx(want_loss, rel=1e-2) and loss != want_loss
     for grad, want in zip(grads, want_grads):
         assert (grad - want).norm() <= 0.1 * want.norm() + 1e-6
-
-
-@torch._functorch.config.patch(aggressive_recomputation=True)
-def test_recompute_pointwise_under_inductor():
-    """What --recompute-pointwise switches on: in float32, the loss and every gradient of the eager model."""
-    train_gpt2.set_tf32(False)
-    model = with_loud_padding(tiny())
-    x, y = (t.cuda() for t in batch())
-    eager = copy.deepcopy(model)
-    _, want = eager(x, y)
-    want.backward()
-    _, loss = torch.compile(model, dynamic=False)(x, y)
-    loss.backward()
-    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
-    for p, q in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)

@@ -2,6 +2,7 @@
 profiler."""
 import json
 import os
+import re
 import sys
 import time
 
@@ -15,12 +16,11 @@ import speed_ladder  # noqa: E402
 
 MUON = hasattr(torch.optim, "Muon")  # the modern recipe's rung needs PyTorch 2.9; before, its row says it failed
 CPU_RUNGS = ["1. fp32", "3. bf16 autocast", "5. flash attention", "6. vocab 50304", "8. micro-batch 8",
-             "9. trainer defaults", "10. chunked loss", "13. grown micro-batch",
-             *(["16. modern recipe"] if MUON else [])]
+             "9. trainer defaults", "10. full loss", "11. micro-batch as given",
+             *(["13. modern recipe"] if MUON else [])]
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
-SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW", "11. cuDNN attention", "12. flash attention kernel",
-                 "14. recompute pointwise", "15. FP8 head", "17. coordinate descent", "18. max-autotune",
-                 "19. CUDA graphs"]
+SKIPPED_RUNGS = ["2. TF32", "4. torch.compile", "7. fused AdamW", "12. FP8 head", "14. coordinate descent",
+                 "15. max-autotune", "16. CUDA graphs"]
 
 
 def run(script, *flags):
@@ -29,8 +29,8 @@ def run(script, *flags):
 
 def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch, forked_python_commands):
     """The whole ladder, run in this process: each rung's trainer forked by the fork server, in a session of its own;
-    the rungs the CPU cannot run say why. The speed-ups run on the trainer's defaults alone, and those that keep the
-    arithmetic keep its losses: the chunked loss, and the micro-batch grown from 8 x 2 to 16 x 1."""
+    the rungs the CPU cannot run say why. The rungs past the defaults run on the defaults alone, ranked against them:
+    on a CPU, the full loss and the micro-batch as given are its defaults, to the same losses."""
     for name in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):  # the rungs' environment: the
         monkeypatch.setenv(name, script_env()[name])  # tests' scripts'
     code, out, err = run_main(["--tiny", "--device", "cpu", "--compile-modes", "--json", str(tmp_path / "ladder.json")],
@@ -38,16 +38,16 @@ def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch, forked_python_command
     assert code == 0, err
     lines = out.splitlines()
     rows = {line[:26].strip(): line[26:] for line in lines if line.split(".")[0].isdigit()}
-    assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS + ([] if MUON else ["16. modern recipe"]))
+    assert sorted(rows) == sorted(CPU_RUNGS + SKIPPED_RUNGS + ([] if MUON else ["13. modern recipe"]))
     for name in CPU_RUNGS:  # B, launch ("3 s"), first step ("0.1 s"), ms/step, tok/s, MFU, peak GiB, speed-up, loss, Δ
         B, launch, _, first, _, ms, tok_per_sec, mfu, mem, speedup, loss, change = rows[name].split()
         number = int(name.split(".")[0])
-        assert int(B) == (4 if number <= 7 else 16 if number == 13 else 8), rows[name]  # the lecture's, then ours
+        assert int(B) == (4 if number <= 7 else 8), rows[name]  # the lecture's, then ours
         assert float(launch) > 0 and float(first) > 0 and float(ms) > 0, rows[name]
         assert float(tok_per_sec.replace(",", "")) > 0 and 9 < float(loss) < 12, rows[name]
         assert (mfu, mem) == ("-", "-")  # both need CUDA
         assert speedup == "-" if name == CPU_RUNGS[0] else float(speedup.rstrip("x")) > 0
-        assert (change == "-") == (number not in (10, 13)), rows[name]
+        assert (change == "-") == (number not in (10, 11)), rows[name]
     for name in SKIPPED_RUNGS:
         assert rows[name].strip().startswith("skipped: "), rows[name]
     assert lines[-1].startswith(f"CPU ({os.cpu_count()} cores) | torch {torch.__version__} | T=32, B as in each row | "
@@ -58,19 +58,17 @@ def test_tiny_ladder_on_cpu(tmp_path, capsys, monkeypatch, forked_python_command
     rungs = {rung["key"]: rung for rung in saved["rungs"]}
     assert [rung["key"] for rung in saved["rungs"]] == speed_ladder.KEYS
     assert [key for key, rung in rungs.items() if rung["status"] == "skipped"] == [
-        "tf32", "compile", "fused-adamw", "cudnn", "flash", "recompute", "fp8-head", "coordinate-descent",
-        "max-autotune", "cuda-graphs"]
+        "tf32", "compile", "fused-adamw", "fp8-head", "coordinate-descent", "max-autotune", "cuda-graphs"]
     assert rungs["modern"]["status"] == ("ok" if MUON else "failed")
     # the lecture's rungs cumulative, compile staying off on the CPU; the speed-ups each on the defaults alone
     assert rungs["vocab"]["flags"] == ["--dtype", "bf16", "--no-compile", "--attn", "sdpa", "--vocab-size", "50304",
-                                       "--no-fused-adamw"]
+                                       "--no-fused-adamw", "--loss", "full"]
     assert rungs["micro-batch"]["flags"] == rungs["vocab"]["flags"] and rungs["defaults"]["flags"] == []
-    assert rungs["chunked-loss"]["flags"] == ["--loss", "chunked"]
-    assert rungs["grow-batch"]["flags"] == ["--grow-batch-size", "--fit-batch-size"]
-    assert (rungs["grow-batch"]["batch_size"], rungs["grow-batch"]["micro_batch"]) == (8, 16)
+    assert rungs["full-loss"]["flags"] == ["--loss", "full"]
+    assert rungs["given-batch"]["flags"] == ["--no-grow-batch-size"]
     assert rungs["modern"]["flags"] == ["--recipe", "modern"]
-    for key in ("chunked-loss", "grow-batch"):
-        assert abs(rungs[key]["loss_change"]) < 1e-4 * rungs["defaults"]["loss"], rungs[key]
+    for key in ("full-loss", "given-batch"):
+        assert rungs[key]["loss_change"] == 0, rungs[key]
         assert rungs[key]["speedup"] == rungs[key]["tok_per_sec"] / rungs["defaults"]["tok_per_sec"]
     for rung in saved["rungs"][7:]:
         if rung["status"] == "ok":
@@ -83,19 +81,19 @@ def test_the_rungs_named_and_the_time_budget(tmp_path, capsys, monkeypatch):
     gets what is left as its timeout. (The trainer is replaced: each run takes 1.1 s here.)"""
     timeouts = []
 
-    def one_second_and_a_bit(settings, B, micro_batches, args, data_dir, log_dir, timeout):
+    def one_second_and_a_bit(settings, B, micro_batches, args, data_dir, log_dir, timeout, fit):
         timeouts.append(timeout)
         time.sleep(1.1)
         return {"micro_batch": B, "ms_per_step": 1.0, "tok_per_sec": 1.0, "mfu": None, "peak_mem_gib": None,
                 "first_step_s": 1.0, "launch_s": 1.1, "timed_ms": [1.0], "loss": 10.0}
 
     monkeypatch.setattr(speed_ladder, "run_rung", one_second_and_a_bit)
-    code, out, err = run_main(["--tiny", "--device", "cpu", "--rungs", "modern,defaults,cudnn", "--time-budget", "1"],
-                              capsys, main=speed_ladder.main)
+    code, out, err = run_main(["--tiny", "--device", "cpu", "--rungs", "modern,defaults,fp8-head", "--time-budget",
+                               "1"], capsys, main=speed_ladder.main)
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.split(".")[0].isdigit()]
-    assert [row[:26].strip() for row in rows] == ["9. trainer defaults", "11. cuDNN attention", "16. modern recipe"]
-    assert rows[1].endswith("skipped: needs CUDA: a choice among CUDA's attention kernels")
+    assert [row[:26].strip() for row in rows] == ["9. trainer defaults", "12. FP8 head", "13. modern recipe"]
+    assert rows[1].endswith("skipped: needs CUDA: a GPU of compute capability 8.9 or later")
     assert rows[2].endswith("skipped: no time left of --time-budget 1 s") and timeouts == [1]
     code, _, err = run_main(["--tiny", "--rungs", "defaults,turbo"], capsys, main=speed_ladder.main)
     assert code == 2 and err.startswith("error: --rungs turbo: no such rung; the rungs are fp32, tf32, ")
@@ -152,7 +150,7 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
 
     code, out, _ = run_main(["--dry-run"], capsys, main=gpu_check.main)
     assert code == 0 and [line.split(" ")[0] for line in out.splitlines()] == gpu_check.NAMES
-    assert "--rungs defaults,chunked-loss,cudnn,flash,grow-batch,recompute,fp8-head" in out.splitlines()[1]
+    assert "--rungs defaults,full-loss,given-batch,fp8-head" in out.splitlines()[1]
     if not torch.cuda.is_available():
         code, _, err = run_main([], capsys, main=gpu_check.main)
         assert code == 2 and err.startswith("error: gpu_check.py measures a CUDA GPU, and PyTorch sees none here")
@@ -160,16 +158,16 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
     outputs = {
         "tests": "...........\n10 passed in 61.02s\n",
         "ladder": "the ladder's table\n",
-        "core-500": "gpt2 shapes\nours, 10,000 examples (500 a task), 65,536 tokens a pass: first 30.0 s, then 10.0 s: "
-                    "1,000.0 examples/s; CORE 0.0100\nplain, ...\n",
+        "core-all": "gpt2 shapes\nours, 91,037 examples (all a task), 65,536 tokens a pass: first 30.0 s, then 90.0 s: "
+                    "1,011.5 examples/s; CORE 0.0100\nplain, ...\n",
     }
     ladder = {"rungs": [
         {"rung": "9. trainer defaults", "status": "ok", "micro_batch": 64, "tok_per_sec": 466568.0, "mfu": 0.403,
          "peak_mem_gib": 28.95, "launch_s": 35.2, "first_step_s": 21.0, "loss": 10.9794, "speedup": None,
          "loss_change": None},
-        {"rung": "11. cuDNN attention", "status": "failed", "reason": "CUDA out of memory"}]}
+        {"rung": "12. FP8 head", "status": "failed", "reason": "CUDA out of memory"}]}
 
-    def part_run(part, out, seconds):
+    def part_run(part, out, seconds, cpu):
         now[0] += 100
         if part.name == "ladder":
             (tmp_path / "ladder.json").write_text(json.dumps(ladder))
@@ -185,15 +183,32 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
     assert table[0].startswith(f"NVIDIA H100 80GB HBM3, torch {torch.__version__}, commit ") and \
         table[0].endswith(": 300 s of --budget 320")
     assert [line.split("  ")[0].strip() for line in table[1:]] == [
-        "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 11. cuDNN attention", "CORE, 500 a task",
-        "CORE, every example", "modern recipe, whole card", "compile modes"], table
+        "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 12. FP8 head", "CORE, every example",
+        "modern recipe, whole card", "CORE, 500 a task", "compile modes"], table
     assert table[1].endswith("10 passed in 61.02s [100 s]")
     assert "B 64 | 466,568 tok/s | MFU 40.3% | 28.95 GiB | launch 35 s, 1st step 21.0 s | loss 10.9794" in table[2]
     assert table[3].endswith("failed: CUDA out of memory")
-    assert "ours, 10,000 examples (500 a task)" in table[4]
+    assert "ours, 91,037 examples (all a task)" in table[4]
     assert all(line.endswith("not run: no time left of --budget 320 s (--parts " + name + ")")
-               for line, name in zip(table[5:], ["core-all", "modern-peak", "compile-modes"]))
+               for line, name in zip(table[5:], ["modern-peak", "core-500", "compile-modes"]))
     assert (tmp_path / "table.txt").read_text().splitlines() == table
+
+
+def test_every_part_of_the_gpu_check_starts_alone_on_the_cpu(tmp_path):
+    """gpu_check.py --cpu: each part's command as the GPU call runs it, alone in a fresh interpreter (where nothing
+    else imported first can hide a module that fails to import), with the flags of its CPU pass; each ends well."""
+    result = run("gpu_check.py", "--cpu", "--out", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = (tmp_path / "table.txt").read_text().splitlines()
+    assert table[0].startswith("CPU pass, torch "), table
+    assert not [line for line in table if "failed" in line or "timed out" in line or "not run" in line], table
+    parts = {line.split("  ")[0].split(":")[0].strip() for line in table[1:]}
+    assert parts == {"tests/test_cuda.py", "ladder", "CORE, every example", "modern recipe, whole card",
+                     "CORE, 500 a task", "compile modes"}, table
+    assert re.search(r"tests/test_cuda.py +\d+ skipped in", table[1]), table[1]  # every CUDA test collected, skipped
+    for part in ("ladder", "modern recipe", "compile modes"):  # each run's command, read by the trainer's parser
+        assert any(line.startswith(part) and "python train_gpt2.py --data" in line for line in table), table
+    assert sum("dry run: gpt2 shapes" in line for line in table) == 2, table
 
 
 def test_loss_memory_on_cpu(capsys):
