@@ -51,7 +51,7 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
     Hugging Face model directory, which transformers loads as its own class of the model's recipe (GPT-2's:
     GPT2LMHeadModel; the modern one's: NanoChatForCausalLM); on the CPU, in one process: under torchrun, rank 0 writes
     it, and the other ranks end at once (each writing it, all but one would fail, finding it written)."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if settings.processes()[0] != 0:
         return
     hf_export.check_new_directory(cfg.export_hf)  # now, not after a long load
     if cfg.init_from != "scratch" and os.path.isdir(cfg.init_from):

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+import socket
 from typing import Callable, NamedTuple
 
 import torch
@@ -89,22 +90,45 @@ def shown(value):
 def processes(environ=os.environ):
     """This process's rank, local rank and the number of processes, from torchrun's RANK, LOCAL_RANK and WORLD_SIZE
     (or one process where they are unset), refused in one line where no torchrun could have set them."""
-    numbers = {}
-    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        value = environ.get(name, default)
-        if not value.isdigit():
-            raise UsageError(f"{name}={value} in the environment is not a whole number; torchrun sets it for each "
-                             f"process it starts: unset it to run one process")
-        numbers[name] = int(value)
-    rank, local_rank, world_size = numbers.values()
+    rank, local_rank, world_size = (whole_number_in(environ, name, default)
+                                    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")))
     if rank >= world_size:
         raise UsageError(f"RANK={rank} in the environment is not below WORLD_SIZE={world_size}; unset both to run one "
                          f"process, or start the run with torchrun")
-    if world_size > 1 and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+    if world_size > 1:
+        check_meeting_place(environ, world_size)
+    return rank, local_rank, world_size
+
+
+def whole_number_in(environ, name, default):
+    """The environment variable's value as torchrun writes a number, in the digits 0-9 alone: str.isdigit also takes
+    "²", and int() " 1", "+1" and "1_0"."""
+    value = environ.get(name, default)
+    if not (value.isascii() and value.isdigit()):
+        raise UsageError(f"{name}={value!r} in the environment is not a whole number; torchrun sets it for each "
+                         f"process it starts: unset it to run one process")
+    return int(value)
+
+
+def check_meeting_place(environ, world_size):
+    """Refuses, in one line, a MASTER_ADDR and MASTER_PORT where the processes cannot meet: unset, a port that is no
+    number (a ValueError in torch's rendezvous), or an address this machine cannot resolve (which c10d would retry for
+    the process group's hour, its warnings the only word)."""
+    address, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if not (address and port):
         raise UsageError(f"WORLD_SIZE={world_size} says this is one of {world_size} processes, but MASTER_ADDR and "
                          f"MASTER_PORT, where they meet, are not set; start them with torchrun (torchrun --standalone "
                          f"--nproc_per_node={world_size} train_gpt2.py), or unset WORLD_SIZE to run one process")
-    return rank, local_rank, world_size
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 2**16):
+        raise UsageError(f"MASTER_PORT={port!r} in the environment is not a port number (1 to 65535); start the run "
+                         f"with torchrun, which sets it (--master_port), or unset WORLD_SIZE to run one process")
+    try:
+        socket.getaddrinfo(address, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # UnicodeError: a name that IDNA cannot encode
+        reason = e.strerror if isinstance(e, OSError) else e
+        raise UsageError(f"MASTER_ADDR={address!r} in the environment is no address this machine can resolve "
+                         f"({reason}); set it to rank 0's host name or IP address (torchrun's --master_addr), or unset "
+                         f"WORLD_SIZE to run one process") from None
 
 
 def check_device(device, local_rank, world_size, fsdp):

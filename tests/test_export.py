@@ -79,13 +79,13 @@ def hellaswag_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, hellaswag_file):
     """Tiny models trained and exported, {name: (checkpoint path, export directory, what the export printed)}: 128,
-    GPT-2's recipe on random ids below 128 for 3 steps; "gpt2" and "modern", each recipe with a padded vocabulary
-    trained for STEPS steps on input.txt (GPT-2's exported into an empty directory; the modern recipe's HellaSwag
-    logged at its last step)."""
+    GPT-2's recipe on random ids below 128 for 3 steps, its directories typed with a trailing slash (as a shell
+    completes them); "gpt2" and "modern", each recipe with a padded vocabulary trained for STEPS steps on input.txt
+    (GPT-2's exported into an empty directory; the modern recipe's HellaSwag logged at its last step)."""
     root = tmp_path_factory.mktemp("export")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    runs = {128: TINY + ["--data", write_shards(root / "data"), "--max-steps", 3, "--checkpoint-every", 2,
+    runs = {128: TINY + ["--data", write_shards(root / "data") + "/", "--max-steps", 3, "--checkpoint-every", 2,
                          "--eval-every", 3],
             "gpt2": ON_INPUT + RUN + ["--max-steps", STEPS, "--eval-every", STEPS, "--max-lr", 1e-2]}
     if hasattr(torch.optim, "Muon"):  # the modern recipe needs torch.optim.Muon
@@ -99,8 +99,9 @@ def exports(tmp_path_factory, hellaswag_file):
             if name == "gpt2":
                 out.mkdir()
             printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                train_gpt2.main(["--export-hf", str(out), f"--log-dir={log_dir}"])  # a path in both forms
+            slash = "/" if name == 128 else ""
+            with contextlib.redirect_stdout(printed):  # a path in both forms
+                train_gpt2.main(["--export-hf", f"{out}{slash}", f"--log-dir={log_dir}{slash}"])
             made[name] = checkpoint_path(log_dir, 3 if name == 128 else STEPS), str(out), printed.getvalue()
     finally:
         torch.set_num_threads(threads)
@@ -191,7 +192,7 @@ def test_the_exported_files(exports, name):
         assert 'needs: transformers 5.0 or later' in card and "Load it in float32" in card
     else:
         assert not logged and "HellaSwag: not measured at these weights" in card and "needs:" not in card
-    assert printed.startswith(f"exported {ckpt_path} to {out}: a {CLASSES[name]} of ")
+    assert re.match(rf"exported {re.escape(ckpt_path)} to {re.escape(out)}/?: a {CLASSES[name]} of ", printed)
 
 
 @pytest.mark.parametrize("name", [128, "gpt2"])
@@ -645,10 +646,11 @@ def test_an_export_that_finishes_first_wins(exports, tmp_path, capsys, monkeypat
 
 
 def test_under_torchrun_rank_0_alone_exports(exports, tmp_path, capsys, monkeypatch):
-    """Each rank of `torchrun train_gpt2.py --export-hf OUT_DIR` (RANK is what torchrun sets): rank 1 writes nothing
-    and exits 0, whether it starts before rank 0 or after; rank 0 writes OUT_DIR."""
+    """Each rank of `torchrun train_gpt2.py --export-hf OUT_DIR` (the variables are those torchrun sets): rank 1
+    writes nothing and exits 0, whether it starts before rank 0 or after; rank 0 writes OUT_DIR."""
     argv = ["--export-hf", tmp_path / "hf", "--resume", exports[128][0]]
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
     for rank, listing in (("1", []), ("0", ["hf"]), ("1", ["hf"])):
         monkeypatch.setenv("RANK", rank)
         code, printed, err = run_main(argv, capsys)

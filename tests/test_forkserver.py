@@ -1,5 +1,6 @@
 """The tests' fork server and its switch (TRAIN_GPT2_TESTS_FORKSERVER=0): a command run as a real process gives what
-the forked one gives, its how options (limits, ignored signals, a new session, a private tmpfs) included."""
+the forked one gives, its how options (limits, ignored signals, a new session, a private tmpfs) included; and the
+switch takes 0 or 1 alone."""
 import json
 import os
 import re
@@ -10,9 +11,18 @@ import sys
 import pytest
 
 import forkserver
-from helpers import TINY, assert_tensors_equal, checkpoint_path, load_ckpt, private_tmpfs, run_script, script_env
+from helpers import (
+    REPO,
+    TINY,
+    assert_tensors_equal,
+    checkpoint_path,
+    load_ckpt,
+    private_tmpfs,
+    run_script,
+    script_env,
+)
 
-pytestmark = pytest.mark.skipif(not forkserver.FORK, reason=f"{forkserver.SWITCH}=0: the fork server is switched off, "
+compared = pytest.mark.skipif(not forkserver.FORK, reason=f"{forkserver.SWITCH}=0: the fork server is switched off, "
                                 "and there is no forked command to compare")
 
 TIMINGS = r"\d[\d.,]* ?(ms|tok/s|s)\b"  # a step's time and speed, a save's, the run's: all that differs by run
@@ -34,6 +44,7 @@ def python_c(code, tmp_path, **how):
     return result.returncode, result.stdout, result.stderr
 
 
+@compared
 def test_a_tiny_training_run_is_the_same_in_a_real_process(shards, tmp_path, monkeypatch):
     def train():
         cwd = tmp_path / ("forked" if forkserver.FORK else "real")
@@ -51,6 +62,7 @@ def test_a_tiny_training_run_is_the_same_in_a_real_process(shards, tmp_path, mon
 
 
 # a write past RLIMIT_FSIZE fails with EFBIG, not SIGXFSZ's kill: python ignores that signal itself
+@compared
 @pytest.mark.parametrize("code, how, expected", [
     ("try: open('big', 'wb').write(b'x' * 100_000)\nfinally: print(__import__('os').path.getsize('big'))",
      {"limits": {"RLIMIT_FSIZE": (16384, 16384)}}, r"^16384\n.*OSError: \[Errno 27\] File too large\n$"),
@@ -67,6 +79,7 @@ def test_a_limit_an_ignored_signal_or_a_session_is_the_same_in_a_real_process(co
     assert re.search(expected, forked[1] + forked[2], re.S)
 
 
+@compared
 @pytest.mark.parametrize("killed", [False, True])
 def test_a_private_tmpfs_is_the_same_in_a_real_process(killed, tmp_path, monkeypatch):
     mount = tmp_path / "mount"
@@ -83,6 +96,7 @@ def test_a_private_tmpfs_is_the_same_in_a_real_process(killed, tmp_path, monkeyp
     assert os.listdir(mount) == []  # the mount was the process's own
 
 
+@compared
 def test_a_real_process_starts_with_sigint_as_python_sets_it_whatever_the_tests_process_made_of_it(tmp_path,
                                                                                                   monkeypatch):
     """A shell's background job (CI's, maybe) ignores SIGINT, and its children would inherit that: a test's SIGINT
@@ -96,6 +110,7 @@ def test_a_real_process_starts_with_sigint_as_python_sets_it_whatever_the_tests_
     assert forked == real == (0, "True\n", "")
 
 
+@compared
 def test_a_signal_ends_a_real_process_as_it_ends_a_forked_one(tmp_path, monkeypatch):
     def signalled():
         code = "import time; print('ready', flush=True); time.sleep(60)"
@@ -107,3 +122,20 @@ def test_a_signal_ends_a_real_process_as_it_ends_a_forked_one(tmp_path, monkeypa
 
     forked, real = both_ways(monkeypatch, signalled)
     assert forked == real == ("ready\n", -signal.SIGTERM, ("", None))
+
+
+def test_the_switch_takes_0_or_1_and_refuses_anything_else():
+    """Any other value stops the tests as they import the server's module, in a line that names both: a misspelt "off"
+    (or "false", or "") taken for on would fork each command where real processes were asked for."""
+    def imported_with(value):
+        env = {k: v for k, v in script_env(PYTHONPATH=os.path.join(REPO, "tests")).items() if k != forkserver.SWITCH}
+        env.update({} if value is None else {forkserver.SWITCH: value})
+        result = subprocess.run([sys.executable, "-c", "import forkserver; print(forkserver.FORK)"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        return result.returncode, result.stdout, (result.stderr.strip().splitlines() or [""])[-1]
+
+    for value, on in (("1", True), (None, True), ("0", False)):
+        assert imported_with(value) == (0, f"{on}\n", "")
+    for value in ("off", "false", "", " 1"):
+        assert imported_with(value) == (1, "", f"ValueError: {forkserver.SWITCH}={value!r}: 1 (or unset) forks each "
+                                               "command from the tests' fork server, 0 starts each as a real process")

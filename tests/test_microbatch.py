@@ -4,6 +4,8 @@ does not fit trains with a smaller micro-batch that the run names, on the same t
 fits its try trains; the ranks of a run agree on the smallest, and name the rank it did not fit on; an out-of-memory
 error later, or when nothing fits, is one line on every rank, and no file is lost; the next start after one chooses a
 smaller micro-batch (or tries 1 again); a rank killed outright leaves the other one line."""
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -15,6 +17,7 @@ import torch
 
 import microbatch
 import run_files
+import speedups
 from helpers import (
     REPO,
     TINY,
@@ -286,6 +289,27 @@ def test_an_impossible_record_is_ignored(ran_out_at_1, tmp_path, capsys):
     code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "2"], capsys)
     assert code == 0 and "micro-batch" not in out, err
     assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [2]
+
+
+def test_a_record_holds_for_the_speed_ups_it_was_made_with_alone(ran_out_at_1, tmp_path, capsys):
+    """A step's memory depends on the speed-ups (--recompute-pointwise keeps about half the activations): RECORD's step
+    shape holds their settings, and a record made with others says nothing of this run. The real record (made with
+    none), as if of a machine with more memory than this one, holds here: micro-batch 1 again; the same record of a
+    run with --recompute-pointwise (which needs --compile: minutes of inductor on a CPU) is ignored: 2, as given."""
+    args, recorded, _ = ran_out_at_1
+    real = json.loads((recorded / microbatch.RECORD).read_text())[0]
+    assert real["shape"].get("speedups") == {f.name: f.default for f in dataclasses.fields(speedups.Settings)}
+    held = dict(real, memory=2**62)  # more than this machine's: what the record says holds for it
+    recomputed = copy.deepcopy(held)
+    recomputed["shape"]["speedups"]["recompute_pointwise"] = True
+    for name, record, micro_batch in (("held", held, 1), ("recomputed", recomputed, 2)):
+        log = tmp_path / name
+        log.mkdir()
+        (log / microbatch.RECORD).write_text(json.dumps([record]))
+        code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "2"], capsys)
+        assert code == 0, err
+        assert ("micro-batch 1 again, as none is smaller" in out) == (micro_batch == 1), out
+        assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [micro_batch]
 
 
 ROOM_MEASURED = """

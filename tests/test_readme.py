@@ -124,17 +124,43 @@ def test_every_readme_command_is_run_here_or_skipped_with_its_reason():
     assert not unknown, f"a README command this file neither runs nor skips with a reason: {unknown}"
 
 
-def test_ci_runs_the_readmes_test_lines():
+# a stand-in for a command .ci/run runs: it records its name and arguments, tab-separated, and exits with $name_EXIT
+STUB = """#!/bin/sh
+{{ printf '%s' {name}; printf '\\t%s' "$@"; printf '\\n'; }} >> "$CI_COMMANDS"
+exit "${{{name}_EXIT:-0}}"
+"""
+
+
+def ci_commands(directory, **env):
+    """`bash .ci/run` in a copy of its own in directory, with python3, python, pip and ruff stubs (STUB) first on PATH,
+    so that it installs and tests nothing: its exit code, and the commands it ran, as argument lists, in order."""
+    (directory / ".ci").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, ".ci", "run"), directory / ".ci" / "run")
+    (directory / ".venv" / "bin").mkdir(parents=True)
+    (directory / ".venv" / "bin" / "activate").write_text("")  # the stub python3 makes no venv; the stubs stay first
+    stubs, log = directory / "stubs", directory / "commands"
+    stubs.mkdir()
+    for name in ("python3", "python", "pip", "ruff"):
+        (stubs / name).write_text(STUB.format(name=name))
+        (stubs / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{stubs}{os.pathsep}{os.environ['PATH']}", CI_COMMANDS=str(log), **env)
+    result = run_command(["bash", str(directory / ".ci" / "run")], directory, env, timeout=30)
+    return result.returncode, [line.split("\t") for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_ci_runs_the_readmes_test_lines(tmp_path):
     """The README lost its test command once, while CI said it ran "the README's test command": its two lines that set
-    up and run the tests are in the Quick start, and .ci/run runs each of them word for word."""
+    up and run the tests are in the Quick start, and .ci/run runs each of them word for word, the tests last, so that
+    their result is CI's."""
     lines = block_commands(section("Quick start"))
     tests = [line for line in lines if line.startswith(("pip install -r requirements.txt pytest", "python -m pytest"))]
     assert len(tests) == 2, lines
-    with open(os.path.join(REPO, ".ci", "run")) as f:
-        ci = [line.partition(" #")[0].strip() for line in f]
-    for line in tests:
-        assert line in ci, f"{line!r} is not a line of .ci/run"
-    assert ci[-1] == tests[-1]  # the tests are what CI ends with: their result is its result
+    code, commands = ci_commands(tmp_path / "passing")
+    assert code == 0, commands
+    assert shlex.split(tests[0]) in commands and ["ruff", "check", "."] in commands, commands
+    assert commands[-1] == shlex.split(tests[-1]), commands
+    code, commands = ci_commands(tmp_path / "failing", python_EXIT="1")
+    assert code == 1 and commands[-1] == shlex.split(tests[-1]), (code, commands)
 
 
 # -----------------------------------------------------------------------------

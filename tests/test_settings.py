@@ -20,8 +20,12 @@ from helpers import (
     expect_usage_error,
     load_ckpt,
     needs_muon,
+    read_log,
     resolved,
+    run_command,
     run_main,
+    script_command,
+    script_env,
     write_shards,
 )
 
@@ -379,21 +383,46 @@ def test_eval_only_takes_the_checkpoints_batch_block_and_length_and_names_no_tra
         assert "| val loss" in out and f"validation tokens | micro-batch 8 x {seq_len}\n" in out, out
         for training in ("--max-steps", "--max-lr", "--warmup-steps", "--total-batch-size", "--eval-every"):
             assert training not in out, training
+    # the step trained 128 tokens, not the Shakespeare preset's --total-batch-size
+    assert [r["tokens"] for r in read_log(tmp_path / "l1") if r.get("eval_only")] == [128, 128]
     line = expect_usage_error(evaluate + ["--seq-len", "1024"], capsys)
     assert line == ("error: --seq-len 1024 is longer than the model's block of 512 tokens (--block-size 512, from the "
                     "checkpoint l1/ckpt_000001.pt); pass --seq-len 512 or less")
 
 
+MEETING = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # torchrun's, by hand
+
+
 @pytest.mark.parametrize("environment, fragments", [
     ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 says this is one of 2 processes, but MASTER_ADDR and MASTER_PORT",
                            "start them with torchrun", "or unset WORLD_SIZE to run one process"]),
-    ({"LOCAL_RANK": "x"}, ["LOCAL_RANK=x in the environment is not a whole number", "unset it"]),
+    ({"LOCAL_RANK": "x"}, ["LOCAL_RANK='x' in the environment is not a whole number", "unset it"]),
+    ({"RANK": "²"}, ["RANK='²' in the environment is not a whole number"]),  # a digit to str.isdigit
+    ({"RANK": " 0"}, ["RANK=' 0' in the environment is not a whole number"]),
     ({"RANK": "3", "WORLD_SIZE": "2"}, ["RANK=3 in the environment is not below WORLD_SIZE=2"]),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, ["RANK=1 in the environment is not below WORLD_SIZE=1"]),
+    (dict(MEETING, MASTER_PORT="notaport"), ["MASTER_PORT='notaport' in the environment is not a port number (1 to "
+                                             "65535)", "or unset WORLD_SIZE to run one process"]),
 ])
+@pytest.mark.parametrize("command", [[], ["--export-hf", "hf"]])
 def test_torchruns_variables_set_by_hand_are_refused_in_one_line(shards, tmp_path, capsys, monkeypatch, environment,
-                                                                  fragments):
-    """`WORLD_SIZE=2 python train_gpt2.py`, without torchrun, or LOCAL_RANK=x, ended in a ValueError traceback."""
+                                                                  fragments, command):
+    """`WORLD_SIZE=2 python train_gpt2.py`, without torchrun, or LOCAL_RANK=x, RANK=² or MASTER_PORT=notaport,
+    ended in a ValueError traceback; the line of RANK=' 0' read `RANK= 0`. An export (only rank 0 writes it) read RANK
+    alone: RANK=² ended it in the same traceback, and the others went unchecked."""
+    monkeypatch.chdir(tmp_path)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path / "log"], capsys, *fragments)
-    assert not (tmp_path / "log").exists()
+    expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path / "log", *command], capsys, *fragments)
+    assert not (tmp_path / "log").exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_master_addr_that_does_not_resolve_is_refused_in_one_line(tmp_path):
+    """Before, c10d retried it for the process group's hour, with its warnings and no line of the trainer's own."""
+    env = dict(script_env(), **MEETING)
+    env["MASTER_ADDR"] = "no-such-host.invalid"  # .invalid: a name reserved never to resolve
+    result = run_command(script_command(TINY + ["--data", tmp_path, "--log-dir", tmp_path / "log"]), tmp_path, env,
+                         timeout=60)
+    check_usage_error(result.returncode, result.stdout, result.stderr,
+                      "MASTER_ADDR='no-such-host.invalid' in the environment is no address this machine can resolve (",
+                      "set it to rank 0's host name or IP address", "or unset WORLD_SIZE to run one process")
