@@ -7,7 +7,6 @@ handed over.
 """
 
 import contextlib
-import json
 import os
 import shlex
 from dataclasses import asdict
@@ -96,12 +95,10 @@ def command_in_card(argv):
 def logged_evaluation(checkpoint, step, key):
     """The record holding key (hellaswag_acc_norm, core) that the run logged of the weights at step (its log.jsonl,
     beside the checkpoint): the latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
+    log = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), run_files.LOG_FILE)
     records = []
     with contextlib.suppress(OSError):
-        with open(os.path.join(os.path.dirname(os.path.normpath(checkpoint)), run_files.LOG_FILE), "rb") as f:
-            for line in f:
-                with contextlib.suppress(ValueError):  # a line cut short by a crash, or a byte that is not UTF-8
-                    records.append(json.loads(line.decode("utf-8")))
-    measured = [record for record in records if isinstance(record, dict) and record.get("step") == step
-                and key in record and record.get("init_from", checkpoint) == checkpoint]
+        records = [record for _, record in plumbing.json_records(log) if record is not None]  # None: a damaged line
+    measured = [record for record in records if record.get("step") == step and key in record
+                and record.get("init_from", checkpoint) == checkpoint]
     return measured[-1] if measured else None

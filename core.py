@@ -46,7 +46,6 @@ would make it the special token).
 
 import collections.abc
 import csv
-import json
 import math
 import os
 import random
@@ -262,7 +261,7 @@ def read_examples(path, kind, label, fix):
                 if not line.strip():
                     continue
                 try:
-                    example = json.loads(line)
+                    example = plumbing.parse_json(line)
                     if not isinstance(example, dict):
                         raise ValueError("not a JSON object")
                     example = dict(example, **{field: text(example[field]) for field in text_fields})
@@ -274,7 +273,7 @@ def read_examples(path, kind, label, fix):
                         if not (isinstance(gold, int) and not isinstance(gold, bool)
                                 and 0 <= gold < len(example[options])):
                             raise ValueError(f"its gold {gold!r} is not the index of one of its {options}")
-                except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep
+                except (ValueError, KeyError, TypeError) as e:
                     raise UsageError(f"CORE task {label}: {path}: line {line_number} is not a {kind} example ({e}; "
                                      f"it needs {needs}); {fix}")
                 examples.append(example)

@@ -44,13 +44,17 @@ from tqdm import tqdm
 
 from plumbing import (
     EOT,
+    MANIFEST,
     PREPARATION_FILES,
     SHARD_SUFFIXES,
     SPLIT_WORD,
+    BadFile,
     UsageError,
     directory_lock,
     gpt2_tokenizer,
     no_room,
+    parse_json,
+    read_manifest,
     sha256_of,
     write_atomically,
 )
@@ -140,7 +144,7 @@ def unit_texts(job):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)[field]
+                text = parse_json(line)[field]
             except ValueError as e:
                 raise UsageError(f"{path}:{line_number}: malformed JSON ({e}); fix or delete that line")
             except (KeyError, TypeError):
@@ -428,7 +432,7 @@ def write_whole(path, write):
     write_atomically(path, write, temp, lambda: IF_NO_ROOM)
 
 def save_manifest(args, manifest):
-    path = os.path.join(args.output, "manifest.json")
+    path = os.path.join(args.output, MANIFEST)
     write_whole(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 def shard_name(prefix, index):
@@ -438,27 +442,6 @@ def with_flag(flag, value):
     if value is None:
         return f"without {flag}"
     return f"with {flag} {' '.join(value) if isinstance(value, list) else value}"
-
-def read_manifest(path, output):
-    """The manifest at path, or None if there is none; one that is damaged or another tool's is refused."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        state = manifest["next"]
-        if isinstance(manifest["shards"], list):  # an older fineweb.py's, which listed each shard's name and tokens
-            manifest["shards"] = len(manifest["shards"])
-        well_formed = (isinstance(manifest["config"]["--prefix"], str) and isinstance(manifest["shards"], int)
-                       and all(isinstance(s["path"], str) and isinstance(s["size"], int) for s in manifest["sources"])
-                       and all(isinstance(state[k], int) for k in ("file", "unit", "skip", "tokens", "documents"))
-                       and isinstance(state["carry"], (str, type(None))) and isinstance(manifest["done"], bool))
-    except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another shape
-        well_formed = False
-    if not well_formed:
-        raise UsageError(f"{path} is damaged or not fineweb.py's; delete {output} to start it afresh, "
-                         "or choose another --output")
-    return manifest
 
 def hidden_sources(sources, inputs):
     """The paths of the sources that are hidden files of an --input directory, which fineweb.py once read too."""
@@ -480,8 +463,11 @@ def sources_changed(before, now):
 
 def open_manifest(args, config, stop):
     """Load the output directory's manifest (refusing a different configuration) or start a new one."""
-    path = os.path.join(args.output, "manifest.json")
-    manifest = read_manifest(path, args.output)
+    try:
+        manifest = read_manifest(args.output)  # the trainer's reading of it, as it decides whether to train on them
+    except BadFile as e:
+        raise UsageError(f"{os.path.join(args.output, MANIFEST)}: {e}; delete {args.output} to start it afresh, or "
+                         f"choose another --output")
     resuming = manifest and manifest["next"]["tokens"]  # with no tokens made yet there is nothing to mix: afresh
     read_before = hidden_sources(manifest["sources"], args.input) if resuming and args.input else []
     sources = local_sources(args.input, skip_hidden=not read_before) if args.input else None
@@ -793,7 +779,7 @@ def remove_if_nothing_made(output):
                 os.path.getsize(os.path.join(downloads, name)) for name in partial):
             return
         shutil.rmtree(downloads, ignore_errors=True)
-        os.remove(os.path.join(output, "manifest.json"))
+        os.remove(os.path.join(output, MANIFEST))
     except OSError:  # no manifest, or a download that ended meanwhile (its thread does not wait for this one)
         pass
 

@@ -15,7 +15,6 @@ The evaluation takes any model that answers as train_gpt2.py's does, logits, los
     python train_gpt2.py --eval-only --resume log/ckpt_019073.pt --hellaswag-every 1
 """
 
-import json
 import math
 import os
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plumbing import BadFile, UsageError, default_cache_dir, download_once_per_node, gpt2_tokenizer
+from plumbing import BadFile, UsageError, default_cache_dir, download_once_per_node, gpt2_tokenizer, parse_json
 
 # the validation split is the one everybody reports (the test split has no labels)
 HELLASWAG_FILE = "hellaswag_val.jsonl"
@@ -46,15 +45,15 @@ def parse_examples(path, expected_count=None):
                 if not line.strip():
                     continue
                 try:
-                    example = json.loads(line)
-                except json.JSONDecodeError as e:
+                    example = parse_json(line)
+                except ValueError as e:
                     raise BadFile(f"line {line_number} is not valid JSON ({e})")
                 if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
                         and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
                         and all(isinstance(ending, str) for ending in example["endings"])
-                        and example.get("label") in (0, 1, 2, 3)):
+                        and type(example.get("label")) is int and 0 <= example["label"] <= 3):  # true is no label
                     raise BadFile(f"line {line_number} is not a HellaSwag example: it needs a string 'ctx', "
-                                  f"a list of 4 string 'endings' and a 'label' in 0..3")
+                                  f"a list of 4 string 'endings' and an integer 'label' in 0..3")
                 examples.append(example)
     except UnicodeDecodeError as e:
         raise BadFile(f"it is not UTF-8 text ({e})")

@@ -20,13 +20,12 @@ nanochat measured it (0.1139); and GPT-3 124M's HellaSwag (0.337) and GPT-2 1.5B
 
 import argparse
 import itertools
-import json
 import math
 import os
 import sys
 from collections import namedtuple
 
-from plumbing import UsageError, write_atomically
+from plumbing import UsageError, json_records, write_atomically
 
 try:
     import matplotlib
@@ -55,60 +54,58 @@ LABELS = {"train_loss": "train loss", "val_loss": "val loss", "hellaswag_acc_nor
 RUN_COLORS = ("C0", "C1", "C2", "C5", "C6", "C8", "C9", "C7")  # runs compared: not the reference lines' red, purple
 
 # curves: {series: {step: (tokens, value)}}; gpt2: {curve: GPT-2 124M's value}; name: for titles and legends
-Run = namedtuple("Run", "curves gpt2 bad_lines recipe name", defaults=(0, None, "run"))
+Run = namedtuple("Run", "curves gpt2 bad_lines recipe name", defaults=((), None, "run"))
 
 
 def finite(value):
     """
     value if it is a finite number, else None. A diverging run may have logged NaN or inf, which json.loads reads
     (NaN, Infinity, -Infinity): such a point has nothing to show, and a single one makes the axis limits NaN or inf,
-    on which matplotlib raises.
+    on which matplotlib raises. A damaged line may hold an integer past a float's range.
     """
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+    try:
+        return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+    except OverflowError:  # an integer past a float's range
+        return None
 
 
 def read_log(path, name="run"):
     """
-    A run's log.jsonl as a Run: its curves, GPT-2 124M's values, the count of lines that are not records, and the
-    recipe that a line names (the trainer's first line, when it writes one).
+    A run's log.jsonl as a Run: its curves, GPT-2 124M's values, the numbers of its lines that are not records, and
+    the recipe that a line names (the trainer's first line, when it writes one).
     A resumed run logs steps again: the last line of a step wins, and a resume drops the steps after it.
     tokens are those the evaluated weights had trained on, step * batch for every curve: a train line logs the
     tokens through its own step, (step + 1) * batch, but its loss is that of the weights before the step's update.
     """
     curves = {series: {} for series in SERIES}
-    gpt2, bad_lines, recipe = {}, 0, None
-    with open(path, "rb") as f:  # decoded line by line: bytes that are not UTF-8 damage their line only
-        for line in f:
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except ValueError:  # not JSON (the last line of a run killed mid-write), or not UTF-8 (a damaged block)
-                bad_lines += 1
-                continue
-            if not isinstance(record, dict):
-                bad_lines += 1
-                continue
-            if isinstance(record.get("recipe"), str) and not record.get("eval_only"):
-                recipe = record["recipe"]
-            if not isinstance(record.get("step"), int):
-                bad_lines += "event" not in record  # an event (the run's start) need not have a step
-                continue
-            step = record["step"]
-            if record.get("eval_only"):  # evaluations of other models: references, not points of this run
-                if record.get("init_from") == "gpt2":
-                    references = {curve: finite(record.get(curve)) for curve in ("val_loss", *BENCHMARKS)}
-                    gpt2.update((curve, value) for curve, value in references.items() if value is not None)
-                continue
-            if record.get("event") == "resume":  # the steps after the checkpoint are being trained again
-                for points_of in curves.values():
-                    for later_step in [s for s in points_of if s > step]:
-                        del points_of[later_step]
-            for series, points_of in curves.items():
-                value = finite(record.get(series))  # per curve: a NaN val_loss leaves the line's other curves drawn
-                if value is not None:  # None: another curve's line, or a skipped step with a non-finite loss
-                    tokens = finite(record.get("tokens"))
-                    if series == "train_loss" and tokens is not None:
-                        tokens = tokens // (step + 1) * step
-                    points_of[step] = (tokens, value)
+    gpt2, bad_lines, recipe = {}, [], None
+    for number, record in json_records(path):
+        if record is None:  # not JSON (the last line of a run killed mid-write), or damaged
+            bad_lines.append(number)
+            continue
+        if isinstance(record.get("recipe"), str) and not record.get("eval_only"):
+            recipe = record["recipe"]
+        step = record.get("step")
+        if not (isinstance(step, int) and step >= 0):  # a negative one only in a damaged line
+            if "event" not in record:  # an event (the run's start) need not have a step
+                bad_lines.append(number)
+            continue
+        if record.get("eval_only"):  # evaluations of other models: references, not points of this run
+            if record.get("init_from") == "gpt2":
+                references = {curve: finite(record.get(curve)) for curve in ("val_loss", *BENCHMARKS)}
+                gpt2.update((curve, value) for curve, value in references.items() if value is not None)
+            continue
+        if record.get("event") == "resume":  # the steps after the checkpoint are being trained again
+            for points_of in curves.values():
+                for later_step in [s for s in points_of if s > step]:
+                    del points_of[later_step]
+        for series, points_of in curves.items():
+            value = finite(record.get(series))  # per curve: a NaN val_loss leaves the line's other curves drawn
+            if value is not None:  # None: another curve's line, or a skipped step with a non-finite loss
+                tokens = finite(record.get("tokens"))
+                if series == "train_loss" and tokens is not None:
+                    tokens = tokens // (step + 1) * step
+                points_of[step] = (tokens, value)
     return Run(curves, gpt2, bad_lines, recipe, name)
 
 
@@ -358,7 +355,9 @@ def read_runs(log_dirs, recipes):
             raise UsageError(f"{log_path} not found: pass the --log-dir of a train_gpt2.py run")
         run = read_log(log_path, name)
         if run.bad_lines:
-            print(f"warning: skipped {run.bad_lines} line(s) of {log_path} that are not log records")
+            numbers = ", ".join(map(str, run.bad_lines[:5])) + ", ..." * (len(run.bad_lines) > 5)
+            print(f"warning: skipped {len(run.bad_lines)} line(s) of {log_path} that are not log records (line "
+                  f"{numbers})")
         if not any(run.curves[curve] for curve in CURVES):
             raise UsageError(f"{log_path} has no {', '.join(CURVES[:-1])} or {CURVES[-1]} lines to plot")
         if recipe and run.recipe and recipe != run.recipe:

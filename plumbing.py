@@ -3,7 +3,9 @@ The plumbing of a training run: what train_gpt2.py, hellaswag.py and fineweb.py 
 
 - the GPT-2 tokenizer from the shipped gpt2.tiktoken;
 - one-line errors, agreed on by every rank, or taken from a rank that failed alone;
-- shard files: how their names say their split, and their two formats (.npy, and llm.c's .bin);
+- JSON read from files that may be damaged: one file, or a JSON-lines file line by line;
+- shard files: how their names say their split, their two formats (.npy, and llm.c's .bin), and fineweb.py's
+  manifest of them;
 - files written whole or not at all, and what to say when the disk, a quota or a file-size limit stops a write;
 - directory locks (run_files.py holds the log directory's, with all else a run writes there);
 - downloads into a cache that the processes of a node share;
@@ -164,6 +166,36 @@ def failing_together():
 
 
 # -----------------------------------------------------------------------------
+# JSON read from files that may be damaged
+
+
+class BadFile(Exception):
+    """What is wrong with a file's contents, without its name: the caller says which file and what to do about it."""
+
+
+def parse_json(text):
+    """text as JSON; a ValueError for what is not JSON, or is nested too deep for json to parse. json raises a
+    RecursionError for that (a damaged line of 200,000 ['s), which every reader would otherwise have to know of."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep to parse") from None
+
+
+def json_records(path):
+    """(line number, the JSON object it holds) for each line of a JSON-lines file such as log.jsonl, with None for a
+    line that holds none: the last line of a run killed mid-write, a damaged block. Its readers skip such a line and
+    read the rest."""
+    with open(path, "rb") as f:  # decoded line by line: bytes that are not UTF-8 damage their line only
+        for number, line in enumerate(f, start=1):
+            try:
+                record = parse_json(line.decode("utf-8"))
+            except ValueError:
+                record = None
+            yield number, record if isinstance(record, dict) else None
+
+
+# -----------------------------------------------------------------------------
 # Shard files: how the trainer finds and opens what fineweb.py writes
 
 BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's shard header
@@ -289,18 +321,46 @@ def shard_paths(directory, training=True):
     return splits["train"], splits["val"]
 
 
-def check_prepared(directory):
-    """Refuses, in one line, shards whose fineweb.py manifest says they are not all made yet: a run on some of them
-    could not go on once the rest are there, as its position would be in other shards."""
-    path = os.path.join(directory, "manifest.json")
+MANIFEST = "manifest.json"  # fineweb.py's record of where its preparation of the shards in its --output stands
+
+
+def read_manifest(directory):
+    """fineweb.py's manifest in directory, or None where there is none; BadFile for one that is damaged or another
+    tool's. An older fineweb.py's list of its shards is read as their number, which is all any reader needs of it."""
     try:
-        with open(path) as f:
-            manifest = json.load(f)
-        if manifest["done"] is not False:
-            return
-        made = f"{manifest['shards']} shards and {manifest['next']['tokens']:,} tokens so far"
-    except (OSError, ValueError, TypeError, KeyError):  # none, or not fineweb.py's: the shards are all there is
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+            manifest = parse_json(f.read())
+        state = manifest["next"]
+        if isinstance(manifest["shards"], list):
+            manifest["shards"] = len(manifest["shards"])
+        well_formed = (isinstance(manifest["config"]["--prefix"], str) and isinstance(manifest["shards"], int)
+                       and all(isinstance(s["path"], str) and isinstance(s["size"], int) for s in manifest["sources"])
+                       and all(isinstance(state[k], int) for k in ("file", "unit", "skip", "tokens", "documents"))
+                       and isinstance(state["carry"], (str, type(None))) and isinstance(manifest["done"], bool))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise BadFile(f"cannot read it ({e.strerror})")
+    except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another shape
+        well_formed = False
+    if not well_formed:
+        raise BadFile("it is damaged or not fineweb.py's")
+    return manifest
+
+
+def check_prepared(directory):
+    """Refuses, in one line, shards whose fineweb.py manifest says they are not all made yet, or cannot say: a run on
+    some of them could not go on once the rest are there, as its position would be in other shards."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        manifest = read_manifest(directory)
+    except BadFile as e:
+        raise UsageError(f"--data {directory}: {path}: {e}, so whether its shards are all made is unknown; delete "
+                         f"the manifest if fineweb.py finished them, else make them again with fineweb.py into a new "
+                         f"--output")
+    if manifest is None or manifest["done"]:  # none: not fineweb.py's shards, which are all there is
         return
+    made = f"{manifest['shards']} shards and {manifest['next']['tokens']:,} tokens so far"
     holder = lock_holder(os.path.join(directory, ".lock"))
     if holder:
         raise UsageError(f"--data {directory}: fineweb.py is still making these shards ({holder}; {made}); train "
@@ -309,7 +369,7 @@ def check_prepared(directory):
                      f"command that made them again, with --output {directory}: it carries on where it stopped")
 
 
-PREPARATION_FILES = ("manifest.json", "downloads")  # what fineweb.py writes in its output before a shard, beside .lock
+PREPARATION_FILES = (MANIFEST, "downloads")  # what fineweb.py writes in its output before a shard, beside .lock
 
 
 def unfinished_preparation(directory):
@@ -526,10 +586,6 @@ def waiting_for_lock(path, unwritable):
 
 # -----------------------------------------------------------------------------
 # Downloads, once per node, into a cache
-
-
-class BadFile(Exception):
-    """What is wrong with a file's contents, without its name: the caller says which file and what to do about it."""
 
 
 def check_safetensors(path):

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 
 import plumbing
@@ -166,21 +167,65 @@ def aside_directory(log_dir):
     return aside
 
 
+class StoppedBySignal(Exception):
+    """SIGINT or SIGTERM, come while StopSignals raises them."""
+
+
+class StopSignals:
+    """While inside, the first SIGINT or SIGTERM raises StoppedBySignal unless deferred is set; any other is only kept
+    (their names, in caught) for after. Their handlers are given back on leaving. SIGTERM's own would end the process
+    at once, and SIGINT's KeyboardInterrupt print a traceback, wherever they came."""
+
+    def __init__(self):
+        self.deferred, self.caught = False, []
+
+    def __enter__(self):
+        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig, handler in self.handlers.items():
+            if handler != signal.SIG_IGN:  # a background job's SIGINT, which its shell ignores: left so
+                signal.signal(sig, self.on_signal)
+        return self
+
+    def __exit__(self, *exception):
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+
+    def on_signal(self, signum, frame):
+        self.caught.append(signal.Signals(signum).name)
+        if not self.deferred:
+            self.deferred = True  # once: a second signal never cuts short the handling of the first
+            raise StoppedBySignal
+
+
 def move_old_run_aside(log_dir, why="starting fresh"):
-    """Moves the files an earlier run wrote in log_dir into a new directory (aside_directory), saying why."""
+    """Moves the files an earlier run wrote in log_dir into a new directory (aside_directory), saying why: all of them,
+    or none if a signal comes before the first is moved, or an error stops it. Half of them moved would be two runs,
+    and a later start would resume the half left in log_dir."""
     old = plumbing.files_in(log_dir, "|".join(RUN_FILES))
     if not old:
         return
-    aside = aside_directory(log_dir)
-    try:
-        for path in old:  # checkpoints first (by name): a crash midway leaves none in log_dir to resume without its log
-            with unread(path, wait=True):  # not a checkpoint that --eval-only, say, is loading
+    with StopSignals() as signals, contextlib.ExitStack() as held:
+        try:  # first, every file unread (not a checkpoint that --eval-only, say, is loading): the wait a signal stops
+            for path in old:
+                held.enter_context(unread(path, wait=True))
+            signals.deferred = True  # from here on, the renames: none waits, and none is left half done
+        except StoppedBySignal:
+            raise UsageError(f"{why}: stopped by {signals.caught[0]} before the old run's files were moved aside; "
+                             f"they stay in {log_dir}, as they were")
+        aside = aside_directory(log_dir)
+        try:
+            for path in old:  # checkpoints first (by name): a crash midway leaves none to resume without its log
                 os.rename(path, os.path.join(aside, os.path.basename(path)))
-    except BaseException:
-        with contextlib.suppress(OSError):  # no empty directory left at each failed try; one holding files stays
-            os.rmdir(aside)
-        raise
+        except OSError:
+            with contextlib.suppress(OSError):  # no run split in two, nor an empty directory left at each failed try
+                for name in os.listdir(aside):
+                    os.rename(os.path.join(aside, name), os.path.join(log_dir, name))
+                os.rmdir(aside)
+            raise
     names = ", ".join(os.path.basename(path) for path in old)
+    if signals.caught:
+        raise UsageError(f"{why}: stopped by {signals.caught[0]} as the old run's files were moved aside; all of them "
+                         f"({names}) were moved from {log_dir} to {aside}, and nothing was trained")
     print(f"{why}: moved the old run's files ({names}) from {log_dir} aside to {aside}")
 
 

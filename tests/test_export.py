@@ -542,6 +542,21 @@ def test_the_model_card_reads_hellaswag_past_a_damaged_log_line(tmp_path):
     assert commands.logged_evaluation(str(tmp_path / "ckpt_000004.pt"), 4, "hellaswag_acc_norm") is None
 
 
+def test_a_log_line_nested_too_deep_leaves_the_export_its_hellaswag(exports, tmp_path, capsys):
+    """A damaged line of 200,000 ['s in the run's log.jsonl stopped --export-hf with a RecursionError traceback, and
+    nothing was exported: the model card's reader of the log skips it, as plot.py does, and reads the rest."""
+    ckpt, _, _ = exports[128]
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(ckpt, run / os.path.basename(ckpt))
+    record = {"step": 3, "tokens": 768, "hellaswag_acc_norm": 0.25, "hellaswag_acc": 0.5}
+    (run / "log.jsonl").write_text("[" * 200_000 + "]" * 200_000 + "\n" + json.dumps(record) + "\n")
+    code, out, err = run_main(["--export-hf", tmp_path / "hf", "--log-dir", run], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "HellaSwag: acc_norm 0.2500, acc 0.5000 at step 3, as train_gpt2.py scores it" in card
+
+
 def test_an_unreadable_checkpoint_is_refused(tmp_path, capsys):
     bad = tmp_path / "ckpt_000002.pt"
     bad.write_bytes(os.urandom(4096))

@@ -3,6 +3,7 @@
 import http.server
 import io
 import json
+import math
 import os
 import random
 import signal
@@ -664,6 +665,12 @@ def test_a_preparation_that_read_hidden_files_resumes_with_its_list(tmp_path):
     assert shards_in(output) == shards_in(tmp_path / "clean")
 
 
+# a step of a tiny model on the shards made here, GPT-2's tokens: its vocabulary padded to 50304
+TINY_TRAINING = ["--n-layer", "1", "--n-head", "1", "--n-embd", "16", "--vocab-size", 50304, "--seq-len", "32",
+                 "--batch-size", "4", "--total-batch-size", "128", "--val-tokens", "256", "--num-samples", "0",
+                 "--hellaswag-every", "0", "--core-every", "0", "--device", "cpu", "--max-steps", "1"]
+
+
 def test_the_trainer_refuses_shards_still_being_made_and_trains_once_they_are(tmp_path, capsys):
     """A run on what an unfinished fineweb.py had written trained with no word, and could never be resumed once the
     preparation finished (`sh_train_000026.npy is new`). It is refused in one line while fineweb.py runs (here
@@ -674,9 +681,7 @@ def test_the_trainer_refuses_shards_still_being_made_and_trains_once_they_are(tm
     output = tmp_path / "sh"
     prepare = ["--input", tmp_path / "a.txt", tmp_path / "b.txt", "--output", output, "--shard-size", 10_000,
                "--workers", 1]
-    train = ["--data", output, "--n-layer", "1", "--n-head", "1", "--n-embd", "16", "--vocab-size", 50304,
-             "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "128", "--val-tokens", "256",
-             "--num-samples", "0", "--device", "cpu", "--max-steps", "1", "--log-dir", tmp_path / "log"]
+    train = TINY_TRAINING + ["--data", output, "--log-dir", tmp_path / "log"]
     process = start_fineweb(*prepare)
     try:
         wait_until(lambda: output.is_dir() and len(shards_in(output)) >= 2, process)  # b.txt's shards to come
@@ -695,6 +700,56 @@ def test_the_trainer_refuses_shards_still_being_made_and_trains_once_they_are(tm
     assert run_fineweb(*prepare).returncode == 0
     code, out, err = run_main(train, capsys)
     assert code == 0 and "done: step 1" in out, err
+
+
+def made_shards(tmp_path):
+    """The shards and manifest that fineweb.py makes of 20,000 tokens: three shards, of 10,000, 10,000 and 1."""
+    (tmp_path / "a.txt").write_text("The first book. " * 5_000)
+    args = ["--input", tmp_path / "a.txt", "--output", tmp_path / "sh", "--shard-size", 10_000, "--workers", 1]
+    assert run_fineweb(*args).returncode == 0
+    return tmp_path / "sh", args
+
+
+def test_a_damaged_manifest_is_refused_by_the_trainer_as_by_fineweb(tmp_path, capsys):
+    """An unfinished preparation's manifest that is also damaged (no "next", cut short, a "done" that is no boolean,
+    nested too deep to parse) was trained on with no word, where fineweb.py refused it: both read it with the same
+    code, and refuse it in one line. An older fineweb.py's unfinished manifest, which listed its shards (thousands,
+    for FineWeb), put the whole list in the trainer's line: their number is enough."""
+    output, prepare = made_shards(tmp_path)
+    path, log_dir = output / "manifest.json", tmp_path / "log"
+    manifest = json.loads(path.read_text())
+    train = TINY_TRAINING + ["--data", output, "--log-dir", log_dir]
+    without_next = {key: value for key, value in manifest.items() if key != "next"}
+    for damaged in [json.dumps(dict(without_next, done=False)), '{"done": false,',
+                    *(json.dumps(dict(manifest, done=done)) for done in ("false", None, 0)),
+                    "[" * 200_000 + "]" * 200_000]:
+        path.write_text(damaged)
+        expect_usage_error(train, capsys, f"--data {output}: {path}: it is damaged or not fineweb.py's",
+                           "delete the manifest if fineweb.py finished them")
+        assert_error(run_fineweb(*prepare), f"{path}: it is damaged or not fineweb.py's", f"delete {output}")
+    assert not log_dir.exists()
+    listed = [{"name": f"sh_train_{i:06d}.npy", "tokens": 10_000} for i in range(1, 5_000)]
+    path.write_text(json.dumps(dict(manifest, done=False, shards=listed)))
+    line = expect_usage_error(train, capsys, f"its shards are unfinished ({path} says so: 4999 shards and "
+                                             f"{manifest['next']['tokens']:,} tokens so far)")
+    assert "sh_train_" not in line  # no shard's name, nor 4,999 of them
+    path.write_text(json.dumps(manifest))
+    code, out, err = run_main(train, capsys)
+    assert code == 0 and "done: step 1" in out, err
+
+
+def test_eval_only_evaluates_shards_still_being_made(tmp_path, capsys):
+    """An evaluation reads the val shard alone, the first that fineweb.py makes: --eval-only on an unfinished
+    preparation evaluates, where a training on it is refused."""
+    output, _ = made_shards(tmp_path)
+    manifest = json.loads((output / "manifest.json").read_text())
+    (output / "manifest.json").write_text(json.dumps(dict(manifest, done=False)))  # as a killed fineweb.py leaves it
+    train = TINY_TRAINING + ["--data", output, "--log-dir", tmp_path / "log"]
+    expect_usage_error(train, capsys, f"--data {output}: its shards are unfinished")
+    code, out, err = run_main(train + ["--eval-only"], capsys)
+    assert code == 0, err
+    (record,) = [json.loads(line) for line in (tmp_path / "log" / "log.jsonl").read_text().splitlines()]
+    assert record["eval_only"] and record["step"] == 0 and math.isfinite(record["val_loss"])
 
 
 def test_a_changed_input_list_names_what_changed(tmp_path):

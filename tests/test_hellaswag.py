@@ -168,6 +168,11 @@ def test_unusable_cache_dir_is_a_one_line_error(static_server, tmp_path, monkeyp
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', r"bad\.jsonl: line 2 is not a HellaSwag example"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', r"bad\.jsonl: line 2 is not a HellaSwag example"),
     ("\udcff", r"bad\.jsonl: it is not UTF-8 text"),
+    # a RecursionError traceback, and true taken as label 1 (a bool is an int to Python)
+    pytest.param("[" * 200_000 + "]" * 200_000, r"bad\.jsonl: line 2 is not valid JSON \(nested too deep to parse\)",
+                 id="nested too deep"),
+    pytest.param('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": true}',
+                 r"bad\.jsonl: line 2 is not a HellaSwag example", id="label true"),
 ])
 def test_bad_file_is_refused_with_its_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"

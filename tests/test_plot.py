@@ -60,9 +60,26 @@ def test_a_line_that_is_not_utf8_is_skipped_as_damaged_lines_are(tmp_path, capsy
         f.write(b'\xc3\n')  # half a two-byte character
         f.write(json.dumps({"step": 3, "tokens": 4096, "train_loss": 8.0}).encode() + b"\n")
     (run,) = plot.read_runs([str(tmp_path)], None)
-    warning = f"warning: skipped 2 line(s) of {tmp_path / 'log.jsonl'} that are not log records\n"
+    warning = f"warning: skipped 2 line(s) of {tmp_path / 'log.jsonl'} that are not log records (line 5, 6)\n"
     assert capsys.readouterr().out == warning
     assert sorted(run.curves["train_loss"]) == [0, 1, 3]  # the lines after them are read
+
+
+def test_a_line_nested_too_deep_or_of_an_impossible_step_is_skipped_and_named(tmp_path):
+    """A damaged log.jsonl stopped plot.py with a traceback: a line of 200,000 ['s (RecursionError), a step of -1 (the
+    train line's tokens per step divided by zero), a loss of 10**400 (OverflowError: no float holds it). The first
+    two are skipped and named by their line numbers, the loss is no point, and the rest is drawn."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path, run_log(range(2)), tail="[" * 200_000 + "]" * 200_000 + "\n" +
+              '{"step": -1, "train_loss": 1.0, "tokens": 5}\n{"step": 2, "train_loss": 1' + "0" * 400 + "}\n")
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "tokens": 4096, "train_loss": 8.0}) + "\n")
+    result = run_command([sys.executable, PLOT, str(tmp_path)], None, dict(os.environ), timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert (f"warning: skipped 2 line(s) of {tmp_path / 'log.jsonl'} that are not log records (line 5, 6)"
+            in result.stdout.splitlines())
+    assert "(3 train_loss, 1 val_loss, 1 hellaswag_acc_norm, 0 core)" in result.stdout  # train steps 0, 1 and 3
+    assert os.path.getsize(tmp_path / "curves.png") > 0
 
 
 def test_last_line_per_step_wins_and_a_resume_drops_later_steps(tmp_path):
@@ -79,7 +96,7 @@ def test_last_line_per_step_wins_and_a_resume_drops_later_steps(tmp_path):
     assert curves["train_loss"][3] == (3072, 42.0)
     assert sorted(curves["val_loss"]) == [0, 2]  # the checkpoint's eval-only line is not a point of this run
     assert curves["hellaswag_acc_norm"] == {0: (0, 0.25), 2: (2048, 0.3)}
-    assert gpt2 == {} and bad_lines == 0
+    assert gpt2 == {} and bad_lines == []
 
 
 def test_train_and_val_losses_of_the_same_weights_share_their_tokens(tmp_path):
@@ -183,7 +200,7 @@ def test_non_finite_values_are_skipped_and_the_finite_points_drawn(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
     curves, gpt2, bad_lines = plot.read_log(tmp_path / "log.jsonl")[:3]
-    assert gpt2 == {"hellaswag_acc_norm": 0.2955} and bad_lines == 0
+    assert gpt2 == {"hellaswag_acc_norm": 0.2955} and bad_lines == []
     assert curves["train_loss"][6] == (None, 4.5)  # drawn against steps; against tokens, as a line without them
     fig = plot.plot_runs([plot.Run(curves, gpt2)])
     assert drawn(fig, "train loss") == [(0, 11.0), (1, 10.0), (3, 8.0), (4, 7.0), (5, 6.0), (6, 4.5)]
@@ -317,7 +334,7 @@ def test_title_names_the_run_and_its_recipe_not_an_absolute_path(tmp_path, capsy
         ("old", ["gpt2"], "old (recipe gpt2): 4 steps, 4.1K tokens"),
     ]:
         runs = plot.read_runs([str(tmp_path / log_dir)], recipes)
-        assert runs[0].bad_lines == 0  # the start record has no step, and is no bad line
+        assert runs[0].bad_lines == []  # the start record has no step, and is no bad line
         fig = plot.plot_runs(runs)
         assert fig.get_suptitle() == expected
         plot.plt.close(fig)

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -291,6 +292,36 @@ def test_no_resume_moves_the_old_log_dir_aside(shards, tmp_path, capsys, monkeyp
     second_aside = re.search(r"aside to (\S+)", out).group(1)
     assert second_aside != aside and os.path.isdir(aside) and os.path.isdir(second_aside)
     assert sorted(os.listdir(second_aside)) == ["ckpt_000001.pt", "log.jsonl"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda signum: signum.name)
+def test_a_signal_as_a_fresh_start_moves_the_old_run_aside_leaves_it_whole(shards, tmp_path, capsys, signum):
+    """--no-resume waits for a reader loading a checkpoint (--eval-only of the latest) before moving it aside. Ctrl-C
+    then had moved ckpt_000002.pt aside and left ckpt_000004.pt and log.jsonl, with a KeyboardInterrupt traceback (and
+    SIGTERM, no line): a plain rerun resumed the half left behind. Each file is waited for before any is moved, so a
+    signal in the wait moves none, and says so in one line."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "2", "--max-steps", "4"]
+    assert run_main(args, capsys)[0] == 0
+    before = {name: (log_dir / name).read_bytes() for name in ("ckpt_000002.pt", "ckpt_000004.pt", "log.jsonl")}
+    reader = run_files.CheckpointReadLock(checkpoint_path(log_dir, 4))  # as --eval-only holds it as it loads it
+    process = start_script(args + ["--no-resume"], tmp_path, tmp_path / "out.txt")
+    try:
+        while "waiting for a process that is loading" not in (tmp_path / "out.txt").read_text():
+            assert process.poll() is None, (tmp_path / "out.txt").read_text()
+            time.sleep(0.01)
+        process.send_signal(signum)
+        assert process.wait(60) == 2
+    finally:
+        reader.release()
+        process.kill()
+    out = (tmp_path / "out.txt").read_text()
+    assert "Traceback" not in out
+    assert [line for line in out.splitlines() if line.startswith("error: ")] == [
+        f"error: starting fresh: stopped by {signal.Signals(signum).name} before the old run's files were moved aside; "
+        f"they stay in {log_dir}, as they were"]
+    assert {name: (log_dir / name).read_bytes() for name in os.listdir(log_dir) if name != ".lock"} == before
+    assert sorted(os.listdir(tmp_path)) == ["data", "log", "out.txt"]  # no directory aside
 
 
 def worker_pids(agent_pid):
@@ -850,6 +881,19 @@ def test_a_log_dir_that_is_a_mount_point_keeps_its_old_run_on_its_own_file_syste
     left = result.stdout.splitlines()[-1].split()
     assert sorted(left) == sorted([".lock", "ckpt_000001.pt", "log.jsonl", os.path.basename(aside)])
     assert sorted(os.listdir(tmp_path)) == ["data", "first", "mnt"]
+
+
+def test_a_file_that_cannot_be_moved_aside_leaves_the_old_run_whole(shards, tmp_path, capsys):
+    """A fresh start that failed to move one of the old run's files aside (here its wandb/, a mount point, which no
+    rename moves) had moved those before it: the run was split in two. They are moved back, and the line says why."""
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", shards, "--log-dir", log_dir, "--max-steps", "1"]
+    assert run_main(args, capsys)[0] == 0
+    result = run_script_on_tmpfs(args + ["--no-resume"], tmp_path, log_dir / "wandb", "size=1m")
+    check_usage_error(result.returncode, result.stdout, result.stderr, f"--log-dir {log_dir}: cannot use it (",
+                      "Device or resource busy")
+    assert sorted(os.listdir(log_dir)) == [".lock", "ckpt_000001.pt", "log.jsonl", "wandb"]
+    assert sorted(os.listdir(tmp_path)) == ["data", "log"]  # no directory aside
 
 
 def test_resuming_a_link_to_a_checkpoint_of_log_dir_goes_on_with_its_run(shards, tmp_path, capsys):
