@@ -71,7 +71,7 @@ def read_config(directory, what):
     path = os.path.join(directory, "config.json")
     try:
         with open(path) as f:
-            config = json.load(f)
+            config = plumbing.parse_json(f.read())
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
         return config, path

@@ -280,7 +280,7 @@ def read_records(log_dir):
     micro-batch that ran out of memory is chosen again)."""
     try:
         with open(os.path.join(log_dir, RECORD)) as f:
-            records = json.load(f)
+            records = plumbing.parse_json(f.read())
     except (OSError, ValueError):
         return []
     return [r for r in records if possible(r)] if isinstance(records, list) else []

@@ -241,10 +241,14 @@ def test_openai_weights_export_as_they_were_published(gpt2_server, tmp_path, cap
                        f"Face model directory already")
 
 
-def test_our_from_pretrained_needs_the_config(exports, tmp_path):
+@pytest.mark.parametrize("config", [None, "[" * 200000 + "]" * 200000])
+def test_our_from_pretrained_needs_the_config(exports, tmp_path, config):
+    """A config.json missing, or nested too deep for json to parse (a RecursionError traceback before)."""
     copy = tmp_path / "no_config"
     shutil.copytree(exports[128][1], copy)
     os.remove(copy / "config.json")
+    if config is not None:
+        (copy / "config.json").write_text(config)
     with pytest.raises(UsageError, match=f"^{copy / 'config.json'}: not the config.json of a Hugging Face GPT-2"):
         GPT.from_pretrained(str(copy))
 

@@ -289,20 +289,23 @@ def test_an_impossible_record_is_ignored(ran_out_at_1, tmp_path, capsys):
     code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "2"], capsys)
     assert code == 0 and "micro-batch" not in out, err
     assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [2]
+    (log / microbatch.RECORD).write_text("[" * 200000 + "]" * 200000)  # json's RecursionError, a traceback before
+    code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "2", "--max-steps", "2"], capsys)
+    assert code == 0 and "micro-batch" not in out, err
 
 
 def test_a_record_holds_for_the_speed_ups_it_was_made_with_alone(ran_out_at_1, tmp_path, capsys):
-    """A step's memory depends on the speed-ups (--recompute-pointwise keeps about half the activations): RECORD's step
-    shape holds their settings, and a record made with others says nothing of this run. The real record (made with
-    none), as if of a machine with more memory than this one, holds here: micro-batch 1 again; the same record of a
-    run with --recompute-pointwise (which needs --compile: minutes of inductor on a CPU) is ignored: 2, as given."""
+    """A step's memory depends on the speed-ups (--fp8-head keeps bf16 copies of the head's inputs for its backward):
+    RECORD's step shape holds their settings, and a record made with others says nothing of this run. The real record
+    (made with none), as if of a machine with more memory than this one, holds here: micro-batch 1 again; the same
+    record of a run with --fp8-head (which needs a GPU of compute capability 8.9) is ignored: 2, as given."""
     args, recorded, _ = ran_out_at_1
     real = json.loads((recorded / microbatch.RECORD).read_text())[0]
     assert real["shape"].get("speedups") == {f.name: f.default for f in dataclasses.fields(speedups.Settings)}
     held = dict(real, memory=2**62)  # more than this machine's: what the record says holds for it
-    recomputed = copy.deepcopy(held)
-    recomputed["shape"]["speedups"]["recompute_pointwise"] = True
-    for name, record, micro_batch in (("held", held, 1), ("recomputed", recomputed, 2)):
+    fp8_head = copy.deepcopy(held)
+    fp8_head["shape"]["speedups"]["fp8_head"] = True
+    for name, record, micro_batch in (("held", held, 1), ("fp8_head", fp8_head, 2)):
         log = tmp_path / name
         log.mkdir()
         (log / microbatch.RECORD).write_text(json.dumps([record]))
