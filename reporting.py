@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import run_files
 import settings
-from plumbing import UsageError, failing_together
+from plumbing import GPT2_VOCAB, UsageError, failing_together
 
 
 def report(run, record, line=None):
@@ -107,10 +107,12 @@ def start(run, micro_batch_said, recipe_named):
     if not run.master:
         return
     print(what_runs(run))
-    n_params = sum(p.numel() for p in run.model.parameters())
+    padding = max(0, cfg.vocab_size - GPT2_VOCAB)
+    padded = f" and {padding} padding rows of its vocabulary, never predicted" if padding else ""
     compiled = "on" if cfg.compile else "off"
-    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {n_params / 1e6:.2f}M parameters"
-          f"{recipe_named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, compile {compiled}")
+    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {parameters(run.model) / 1e6:.2f}M "
+          f"parameters{padded}{recipe_named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, "
+          f"compile {compiled}")
     if cfg.eval_only:
         print(f"data: {cfg.data}, {len(run.val):,} validation tokens | micro-batch {run.micro_batch} x {cfg.seq_len}")
     else:
@@ -159,13 +161,21 @@ def wandb(run):
         run.log.finish(failed=sys.exc_info()[0] is not None)  # in a finally, exc_info is the error on its way out
 
 
+def parameters(model):
+    """The model's parameters but the rows of a padded vocabulary (--vocab-size 50304), which no token uses: as OpenAI
+    counts GPT-2 124M, and as an export of the same model counts them, whether it was trained padded or not."""
+    padding = max(0, model.config.vocab_size - GPT2_VOCAB)
+    return sum(p.numel() - (padding * p.size(1) if p.dim() == 2 and p.size(0) == model.config.vocab_size else 0)
+               for p in model.parameters())
+
+
 def start_record(run):
     """The first record of a launch, for plot.py and W&B: what runs; and a resume's, after which the points logged
     past its checkpoint are dropped, as they are trained again."""
     cfg, env = run.cfg, run.env
     return {"step": run.step, "event": "resume" if run.resumed_from else "start", "recipe": cfg.recipe,
             "max_steps": cfg.max_steps, "total_batch_size": cfg.total_batch_size, "micro_batch": run.micro_batch,
-            "n_params": sum(p.numel() for p in run.model.parameters()), "world_size": env.world_size,
+            "n_params": parameters(run.model), "world_size": env.world_size,
             "device": torch.cuda.get_device_name() if env.device_type == "cuda" else env.device_type}
 
 

@@ -488,8 +488,10 @@ def fit_warmup(draft, resumed):
         return [f"warning: --warmup-steps {draft.warmup_steps} is not shorter than --max-steps {draft.max_steps}: the "
                 f"learning rate rises for the whole run and never decays"]
     warmup = draft.max_steps // 10
-    line = (f"--max-steps {draft.max_steps} is no longer than the {draft.warmup_steps} warmup steps: warming up for "
-            f"{warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run (--warmup-steps sets it)")
+    instead = (f"warming up for {warmup} step{'' if warmup == 1 else 's'} instead, a tenth of the run" if warmup else
+               "no warmup instead, as a tenth of the run is under a step")
+    line = (f"--max-steps {draft.max_steps} is no longer than the {draft.warmup_steps} warmup steps: {instead} "
+            f"(--warmup-steps sets it)")
     draft.set("warmup_steps", warmup, "the warmup fitted to the run", said=False)
     return [line] if resumed is None else []
 

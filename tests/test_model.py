@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import reporting
 import train_gpt2
 from helpers import VOCAB, final_hidden, random_ids, tiny_gpt
 from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, generate
@@ -225,3 +226,16 @@ def test_kv_cache_matches_full_recompute(attn):
     # past the position table's 32 rows the window slides (tests/test_samples.py): all 100 tokens, after the prompt
     longer = generate(model, prompt, 1, 100, torch.Generator().manual_seed(0))
     assert len(longer[0]) == 3 + 100 and longer[0][:3] == prompt
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "modern"])
+def test_the_parameters_said_leave_out_the_vocabularys_padding(recipe):
+    """GPT-2 124M is 124,439,808 parameters as OpenAI counts them (its 50,257 tokens): padded to 50,304 for speed, the
+    run says the same, so that a model trained unpadded and loaded back padded (--init-from DIR) counts alike."""
+    with torch.device("meta"):
+        counts = {vocab: reporting.parameters(train_gpt2.RECIPES[recipe].model(GPTConfig(
+            block_size=1024, vocab_size=vocab, n_layer=12, n_head=12, n_embd=768, recipe=recipe)))
+            for vocab in (GPT2_VOCAB, 50304)}
+    assert counts[GPT2_VOCAB] == counts[50304]
+    if recipe == "gpt2":
+        assert counts[50304] == 124_439_808

@@ -84,6 +84,10 @@ def test_a_run_shorter_than_the_warmup_gets_a_warmup_that_fits(shards, tmp_path,
     lines = settings.fit_warmup(draft, resumed=None)
     assert draft.done().warmup_steps == 20  # the user's choice stands, with a warning
     assert "warning: --warmup-steps 20 is not shorter than --max-steps 10" in "\n".join(lines)
+    draft = settings.Draft(TrainConfig(max_steps=5, warmup_steps=715), set())  # a tenth of 5 steps is none
+    lines = settings.fit_warmup(draft, resumed=None)
+    assert draft.done().warmup_steps == 0
+    assert "--max-steps 5 is no longer than the 715 warmup steps: no warmup instead" in "\n".join(lines)
 
 
 def test_adamw_decays_only_the_weight_matrices():
