@@ -77,9 +77,11 @@ def save(run):
     cfg, env = run.cfg, run.env
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
     rng_per_rank = [rng]
-    if env.world_size > 1:  # every rank reaches here before rank 0 writes
-        rng_per_rank = [None] * env.world_size
-        dist.all_gather_object(rng_per_rank, rng)
+    if env.world_size > 1:
+        # to rank 0 alone, which writes them: unpickling a tensor may import a module, which a rank out of file
+        # descriptors (its reads failed at its open-file limit) cannot
+        rng_per_rank = [None] * env.world_size if run.master else None
+        dist.gather_object(rng, rng_per_rank, dst=0)
     with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
         ckpt = contents(run, rng_per_rank) if run.master else None  # rank 0 alone writes it
         if cfg.fsdp:
@@ -106,19 +108,21 @@ def prune(run):
 
 
 def stop_if_diverging(run, rate_flags):
-    """After --max-bad-steps non-finite steps in a row, stops the run, naming the recipe's learning rates (rate_flags)
-    and the checkpoint to go back to: the latest from before them, as the weights that made them non-finite came
-    later."""
-    cfg = run.cfg
+    """After --max-bad-steps non-finite steps in a row, stops the run, saying what to do (go_back)."""
     in_a_row = 0 if run.nonfinite_since is None else run.step - run.nonfinite_since + 1
-    if in_a_row >= cfg.max_bad_steps:
-        good = run_files.latest_checkpoint(cfg.log_dir, before_step=run.nonfinite_since)
-        later = good != run_files.latest_checkpoint(cfg.log_dir)
-        resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
-                                           f"non-finite)" if later else "")) if good else "start again"
+    if in_a_row >= run.cfg.max_bad_steps:
         raise UsageError(f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
-                         f"stopping. Lower the learning rate{'s' if len(rate_flags) > 1 else ''} "
-                         f"({', '.join(rate_flags)}) and {resume}")
+                         f"stopping. {go_back(run, rate_flags)}")
+
+
+def go_back(run, rate_flags):
+    """What to do about steps gone non-finite, in words: lower the recipe's learning rates (rate_flags), and resume
+    from the latest checkpoint from before them, as the weights that made them non-finite came later."""
+    good = run_files.latest_checkpoint(run.cfg.log_dir, before_step=run.nonfinite_since)
+    later = good != run_files.latest_checkpoint(run.cfg.log_dir)
+    resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
+                                       f"non-finite)" if later else "")) if good else "start again"
+    return f"Lower the learning rate{'s' if len(rate_flags) > 1 else ''} ({', '.join(rate_flags)}) and {resume}"
 
 
 # -----------------------------------------------------------------------------

@@ -35,8 +35,9 @@ from tiktoken.load import load_tiktoken_bpe
 
 try:
     import fcntl
-except ImportError:  # Windows: two runs in one directory are not caught there
-    fcntl = None
+    import resource  # here, not where it is used: a process at its open-file limit can import nothing
+except ImportError:  # Windows: two runs in one directory are not caught there, nor an open-file limit named
+    fcntl = resource = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -249,9 +250,7 @@ def open_shard(path):
 
 def unopenable(path, error):
     """Why the shard at path could not be opened (error: open's), and what to do about it, in words."""
-    if error.errno == errno.EMFILE:  # not the shard's fault: the process holds as many files as it may
-        import resource  # here: Unix only
-
+    if error.errno == errno.EMFILE and resource:  # not the shard's fault: the process holds as many files as it may
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         raise_it = (f"raise it (`ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}` in the shell that "
                     f"starts the run)" if soft < hard else "ask an administrator to raise its hard limit")

@@ -185,20 +185,24 @@ def finish(run, stopped_by_signal):
     if not run.master:
         return
     last = run_files.latest_checkpoint(cfg.log_dir)
-    if run.nonfinite_since is not None:
-        print(f"{'stopped by signal' if stopped_by_signal else 'done'} at step {run.step}, not saved: the steps since "
-              f"{run.nonfinite_since} were non-finite; the latest checkpoint is {last or 'none'}")
-    elif stopped_by_signal and last is None:
+    skipped = "" if run.nonfinite_since is None else f" ({skipped_in_words(run.nonfinite_since, run.step - 1)})"
+    if stopped_by_signal and last is None:
         print("stopped by signal before the first step: nothing to save")
     elif stopped_by_signal:
         left = " (the last: only its final evaluation is left)" if run.step == cfg.max_steps else ""
-        print(f"stopped by signal at step {run.step}{left}, checkpoint saved; resume with "
+        print(f"stopped by signal at step {run.step}{left}, checkpoint saved{skipped}; resume with "
               f"{settings.resume_command(cfg)} (it picks up {cfg.log_dir})")
     else:
         hint = f"; for more samples: {shlex.join(['python', 'train_gpt2.py', '--sample', last])}" if last else ""
         launch = f" ({duration(time.perf_counter() - run.launch_start)} in this launch)" if run.resumed_from else ""
         print(f"done: step {run.step}, val loss {run.val_loss:.4f}, trained for {duration(run.seconds_trained())}"
-              f"{launch}{hint}")
+              f"{launch}{skipped}{hint}")
+
+
+def skipped_in_words(first, last):
+    """The last steps of a run, first to last, that were non-finite (their updates skipped), in words."""
+    steps = f"step {first} was" if first == last else f"steps {first} to {last} were"
+    return f"{steps} non-finite, skipped: the weights saved are step {first}'s"
 
 
 # -----------------------------------------------------------------------------

@@ -41,6 +41,10 @@ def checkpoint_step(path):
     return int(os.path.splitext(os.path.basename(path))[0][len("ckpt_"):])
 
 
+def checkpoint_path(log_dir, step, sharded=False):
+    """Where the checkpoint of step goes: a file, or with --fsdp a directory."""
+    return os.path.join(log_dir, f"ckpt_{step:06d}.{'dcp' if sharded else 'pt'}")
+
 
 def checkpoint_paths(log_dir):
     """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
@@ -268,7 +272,7 @@ def no_room_for_checkpoint(log_dir, size, keep):
 
 def write_checkpoint(log_dir, step, save, size, keep):
     """Writes log_dir/ckpt_<step>.pt whole or not at all, with save(file); size: about how many bytes it takes."""
-    path = os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+    path = checkpoint_path(log_dir, step)
     t0 = time.perf_counter()
     plumbing.write_atomically(path, save, path + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
     print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
@@ -278,7 +282,7 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
     """Writes log_dir/ckpt_<step>.dcp/ whole or not at all: rank 0 makes ckpt_<step>.dcp.tmp/, save(directory) fills
     it, every rank writing its own part (torch.distributed.checkpoint, which rank 0 ends with the index of all parts),
     then rank 0 renames it. Every rank calls it, save being collective; size: about how many bytes all ranks write."""
-    path = os.path.join(log_dir, f"ckpt_{step:06d}.dcp")
+    path = checkpoint_path(log_dir, step, sharded=True)
     temp, t0 = path + ".tmp", time.perf_counter()
     if_no_room = functools.partial(no_room_for_checkpoint, log_dir, size, keep)
     with plumbing.failing_together():  # also the barrier after which every rank looks for the directory

@@ -3,10 +3,12 @@ A training run of train_gpt2.py, and the only code that changes where it stands.
 the model, the optimizers, ...) are what train_gpt2.set_up made; its state (the step, the latest evaluation, a streak
 of non-finite steps, the clock, a stop signal) is written here alone, and by checkpoints.restore from a checkpoint.
 
-The training loop (train_gpt2.train) calls it three times, around the lecture's step: before_step (is there a step to
-take; a checkpoint due), after_step (the log line, the step counted, a stop signal voted on) and finish (the last
-checkpoint, and how the run ended). What keeps a run safe happens there: checkpoints saved and pruned, a signal that
-ends the run at the same step on every rank, a run that diverges stopped. It never imports train_gpt2.
+The training loop (train_gpt2.train) calls it around the lecture's step: before_step (is there a step to take; a
+checkpoint due), read_step (the step's batches, voted on by every rank), after_step (the log line, the step counted, a
+stop signal voted on, the end saved) and finish (the last checkpoint, and how the run ended); and its evaluations run
+inside evaluating (a stop signal ends them). What keeps a run safe happens there: checkpoints saved and pruned, a
+signal or bad data that ends the run at the same step on every rank, a run that diverges stopped, weights that are not
+finite never saved. It never imports train_gpt2.
 """
 
 import contextlib
@@ -24,7 +26,11 @@ import plumbing
 import reporting
 import run_files
 import settings
-from plumbing import DataError
+from plumbing import DataError, UsageError
+
+
+class StopVoted(Exception):
+    """Every rank voted to stop on a signal, before a forward pass of an evaluation (Run.evaluating)."""
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Run:
     seconds_before: float = 0.0  # the training time of the launches before this one, as its checkpoint kept it
     first_step: int = 0  # the step this launch began at
     saved_step: Optional[int] = None  # the step of the latest checkpoint this launch wrote or resumed from
+    saved_evaluated: bool = False  # whether that checkpoint holds its step's evaluations
     stop_signal: Optional[list] = None  # the stop signals caught (checkpoints.catch_stop_signals)
     stopped: bool = False  # every rank voted to stop on a signal
     launch_start: Optional[float] = None  # when this launch began to train (time.perf_counter())
@@ -79,6 +86,7 @@ class Run:
         self.micro_batch, said = microbatch.largest_that_fits(self, gradient_sync, trained_with)
         reporting.start(self, said, self.recipe.named)
         self.first_step, self.saved_step = self.step, self.resumed_from and self.step
+        self.saved_evaluated = self.evaluated  # the resumed checkpoint's, as restore set it
         self.stop_signal = None if self.cfg.eval_only else checkpoints.catch_stop_signals()
         self.launch_start = time.perf_counter()
 
@@ -97,13 +105,35 @@ class Run:
         self.evaluated = True  # also when none was due: nothing is left to evaluate at this step
         return due
 
+    @contextlib.contextmanager
+    def evaluating(self):
+        """While inside (the evaluations of a step), every rank votes on a stop signal before each forward pass of
+        the model that evaluates (self.compiled; each rank runs as many): one ends the evaluations there, left for the
+        resumed run. The final ones (HellaSwag, CORE) take minutes, longer than a cluster's grace period between
+        SIGTERM and SIGKILL."""
+        if self.stop_signal is None:  # --eval-only catches no signal
+            yield
+            return
+
+        def vote(module, args):
+            if plumbing.any_rank(bool(self.stop_signal), self.env.device):
+                raise StopVoted
+
+        hook = self.compiled.register_forward_pre_hook(vote, prepend=True)  # before FSDP's, which gathers weights
+        try:
+            yield
+        except StopVoted:
+            self.stopped, self.evaluated = True, False
+        finally:
+            hook.remove()
+
     def validated(self, loss):
         """Records the validation loss of this step's weights, and logs it."""
         self.val_loss, self.val_step = loss, self.step
         reporting.log_evaluation(self, {"val_loss": loss}, f"val loss {loss:.4f}")
 
     # -------------------------------------------------------------------------
-    # The three calls of the training loop
+    # The calls of the training loop
 
     def before_step(self):
         """Whether to take a step: none at --max-steps, nor once a stop signal is voted for. Saves the checkpoint
@@ -115,14 +145,32 @@ class Run:
         self.step_start = time.perf_counter()
         return True
 
+    def read_step(self):
+        """This rank's micro-batches of the step (TokenStream.next_step). The ranks vote on their reads, a flag
+        all-reduced: a shard that one rank alone cannot read (its node's I/O error, its open-file limit) stops every
+        rank here with that rank's line, rather than leaving the others waiting in the step's all-reduce."""
+        cfg, env, stream = self.cfg, self.env, self.stream
+        position, error = (stream.epoch, stream.index, stream.offset), None
+        try:
+            batches = stream.next_step(self.micro_batch, cfg.seq_len, self.accumulation_steps, env.rank,
+                                       env.world_size, cfg.vocab_size)
+        except DataError as e:
+            error = str(e)
+        if plumbing.any_rank(error is not None, env.device):
+            stream.epoch, stream.index, stream.offset = position  # where the ranks that read it were: it is not taken
+            errors = plumbing.every_rank(error)
+            failed = [rank for rank, line in enumerate(errors) if line is not None]
+            raise DataError(("" if len(failed) == len(errors) else f"rank {failed[0]}: ") + errors[failed[0]])
+        return batches
+
     def save_due(self):
         """Whether a checkpoint fell due (every --checkpoint-every steps) since this launch's last one, or its start."""
         every, last = self.cfg.checkpoint_every, self.first_step if self.saved_step is None else self.saved_step
         return every > 0 and self.step > self.first_step and self.step // every > last // every
 
     def after_step(self, result):
-        """Logs the step just taken (train_gpt2.StepResult), counts it, stops a run whose steps stay non-finite, and
-        votes with every rank on a stop signal that came during it."""
+        """Logs the step just taken (train_gpt2.StepResult), counts it, stops a run whose steps stay non-finite,
+        votes with every rank on a stop signal that came during it, and saves the end before its evaluations."""
         if self.env.device_type == "cuda":
             torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time
         now = time.perf_counter()
@@ -141,19 +189,53 @@ class Run:
         checkpoints.stop_if_diverging(self, self.recipe.rate_flags())
         self.step, self.evaluated = self.step + 1, False
         self.stopped = plumbing.any_rank(bool(self.stop_signal), self.env.device)
+        if self.step == self.cfg.max_steps:  # the final evaluations can outlast a preemption's grace period
+            self.save_where_it_stops()
 
     def finish(self):
-        """Saves where the run ended (the end, or where a signal stopped it), unless its last steps were non-finite,
-        and says how it ended."""
-        # the end that a signal saved unevaluated is saved again once evaluated, or every later start would evaluate it
-        if (self.step > self.first_step or (self.resumed_from and self.evaluated)) and self.nonfinite_since is None:
-            self.save()
-            checkpoints.prune(self)  # the run ended on a finite step
+        """Saves where the run ended (the end, evaluated since it was saved, or where a signal stopped it) and says
+        how it ended; a UsageError instead where its weights are not finite (save_if_moved)."""
+        self.save_where_it_stops()
         reporting.finish(self, self.stopped)
+
+    # -------------------------------------------------------------------------
+    # Checkpoints
 
     def save(self):
         checkpoints.save(self)
-        self.saved_step = self.step
+        self.saved_step, self.saved_evaluated = self.step, self.evaluated
+
+    def unsaved(self):
+        """Whether the run moved on since its latest checkpoint (this launch's, or the one it resumed from): a step,
+        or the evaluations of the step saved (or every later start would do them again). A fresh start that took no
+        step has nothing to save."""
+        if self.saved_step is None:
+            return self.step > self.first_step
+        return self.step != self.saved_step or (self.evaluated and not self.saved_evaluated)
+
+    def weights_finite(self):
+        """Whether every parameter is finite, on every rank (under FSDP each holds slices of them)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all())
+        return not plumbing.any_rank(not finite, self.env.device)
+
+    def save_if_moved(self):
+        """Saves the run where it stands if it moved on since its latest checkpoint, and says whether it did. After
+        non-finite steps (their updates skipped, which leaves the weights as the last finite step made them) only if
+        every weight is finite: if not, a UsageError says so and what to do, as nothing trustworthy is left to save."""
+        if not self.unsaved():
+            return False
+        if self.nonfinite_since is not None and not self.weights_finite():
+            raise UsageError(f"the run is not saved at step {self.step}: its weights are not finite (the steps since "
+                             f"{self.nonfinite_since} were non-finite, their updates skipped). "
+                             f"{checkpoints.go_back(self, self.recipe.rate_flags())}")
+        self.save()
+        return True
+
+    def save_where_it_stops(self):
+        """Saves where the run stops (save_if_moved); after a finite step, prunes past --keep-checkpoints."""
+        if self.save_if_moved() and self.nonfinite_since is None:
+            checkpoints.prune(self)
 
     @contextlib.contextmanager
     def running(self):
@@ -165,15 +247,20 @@ class Run:
 
     @contextlib.contextmanager
     def saved_if_data_fails(self):
-        """A shard that turns bad as the stream reaches it (plumbing.DataError, raised on every rank alike, as each
-        reads the whole global batch) ends the run after saving it where it stands, before the step, if steps were
-        taken since its last checkpoint and they were finite; its line then says how to go on."""
+        """A shard that turns bad as the stream reaches it (plumbing.DataError, raised on every rank at once by
+        read_step) ends the run after saving it where it stands, before the step (save_if_moved); its line then says
+        how to go on, or names both causes where the save fails too (a full disk, weights that are not finite)."""
         try:
             yield
         except DataError as e:
-            if not (self.step > self.first_step and self.saved_step != self.step and self.nonfinite_since is None):
-                raise DataError(f"{e}; once that is mended: {checkpoints.how_to_resume(self.cfg)}") from None
-            self.save()
-            raise DataError(f"{e}; the run is saved at step {self.step}: once that is mended, "
-                            f"{settings.resume_command(self.cfg)} resumes from "
-                            f"{run_files.latest_checkpoint(self.cfg.log_dir)}") from None
+            try:
+                saved = self.save_if_moved()
+            except UsageError as failed:
+                raise DataError(f"{e}; saving the run failed too: {failed}") from None
+            # the checkpoint is named by its step, or as rank 0 lists it: a rank out of file descriptors cannot
+            if saved:
+                raise DataError(f"{e}; the run is saved at step {self.step}: once that is mended, "
+                                f"{settings.resume_command(self.cfg)} resumes from "
+                                f"{run_files.checkpoint_path(self.cfg.log_dir, self.step, self.cfg.fsdp)}") from None
+            how = plumbing.every_rank(checkpoints.how_to_resume(self.cfg) if self.master else None)[0]
+            raise DataError(f"{e}; once that is mended: {how}") from None

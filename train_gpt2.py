@@ -393,7 +393,7 @@ class TokenStream:
 
     def next_step(self, B, T, accum_steps, rank, world_size, vocab_size):
         """This rank's micro-batches (x, y) for one optimizer step, then moves past the whole global batch."""
-        # every rank reads and checks the whole global batch, so that bad data stops all ranks at once, alike
+        # every rank reads and checks the whole global batch, in one read (run_state.Run.read_step votes on it)
         window = self.read(accum_steps * world_size * B * T + 1, vocab_size)
         batches = []
         for micro in range(accum_steps):
@@ -704,20 +704,21 @@ def evaluations_due(run):
 
 
 def evaluate(run):
-    """The evaluations due at run.step, logged, each once: the validation loss with samples, HellaSwag and CORE; none
-    if a stop signal is voted for first (run.begin_evaluation)."""
+    """The evaluations due at run.step, logged, each once: the validation loss with samples, HellaSwag and CORE; no
+    more once a stop signal is voted for, before or between forward passes (run.begin_evaluation, run.evaluating)."""
     cfg, env, step = run.cfg, run.env, run.step
     val_due, benchmarks_due = evaluations_due(run)
     if not run.begin_evaluation(val_due or bool(benchmarks_due)):
         return
-    if val_due:
-        run.validated(evaluate_val(run.compiled, run.val, run.micro_batch, cfg.seq_len, env.device, run.autocast_ctx,
-                                   env.rank, env.world_size))
-        if cfg.num_samples > 0:  # eager, so that growing lengths never recompile
-            print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
-                          run.micro_batch, show=run.master)
-    for benchmark in benchmarks_due:  # each at the micro-batch, on every rank
-        reporting.log_evaluation(run, *benchmark.evaluate_run(run, run.benchmarks[benchmark]))
+    with run.evaluating():  # a stop signal ends them at the next forward pass: the resumed run does them
+        if val_due:
+            run.validated(evaluate_val(run.compiled, run.val, run.micro_batch, cfg.seq_len, env.device,
+                                       run.autocast_ctx, env.rank, env.world_size))
+            if cfg.num_samples > 0:  # eager, so that growing lengths never recompile
+                print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
+                              run.micro_batch, show=run.master)
+        for benchmark in benchmarks_due:  # each at the micro-batch, on every rank
+            reporting.log_evaluation(run, *benchmark.evaluate_run(run, run.benchmarks[benchmark]))
 
 
 # -----------------------------------------------------------------------------
@@ -774,16 +775,15 @@ def set_up(draft, env):
 def train(run):
     """The training loop, from run.step to --max-steps, evaluating as it goes and at the end. Around each step the
     run (run_state.Run) keeps itself safe: checkpoints, a stop on SIGTERM or Ctrl-C at the same step on every rank."""
-    cfg, env = run.cfg, run.env
+    cfg = run.cfg
     evaluate(run)  # at the launch's first step: step 0's, or a resumed step's not yet done
     while run.before_step():  # False at --max-steps or once a stop signal is voted for; saves a checkpoint due
-        batches = run.stream.next_step(run.micro_batch, cfg.seq_len, run.accumulation_steps, env.rank, env.world_size,
-                                       cfg.vocab_size)
+        batches = run.read_step()  # this rank's micro-batches; data one rank cannot read stops every rank here
         set_lr(run.optimizers, run.step, cfg)
         result = train_step(run.compiled, run.optimizers, run.scaler, batches, run.autocast_ctx, cfg.grad_clip)
-        run.after_step(result)  # prints the log line, counts the step, votes on a stop signal
+        run.after_step(result)  # prints the log line, counts the step, votes on a stop signal, saves the end
         evaluate(run)  # those due at the step reached: all of them at --max-steps
-    run.finish()  # saves the end, or where a signal stopped the run, and says how it ended
+    run.finish()  # saves the end evaluated, or where a signal stopped the run, and says how it ended
 
 
 def start(flags, given):

@@ -46,6 +46,16 @@ def write_shards(directory, train_lengths=(3000, 2500), val_length=1000, vocab=V
     return str(directory)
 
 
+def put_bad_token(directory, position):
+    """Token id 200, past VOCAB, at position in every train shard of directory (write_shards'): the step that reads
+    that position of the first shard in the order finds it, as a shard damaged or replaced while the run reads."""
+    for name in os.listdir(directory):
+        if "_train_" in name:
+            tokens = np.load(os.path.join(directory, name))
+            tokens[position] = 200
+            np.save(os.path.join(directory, name), tokens)
+
+
 def save_tokens(path, tokens):
     tokens = np.asarray(tokens, dtype=np.uint16)
     path = str(path)
@@ -256,6 +266,17 @@ def wait_for_step(proc, log_dir, step, timeout=120):
         time.sleep(0.005)
     proc.kill()
     pytest.fail(f"no step {step} within {timeout} s")
+
+
+def wait_for_output(proc, path, text, timeout=120):
+    """Waits until the output file at path (start_script's) holds text, while the process runs."""
+    deadline = time.time() + timeout
+    while text not in open(path).read():
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before printing {text!r}"
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"no {text!r} within {timeout} s")
+        time.sleep(0.005)
 
 
 def process_stat(pid):

@@ -10,12 +10,14 @@ from helpers import (
     TINY,
     check_usage_error,
     checkpoint_path,
+    put_bad_token,
     run_command,
     run_main,
     run_script,
     run_script_on_tmpfs,
     script_command,
     script_env,
+    write_shards,
 )
 from run_files import checkpoint_paths, checkpoint_step
 
@@ -104,6 +106,26 @@ def test_a_sharded_checkpoint_past_the_file_size_limit_stops_the_run_in_one_line
 def pages(directory, but=()):
     """The 4 KiB pages that the files of directory (but those named) take on a tmpfs."""
     return sum(-(-os.path.getsize(directory / name) // 4096) for name in os.listdir(directory) if name not in but)
+
+
+def test_a_bad_shard_whose_save_meets_a_full_disk_names_both(tmp_path, capsys):
+    """A shard gone bad mid-run saves the run before it stops; where that save met a full disk, the line named only
+    the disk: the user made room, trained the steps since the last checkpoint again, then met the shard. Here a token
+    id past the vocabulary at step 5, on a tmpfs with room for two checkpoints, not three."""
+    data = write_shards(tmp_path / "data")
+    put_bad_token(data, 1400)  # step 5 reads tokens 1,280 to 1,536
+    args = TINY + ["--data", data, "--checkpoint-every", "2"]
+    code, _, err = run_main(args + ["--max-steps", "2", "--log-dir", tmp_path / "sized"], capsys)
+    assert code == 0, err
+    size = 4 * (2 + pages(tmp_path / "sized", but=("log.jsonl", ".lock")) * 5 // 2)  # the lock, the log, 2.5 of them
+    log_dir = tmp_path / "log"
+    result = run_script_on_tmpfs(args + ["--max-steps", "10", "--log-dir", log_dir], tmp_path, log_dir,
+                                 f"size={size}k")
+    stdout, listing = result.stdout.rstrip("\n").rsplit("\n", 1)
+    check_usage_error(result.returncode, stdout, result.stderr, "holds token id 200",
+                      f"; saving the run failed too: disk full writing {checkpoint_path(log_dir, 5)}: ",
+                      f"resumes from {checkpoint_path(log_dir, 4)}")
+    assert sorted(listing.split()) == [".lock", "ckpt_000002.pt", "ckpt_000004.pt", "log.jsonl"]
 
 
 def test_a_full_disk_under_fsdp_stops_the_run_in_one_line(shards, tmp_path, capsys):

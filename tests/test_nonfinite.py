@@ -1,6 +1,7 @@
-"""Steps with a non-finite loss: the update is skipped and logged (as null: log.jsonl stays strict JSON), no checkpoint
-is written or pruned while they last, and too many in a row stop the run, naming the checkpoint to go back to. Most
-NaNs are made here: GPT.forward's loss is multiplied by NaN in the steps chosen, so train_step itself must find the step
+"""Steps with a non-finite loss: the update is skipped and logged (as null: log.jsonl stays strict JSON), no periodic
+checkpoint is written nor any pruned while they last (the end, a signal or a shard gone bad saves the weights they left,
+unless those are not finite), and too many in a row stop the run, naming the checkpoint to go back to. Most NaNs are
+made here: GPT.forward's loss is multiplied by NaN in the steps chosen, so train_step itself must find the step
 non-finite; the last test's weights really diverge."""
 import json
 import math
@@ -21,9 +22,11 @@ from helpers import (
     expect_usage_error,
     load_ckpt,
     needs_muon,
+    put_bad_token,
     read_log,
     run_main,
     train_records,
+    write_shards,
 )
 
 CONSTANT_LR = ["--warmup-steps", "0", "--min-lr-ratio", "1", "--max-lr", "1e-2"]  # the same lr whatever --max-steps
@@ -134,23 +137,66 @@ def test_a_diverging_modern_recipe_is_told_to_lower_its_own_rates(shards, tmp_pa
     assert "--max-lr" not in line
 
 
-def test_a_stop_signal_during_non_finite_steps_saves_nothing_and_says_so(shards, tmp_path, capsys, monkeypatch):
-    """A SIGTERM while the steps are non-finite: no checkpoint of their weights, and the last line says so, naming the
-    latest checkpoint (it said "checkpoint saved" of a save that never happened)."""
+def test_a_stop_signal_after_a_skipped_step_saves_its_weights_and_says_so(shards, tmp_path, capsys, monkeypatch):
+    """A SIGTERM right after a non-finite step saved nothing ("stopped by signal at step 6, not saved"), though the
+    step, skipped, left the weights as they were: finite, as the checkpoint of step 5 holds them. They are saved, and
+    the last line names the step skipped."""
     log_dir = tmp_path / "log"
 
     def terminate_in_step_5(step, model, optimizers):
         if step == 5:
             os.kill(os.getpid(), signal.SIGTERM)  # caught by the run: it stops after this step
 
-    poison_steps(monkeypatch, {4, 5}, terminate_in_step_5)
-    args = TINY + ["--data", shards, "--checkpoint-every", "2", "--max-steps", "10", "--log-dir", log_dir] + CONSTANT_LR
+    poison_steps(monkeypatch, {5}, terminate_in_step_5)
+    args = TINY + ["--data", shards, "--checkpoint-every", "5", "--max-steps", "10", "--log-dir", log_dir] + CONSTANT_LR
     code, out, err = run_main(args, capsys)
     assert code == 0, err
-    assert run_files.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 2), checkpoint_path(log_dir, 4)]
+    assert run_files.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 5), checkpoint_path(log_dir, 6)]
     last = out.strip().splitlines()[-1]
-    assert last == (f"stopped by signal at step 6, not saved: the steps since 4 were non-finite; the latest checkpoint "
-                    f"is {checkpoint_path(log_dir, 4)}"), last
+    assert last == (f"stopped by signal at step 6, checkpoint saved (step 5 was non-finite, skipped: the weights saved "
+                    f"are step 5's); resume with the same command (it picks up {log_dir})"), last
+    saved, before = load_ckpt(checkpoint_path(log_dir, 6)), load_ckpt(checkpoint_path(log_dir, 5))
+    assert_tensors_equal(saved["model"], before["model"])
+
+
+def test_a_skipped_last_step_saves_the_end(shards, tmp_path, capsys, monkeypatch):
+    """--checkpoint-every 0 (the Shakespeare default) with the last step non-finite: the run ended "done at step 8, not
+    saved", all of it lost, and the same command met the same NaN again. The skipped step left the weights as they
+    were: the end is saved, the line names the step, and the same command finds nothing left to do."""
+    args = TINY + ["--data", shards, "--checkpoint-every", "0"] + CONSTANT_LR
+    poison_steps(monkeypatch, {7})
+    code, out, err = run_main(args + ["--max-steps", "8", "--log-dir", tmp_path / "nan"], capsys)
+    assert code == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("done: step 8, val loss "), last
+    assert "(step 7 was non-finite, skipped: the weights saved are step 7's)" in last, last
+    monkeypatch.undo()
+    code, out, err = run_main(args + ["--max-steps", "8", "--log-dir", tmp_path / "nan"], capsys)
+    assert code == 0 and "nothing left to do" in out, err
+    code, _, err = run_main(args + ["--max-steps", "7", "--log-dir", tmp_path / "ref"], capsys)
+    assert code == 0, err
+    assert_tensors_equal(load_ckpt(checkpoint_path(tmp_path / "nan", 8))["model"],
+                         load_ckpt(checkpoint_path(tmp_path / "ref", 7))["model"])
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path, capsys):
+    """Non-finite steps leave the weights as they were, so the end, a signal or a shard gone bad saves them; unless
+    they are not finite, as a damaged checkpoint's here (a NaN in one weight), whose every step is then non-finite.
+    Nothing is saved, and the run ends in one line: at the end, as where a shard turns bad inside the streak (a save
+    of the NaN weights then passed every test)."""
+    data = write_shards(tmp_path / "data")
+    put_bad_token(data, 800)  # step 3 reads tokens 768 to 1,024
+    log_dir = tmp_path / "log"
+    args = TINY + ["--data", data, "--log-dir", log_dir]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    damaged = load_ckpt(checkpoint_path(log_dir, 2))
+    damaged["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    torch.save(damaged, checkpoint_path(log_dir, 2))
+    not_finite = "the run is not saved at step 3: its weights are not finite (the steps since 2 were non-finite"
+    expect_usage_error(args + ["--max-steps", "3"], capsys, not_finite, "Lower the learning rate (--max-lr)")
+    expect_usage_error(args + ["--max-steps", "10"], capsys, "holds token id 200", f"; saving the run failed too: "
+                       f"{not_finite}")
+    assert run_files.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 2)]
 
 
 # Weights that really diverge (a learning rate of 1e20, not a patched loss)

@@ -1,10 +1,12 @@
-"""Checkpoints: SIGKILL and resume (bitwise, on CPU in fp32), SIGTERM, a damaged latest checkpoint, mismatched
-shapes, a different number of processes, checkpoints of another format, sampling from a checkpoint, --no-resume,
---eval-only. (Non-finite steps: test_nonfinite.py.)"""
+"""Checkpoints: SIGKILL and resume (bitwise, on CPU in fp32), SIGTERM (during an evaluation too), a shard gone bad (on
+one rank alone too), a damaged latest checkpoint, mismatched shapes, a different number of processes, checkpoints of
+another format, sampling from a checkpoint, --no-resume, --eval-only. (Non-finite steps: test_nonfinite.py.)"""
+import contextlib
 import fcntl
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import stat
@@ -43,6 +45,7 @@ from helpers import (
     start_script,
     train_records,
     val_records,
+    wait_for_output,
     wait_for_step,
     write_shards,
 )
@@ -152,6 +155,55 @@ def tokens_consumed(stream_state, shard_lengths, seed):
     order = stream.order(stream_state["epoch"])
     before = sum(shard_lengths[i] for i in order[: stream_state["index"]])
     return stream_state["epoch"] * sum(shard_lengths) + before + stream_state["offset"]
+
+
+def ranks_of(launcher_pid, log_dir):
+    """{rank: pid} of the ranks that tests/scripts/ranks.py forked: rank 0 is the one holding log_dir's lock open."""
+    lock, ranks = os.path.realpath(os.path.join(log_dir, ".lock")), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                    continue
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        ranks[0 if lock in fds else 1] = int(pid)
+    return ranks
+
+
+def test_a_shard_that_one_rank_alone_cannot_read_stops_both_ranks_saved(shards, tmp_path):
+    """A read that fails on one rank alone (its node's I/O error, or its open-file limit) hung the job: that rank
+    saved alone, and the collective it began never met the other rank, already in the step's all-reduce. The ranks
+    vote on each step's read: both stop before the same step, save it, and say the failing rank's line, at once.
+    Here rank 1 runs out of file descriptors mid-run (prlimit lowers its `ulimit -n`), so that its next read of a
+    shard fails for real."""
+    run = tmp_path / "run"
+    args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = start_command(script_command(args, nproc=2), tmp_path, script_env(), stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_step(proc, run, 5)
+        ranks = ranks_of(proc.pid, run)
+        assert sorted(ranks) == [0, 1], ranks
+        _, hard = resource.prlimit(ranks[1], resource.RLIMIT_NOFILE)
+        resource.prlimit(ranks[1], resource.RLIMIT_NOFILE, (3, hard))  # stdin, stdout, stderr: no descriptor left
+        code = proc.wait(15)  # it hung for good
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = open(tmp_path / "out.txt").read()
+    assert code == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and errors[0] == errors[1], out[-3000:]  # each rank's line, the same
+    stop = max(logged_train_steps(run)) + 1
+    assert stop > 5 and "Traceback" not in out, out[-3000:]
+    assert errors[0].startswith("error: rank 1: ") and "too many open files" in errors[0], errors[0]
+    assert f"the run is saved at step {stop}" in errors[0] and str(checkpoint_path(run, stop)) in errors[0]
+    assert checkpoint_names(run) == [f"ckpt_{stop:06d}.pt"]
+    # saved before the step that rank 1 could not read, which rank 0 had read: its position is before that step too
+    assert tokens_consumed(load_ckpt(checkpoint_path(run, stop))["stream"], [3000, 2500], 1337) == stop * 256
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -450,6 +502,60 @@ def test_a_signal_before_an_evaluation_saves_first_and_the_resumed_run_evaluates
     assert [r["step"] for r in resumed if "val_loss" in r] == [0, 4, 8]
     for step in (4, 8):
         assert val_records(resumed)[step]["val_loss"] == val_records(reference)[step]["val_loss"]
+
+
+def test_the_end_is_saved_before_its_evaluations_and_a_signal_stops_them(shards, tmp_path, capsys):
+    """The final evaluations (HellaSwag, CORE) take minutes, longer than a cluster's grace period between SIGTERM and
+    SIGKILL: the end was saved after them, and a signal waited for them, so that SIGTERM then SIGKILL lost every step
+    since the last checkpoint. The end is saved first, a signal stops the evaluations at their next forward pass, and
+    the resumed run does them. Here the long evaluation is the samples (20,000 forward passes), after the validation
+    loss's line."""
+    log_dir, out = tmp_path / "log", tmp_path / "out.txt"
+    args = TINY + ["--data", shards, "--max-steps", "3", "--checkpoint-every", "0", "--prompt", "a",
+                   "--log-dir", log_dir]
+    proc = start_script(args + ["--num-samples", "80", "--max-new-tokens", "1000"], tmp_path, out)
+    try:
+        wait_for_output(proc, out, "step     3 | val loss")
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(3)  # the grace period
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.wait(30) == 0, open(out).read()[-3000:]
+    printed = open(out).read()
+    assert "stopped by signal at step 3 (the last: only its final evaluation is left), checkpoint saved" in printed
+    assert "--- sample" not in printed and "Traceback" not in printed, printed[-3000:]
+    assert checkpoint_names(log_dir) == ["ckpt_000003.pt"]
+    assert load_ckpt(checkpoint_path(log_dir, 3))["evaluated"] is False
+
+    code, printed, err = run_main(args, capsys)  # the evaluations of the end, again
+    assert code == 0 and "done: step 3" in printed, err
+    val_losses = [r["val_loss"] for r in read_log(log_dir) if "val_loss" in r]
+    assert len(val_losses) == 2 and val_losses[0] == val_losses[1]  # the same weights: the same loss
+    assert load_ckpt(checkpoint_path(log_dir, 3))["evaluated"] is True
+
+
+def test_a_signal_to_one_rank_stops_both_in_the_same_forward_pass_of_an_evaluation(tmp_path):
+    """Every rank votes on a stop signal before each forward pass of an evaluation: a signal to one rank alone (here
+    rank 1, during the final validation loss over 400,000 tokens) stops both at the same one, or they would wait for
+    each other in different collectives."""
+    data, log_dir, out = write_shards(tmp_path / "data", val_length=400_000), tmp_path / "log", tmp_path / "out.txt"
+    args = TINY + ["--data", data, "--max-steps", "2", "--checkpoint-every", "0", "--val-tokens", "400000",
+                   "--log-dir", log_dir]
+    with open(out, "w") as f:
+        proc = start_command(script_command(args, nproc=2), tmp_path, script_env(), stdout=f,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_output(proc, out, f"saved {checkpoint_path(log_dir, 2)}")  # the end, saved before its evaluations
+        time.sleep(0.5)
+        os.kill(ranks_of(proc.pid, log_dir)[1], signal.SIGTERM)
+        assert proc.wait(10) == 0, open(out).read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "stopped by signal at step 2 (the last: only its final evaluation is left)" in open(out).read()
+    assert val_records(read_log(log_dir)) == {} and load_ckpt(checkpoint_path(log_dir, 2))["evaluated"] is False
 
 
 def test_a_finished_run_is_left_alone_and_a_lower_max_steps_is_refused(shards, tmp_path, capsys):
