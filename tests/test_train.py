@@ -349,7 +349,7 @@ def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
     assert f"data: {REPO}/input.txt" in out and "1 x 128 x 1 accumulation steps" in out  # its seq_len 128, our batch
     records = read_log(tmp_path / "log")
     assert abs(train_records(records)[0]["train_loss"] - math.log(GPT2_VOCAB)) < 0.3
-    assert "warming up for 0 steps instead" in out  # one step leaves no room for the preset's 30 warmup steps
+    assert "no warmup instead" in out  # one step leaves no room for the preset's 50 warmup steps
     assert train_records(records)[0]["lr"] == pytest.approx(2e-3)  # the preset's max_lr
 
 
