@@ -108,7 +108,7 @@ def start(run, micro_batch_said, recipe_named):
         return
     print(what_runs(run))
     padding = max(0, cfg.vocab_size - GPT2_VOCAB)
-    padded = f" and {padding} padding rows of its vocabulary, never predicted" if padding else ""
+    padded = f" (and {padding} rows of vocabulary padding, never predicted)" if padding else ""
     compiled = "on" if cfg.compile else "off"
     print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {parameters(run.model) / 1e6:.2f}M "
           f"parameters{padded}{recipe_named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, "
