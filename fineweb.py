@@ -42,22 +42,11 @@ import requests
 import tiktoken
 from tqdm import tqdm
 
-from plumbing import (
-    EOT,
-    MANIFEST,
-    PREPARATION_FILES,
-    SHARD_SUFFIXES,
-    SPLIT_WORD,
-    BadFile,
-    UsageError,
-    directory_lock,
-    gpt2_tokenizer,
-    no_room,
-    parse_json,
-    read_manifest,
-    sha256_of,
-    write_atomically,
-)
+from machinery.downloads import sha256_of
+from machinery.errors import BadFile, UsageError
+from machinery.files import directory_lock, no_room, parse_json, write_atomically
+from machinery.shard_files import MANIFEST, PREPARATION_FILES, SHARD_SUFFIXES, SPLIT_WORD, read_manifest
+from machinery.tokenizer import EOT, gpt2_tokenizer
 
 JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
 DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks

@@ -7,7 +7,7 @@ Plots train_gpt2.py runs next to OpenAI's GPT-2 124M:
     options: --out PATH, --x step,tokens,time (the columns), --recipe NAME (once per LOG_DIR, for logs that lack it)
 
 Top row: train loss (faint: each step's; solid: its running mean) and val loss. Below it: HellaSwag acc_norm, and
-the CORE score (core.py), each where a run has its points.
+the CORE score (evaluation/core_score.py), each where a run has its points.
 Columns: against steps, with the tokens the evaluated weights had trained on along the top (a run of constant batch
 is the same curve against either); against tokens, in a column of its own where runs compared train different
 batches; and, when the log records it ("elapsed_s"), against the training time they had taken. The loss axis tops
@@ -25,7 +25,8 @@ import os
 import sys
 from collections import namedtuple
 
-from plumbing import UsageError, json_records, write_atomically
+from machinery.errors import UsageError
+from machinery.files import json_records, write_atomically
 
 try:
     import matplotlib
@@ -36,7 +37,7 @@ except ImportError:  # matplotlib is optional for the project: only this script 
 
 GPT2_124M_HELLASWAG = 0.2945
 GPT3_124M_HELLASWAG = 0.337  # GPT-3 paper, table F: the 125M model, trained on 300B tokens
-GPT2_124M_CORE, GPT2_XL_CORE = 0.1139, 0.2565  # as nanochat measured OpenAI's GPT-2 124M and 1.5B (core.py)
+GPT2_124M_CORE, GPT2_XL_CORE = 0.1139, 0.2565  # as nanochat measured OpenAI's GPT-2 124M and 1.5B (core_score.py)
 BENCHMARKS = ("hellaswag_acc_norm", "core")  # a row each, under the losses
 # each benchmark's reference lines, (model, value, whose measure): GPT-2 124M's (unless measured in the log), another's
 REFERENCES = {

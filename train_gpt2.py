@@ -1,17 +1,13 @@
 """
-Train GPT-2 from scratch, in one file you can read top to bottom, each piece before what uses it: the settings, the
-model, the data, the optimizer, processes and precision, the training step, evaluation, the run's set-up, then the
-training loop, and main, which runs them: main -> start -> set_up, then train -> train_step, evaluate.
+Train GPT-2 from scratch: the settings, the model, the data, the optimizer, processes and precision, the training step,
+evaluation, the run's set-up, then the training loop, each written before what uses it.
 
-    python train_gpt2.py                                    # one GPU, or a CPU / Apple GPU for debugging
+    python train_gpt2.py                                    # one GPU, or a CPU or Apple GPU for debugging
     torchrun --standalone --nproc_per_node=8 train_gpt2.py  # every GPU of one node
     python train_gpt2.py --help                             # every setting, with its default and the presets
 
-Without FineWeb shards (make them with `python fineweb.py`) it trains a small model on tiny Shakespeare. Beside it,
-none importing it: the variations modern.py (--recipe modern), fsdp.py (--fsdp), chunked_loss.py (--loss chunked,
-and the compiled full loss) and speedups.py (speed-ups off until measured); the run's machinery in settings.py,
-run_state.py (a run, and what moves it on), microbatch.py, checkpoints.py, reporting.py, commands.py (--sample,
---export-hf), run_files.py, plumbing.py.
+Without FineWeb shards (`python fineweb.py` makes them), it trains a small model on tiny Shakespeare. The recipes and
+speed-ups it can swap in are in variations/, the benchmarks it scores in evaluation/, the run's machinery in machinery/.
 """
 
 import argparse
@@ -32,33 +28,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-import checkpoints
-import commands
-import core
-import fsdp
-import hellaswag
-import hf_export
-import microbatch
-import modern
-import plumbing
-import reporting
-import run_files
-import run_state
-import settings
-import speedups
-from chunked_loss import chunked_cross_entropy, cross_entropy
-from plumbing import EOT, GPT2_VOCAB, DataError, UsageError
-from settings import setting
+from evaluation import core_score, hellaswag
+from machinery import checkpoint_commands, checkpoints, fsdp, hf_format, microbatch, ranks, run_log, settings
+from machinery.downloads import download_openai_weights
+from machinery.errors import DataError, UsageError
+from machinery.run_state import Run
+from machinery.settings import setting
+from machinery.shard_files import SHARD_SUFFIXES, open_shard, shard_paths
+from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
+from variations import modern, speedups
+from variations.losses import chunked_cross_entropy, cross_entropy
 
-# imported before any process group exists: imported after one (as DDP does), its group.WORLD default arguments keep
-# the group and its threads alive past destroy_process_group, and a gloo thread alive at exit can abort the process
-if dist.is_available():  # builds without torch.distributed have none
-    import torch.distributed.nn  # noqa: F401
-
-# what benchmarks/ may use of this file (tests/test_structure.py checks it): every other name may change freely
-__all__ = ["TrainConfig", "parse_args", "layered_config", "resolve_config", "MODEL_SIZES", "PADDED_VOCAB", "GPTConfig",
-           "GPT", "model_of", "make_model", "make_optimizers", "set_lr", "set_up_distributed", "tear_down_distributed",
-           "set_tf32", "autocast_context", "compile_model", "train_step", "evaluate_val", "SHAKESPEARE"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
 
@@ -281,9 +261,10 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, kv_cache=None, at=None):
-        """The logits (B, T, vocab_size) of the tokens idx (B, T), which follow those in kv_cache if any, the padding
-        ids at -inf (at: of the B*T positions, these alone, as CORE scores a few); given targets, (None, the mean loss
-        over those that are not -1): the training step never needs the (B, T, V) logits, written out whole."""
+        """Returns (logits, loss). Without targets: the logits (B, T, vocab_size) of the tokens idx (B, T), with the
+        padding ids at -inf; with at, only those of the chosen B*T positions (CORE scores a few); idx may follow the
+        tokens of kv_cache. With targets: (None, the mean loss over the targets that are not -1), as training never
+        needs the logits themselves."""
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         pos = torch.arange(past, past + idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
@@ -307,13 +288,13 @@ class GPT(nn.Module):
         """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl), downloaded once into the cache; or, if name
         is a directory, the GPT-2 there (--export-hf's, or the Hub's). A config, if given, has that model's shapes."""
         local = os.path.isdir(name)
-        path = os.path.join(name, "model.safetensors") if local else plumbing.download_openai_weights(name, cache_dir)
+        path = os.path.join(name, "model.safetensors") if local else download_openai_weights(name, cache_dir)
         if config is None:
-            config = GPTConfig(**(hf_export.read_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
+            config = GPTConfig(**(hf_format.read_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
         model = cls(config)
         with torch.no_grad():  # the keys and shapes checked, OpenAI's Conv1D weights transposed for nn.Linear
             fix = "export it again" if local else "delete it to download it again"
-            hf_export.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
+            hf_format.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
         return model
 
 
@@ -393,7 +374,7 @@ class TokenStream:
 
     def next_step(self, B, T, accum_steps, rank, world_size, vocab_size):
         """This rank's micro-batches (x, y) for one optimizer step, then moves past the whole global batch."""
-        # every rank reads and checks the whole global batch, in one read (run_state.Run.read_step votes on it)
+        # every rank reads and checks the whole global batch, in one read (Run.read_step votes on it)
         window = self.read(accum_steps * world_size * B * T + 1, vocab_size)
         batches = []
         for micro in range(accum_steps):
@@ -421,7 +402,7 @@ def read_text(path):
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--data {path}: cannot read it as UTF-8 text ({e})")
-    tokens = np.array(plumbing.gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
+    tokens = np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
     split = int(0.9 * len(tokens))
     return tokens[:split], tokens[split:]
 
@@ -432,9 +413,9 @@ def load_data(cfg):
         raise UsageError(f"--data {cfg.data}: no such file or directory; make FineWeb shards with "
                          f"`python fineweb.py`, or pass a text file")
     if os.path.isdir(cfg.data):
-        names, val_paths = plumbing.shard_paths(cfg.data, training=not cfg.eval_only)
-        train_shards, val_shards = [plumbing.open_shard(p) for p in names], [plumbing.open_shard(p) for p in val_paths]
-    elif cfg.data.endswith(plumbing.SHARD_SUFFIXES):
+        names, val_paths = shard_paths(cfg.data, training=not cfg.eval_only)
+        train_shards, val_shards = [open_shard(p) for p in names], [open_shard(p) for p in val_paths]
+    elif cfg.data.endswith(SHARD_SUFFIXES):
         raise UsageError(f"--data {cfg.data} is a single shard; pass the directory that holds the train and val shards")
     else:
         text_train, text_val = read_text(cfg.data)
@@ -486,7 +467,7 @@ def get_lr(step, max_lr, cfg):
 RECIPES = {
     "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
                             settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: None,
-                            hf_format=hf_export.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
+                            hf_format=hf_format.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
     "modern": modern.RECIPE,
 }
 
@@ -529,6 +510,7 @@ def set_up_distributed(device="auto", fsdp=False):
         torch.cuda.set_device(device)
     device_type = device.split(":")[0]
     if world_size > 1 or fsdp:
+        ranks.before_any_process_group()
         # an hour, not 10 minutes: rank 0 alone may download GPT-2 XL or write a large checkpoint while the others wait
         backend, device_id = ("nccl", torch.device(device)) if device_type == "cuda" else ("gloo", None)
         alone = {} if world_size > 1 else dict(store=dist.HashStore(), rank=0, world_size=1)  # no torchrun needed
@@ -647,7 +629,7 @@ def train_step(model, optimizers, scaler, batches, autocast_ctx, grad_clip):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: the validation loss, samples, HellaSwag (hellaswag.py) and CORE (core.py).
+# Evaluation: the validation loss, samples, HellaSwag and CORE (evaluation/).
 
 
 @torch.no_grad()
@@ -681,7 +663,7 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=
     at most rows at a time (if show: the other ranks sample too, as under FSDP each lends its slices of the weights,
     but print nothing)."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
-    can_sample, lines = reporting.sample_notes(model, prompt)  # and what to know of the samples, or why there are none
+    can_sample, lines = run_log.sample_notes(model, prompt)  # and what to know of the samples, or why there are none
     if can_sample:
         generator = torch.Generator(device=device).manual_seed(seed)
         with autocast_ctx:  # rows at a time: a run's micro-batch, which fits in training, or --sample's --batch-size
@@ -715,14 +697,14 @@ def evaluate(run):
             run.validated(evaluate_val(run.compiled, run.val, run.micro_batch, cfg.seq_len, env.device,
                                        run.autocast_ctx, env.rank, env.world_size))
             if cfg.num_samples > 0:  # eager, so that growing lengths never recompile
-                print_samples(run.model, cfg, plumbing.gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
+                print_samples(run.model, cfg, gpt2_tokenizer(), env.device, run.autocast_ctx, cfg.seed, step,
                               run.micro_batch, show=run.master)
         for benchmark in benchmarks_due:  # each at the micro-batch, on every rank
-            reporting.log_evaluation(run, *benchmark.evaluate_run(run, run.benchmarks[benchmark]))
+            run_log.log_evaluation(run, *benchmark.evaluate_run(run, run.benchmarks[benchmark]))
 
 
 # -----------------------------------------------------------------------------
-# The run: its settings resolved, then set up from them (run_state.Run), and restored from its checkpoint
+# The run: its settings resolved, then set up from them (Run), and restored from its checkpoint
 
 
 def layered_config(flags, given, env):
@@ -736,7 +718,8 @@ def resolve_config(draft, env, ckpt=None, ckpt_path=None):
     rank 0 prints the lines that say which are not their defaults, and why."""
     resumed = None if ckpt is None else (ckpt["train_config"],
                                          asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
-    cfg, lines = settings.resolve(draft, env, RECIPES, (fsdp.check_settings, speedups.check), resumed)
+    checks = (fsdp.check_settings, speedups.check, run_log.check_settings)  # refusals before anything is read
+    cfg, lines = settings.resolve(draft, env, RECIPES, checks, resumed)
     if env.rank == 0 and lines:
         print("\n".join(lines))
     return cfg
@@ -750,14 +733,14 @@ def set_up(draft, env):
     cfg = resolve_config(draft, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
-    benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core) if getattr(cfg, module.EVERY)}
+    benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core_score) if getattr(cfg, module.EVERY)}
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
     speedups.apply(cfg, model)  # each speed-up asked for: before the model compiles
     compiled = wrap_model(model, cfg, env)
-    run = run_state.Run(cfg, env, RECIPES[cfg.recipe], stream, val, benchmarks, model, compiled,
+    run = Run(cfg, env, RECIPES[cfg.recipe], stream, val, benchmarks, model, compiled,
                         optimizers=make_optimizers(model, cfg, env.device_type),
                         scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 underflows
-                        autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_files.RunLog(cfg.log_dir))
+                        autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_log.RunLog(cfg.log_dir))
     trained_with = None if ckpt is None else ckpt.get("micro_batch")  # not kept before it was chosen
     if ckpt is not None:
         checkpoints.restore(run, ckpt, ckpt_path)
@@ -774,7 +757,7 @@ def set_up(draft, env):
 
 def train(run):
     """The training loop, from run.step to --max-steps, evaluating as it goes and at the end. Around each step the
-    run (run_state.Run) keeps itself safe: checkpoints, a stop on SIGTERM or Ctrl-C at the same step on every rank."""
+    run (Run) keeps itself safe: checkpoints, a stop on SIGTERM or Ctrl-C at the same step on every rank."""
     cfg = run.cfg
     evaluate(run)  # at the launch's first step: step 0's, or a resumed step's not yet done
     while run.before_step():  # False at --max-steps or once a stop signal is voted for; saves a checkpoint due
@@ -800,8 +783,8 @@ def start(flags, given):
 
 
 def main(argv=None):
-    """Trains (or evaluates) as the settings say, or runs a command of commands.py. A UsageError ends the process
-    with its one line on stderr and exit code 2, never a traceback, once the process group is torn down."""
+    """Trains (or evaluates) as the settings say, or runs a command of checkpoint_commands.py. A UsageError ends the
+    process with its one line on stderr and exit code 2, never a traceback, once the process group is torn down."""
     cfg, given = parse_args(argv)
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     error = None
@@ -809,9 +792,10 @@ def main(argv=None):
         settings.check_paths(cfg, given, MODEL_SIZES)
         with microbatch.out_of_memory_in_one_line(cfg):
             if cfg.export_hf:
-                commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
+                checkpoint_commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
             elif cfg.sample:
-                commands.sample(cfg, given, set_up_distributed(cfg.device), model_of, autocast_context, print_samples)
+                env = set_up_distributed(cfg.device)
+                checkpoint_commands.sample(cfg, given, env, model_of, autocast_context, print_samples)
             else:
                 start(cfg, given)
     except UsageError as e:

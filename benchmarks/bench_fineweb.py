@@ -41,7 +41,7 @@ import requests
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import fineweb  # noqa: E402
-from plumbing import EOT, gpt2_tokenizer  # noqa: E402
+from machinery.tokenizer import EOT, gpt2_tokenizer  # noqa: E402
 
 TREE = "/api/datasets/HuggingFaceFW/fineweb-edu/tree/main/sample/10BT"
 RESOLVE = "/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"

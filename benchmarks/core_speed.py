@@ -1,6 +1,6 @@
 """
-CORE's speed: examples per second of core.py's evaluation against a plain one of the same model on the same
-examples, one example (its options together) a forward pass with the softmax over every position, as nanochat's
+CORE's speed: examples per second of evaluation/core_score.py's evaluation against a plain one of the same model on
+the same examples, one example (its options together) a forward pass with the softmax over every position, as nanochat's
 core_eval runs. Both must choose alike; the plain one is timed on fewer examples when it would take long.
 
     python benchmarks/core_speed.py                     # the quick start's model, 12 examples a task: ~3 min on a core
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import core  # noqa: E402
-import plumbing  # noqa: E402
 import train_gpt2  # noqa: E402
+from evaluation import core_score  # noqa: E402
+from machinery import tokenizer  # noqa: E402
 from train_gpt2 import GPT, MODEL_SIZES, GPTConfig, TrainConfig, autocast_context, compile_model, model_of  # noqa: E402
 
 # label: (kind, shots, delimiter, options, examples, random baseline %, context words, answer words)
@@ -97,12 +97,12 @@ def synthetic_bundle(directory, max_examples=None):
 
 
 def plain_outcomes(model, task, max_per_task, block_size, device, autocast_ctx):
-    """Each example's outcome, one forward pass an example: its prompts (core.py's text) tokenized whole, cropped,
+    """Each example's outcome, one forward pass an example: its prompts (core_score.py's text) tokenized whole, cropped,
     padded to the longest, the loss and the argmax at every position, as nanochat's evaluate_example does."""
-    enc, examples, outcomes = plumbing.gpt2_tokenizer(), core.chosen_examples(task, max_per_task), []
+    enc, examples, outcomes = tokenizer.gpt2_tokenizer(), core_score.chosen_examples(task, max_per_task), []
     for index in range(len(examples)):
-        rows = [[plumbing.EOT] + enc.encode_ordinary("".join(pieces))
-                for pieces in core.option_texts(task, examples, index)]
+        rows = [[tokenizer.EOT] + enc.encode_ordinary("".join(pieces))
+                for pieces in core_score.option_texts(task, examples, index)]
         if task.kind == "language_modeling":
             spans, rows = [(len(rows[0]), len(rows[1]))], rows[1:]
         elif task.kind == "multiple_choice":
@@ -117,7 +117,7 @@ def plain_outcomes(model, task, max_per_task, block_size, device, autocast_ctx):
         rows = [row[crop:] for row, crop in zip(rows, crops)]
         spans = [(max(1, start - crop), end - crop) for (start, end), crop in zip(spans, crops)]
         width = max(map(len, rows))
-        tokens = torch.tensor([row + [plumbing.EOT] * (width - len(row)) for row in rows], device=device)
+        tokens = torch.tensor([row + [tokenizer.EOT] * (width - len(row)) for row in rows], device=device)
         with torch.no_grad(), autocast_ctx:
             logits, _ = model(tokens)
             losses = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten(), reduction="none")
@@ -146,7 +146,7 @@ def plan(args, model_name, shapes, max_per_task, plain_per_task):
         n_params = sum(p.numel() for p in model_of(GPTConfig(**shapes)).parameters())
     with tempfile.TemporaryDirectory() as scratch:  # a synthetic bundle of 11 examples a task: enough for 10 shots
         directory = args.core_data or synthetic_bundle(scratch, 11)
-        bundle = core.load(directory, "", 11)
+        bundle = core_score.load(directory, "", 11)
     counts = ({task.label: len(task.examples) for task in bundle.tasks} if args.core_data else
               {label: shape[4] for label, shape in REAL_SHAPE.items()})
     examples = sum(min(count, max_per_task or count) for count in counts.values())
@@ -198,14 +198,14 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         directory = args.core_data or synthetic_bundle(scratch, None if max_per_task == 0 else
                                                        max(max_per_task, plain_per_task))
-        bundle = core.load(directory, "", max_per_task)
+        bundle = core_score.load(directory, "", max_per_task)
     device_name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{model_name} shapes, {n_params / 1e6:.1f}M parameters, on {device_name}; compile {compiled}; "
           f"{len(bundle.tasks)} tasks of {args.core_data or 'the synthetic bundle'}")
 
     def ours(per_task):
-        return core.evaluate(fast, bundle, args.device, autocast_ctx, max_per_task=per_task or None,
+        return core_score.evaluate(fast, bundle, args.device, autocast_ctx, max_per_task=per_task or None,
                              block_size=shapes["block_size"], tokens_per_pass=tokens_per_pass, fixed_shapes=compiled)
 
     first, first_seconds = timed(lambda: ours(max_per_task))

@@ -25,8 +25,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import chunked_loss  # noqa: E402
-from plumbing import GPT2_VOCAB  # noqa: E402
+from machinery.tokenizer import GPT2_VOCAB  # noqa: E402
+from variations import losses  # noqa: E402
 
 MIB = 2**20
 
@@ -83,16 +83,17 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=64 * 1024, help="B*T (default: 65536, a 64 x 1024 micro-batch)")
     parser.add_argument("--width", type=int, default=768, help="n_embd (default: 768, GPT-2 124M's)")
     parser.add_argument("--vocab", type=int, default=50304, help="the padded vocabulary (default: 50304)")
-    parser.add_argument("--chunk-rows", type=int, default=chunked_loss.CHUNK_ROWS,
-                        help=f"rows a chunk (default: {chunked_loss.CHUNK_ROWS}, the trainer's)")
+    parser.add_argument("--chunk-rows", type=int, default=losses.CHUNK_ROWS,
+                        help=f"rows a chunk (default: {losses.CHUNK_ROWS}, the trainer's)")
     parser.add_argument("--steps", type=int, default=5, help="timed passes after the first (default: 5)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile each loss, as the trainer does on CUDA (default: on)")
-    parser.add_argument("--chunked-from", default="", help="a chunked_loss.py to take the chunked loss from")
+    parser.add_argument("--chunked-from", default="", help="a losses.py (or an older chunked_loss.py) to take the "
+                                                           "chunked loss from")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "error: --device cuda, but PyTorch sees no CUDA GPU; use --device cpu\n")
-    chunked = chunked_loss
+    chunked = losses
     if args.chunked_from:
         spec = importlib.util.spec_from_file_location("chunked_from", args.chunked_from)
         chunked = sys.modules["chunked_from"] = importlib.util.module_from_spec(spec)  # dynamo imports it by name
@@ -105,8 +106,8 @@ def main(argv=None):
     targets = torch.randint(0, min(args.vocab, GPT2_VOCAB), (args.rows,), device=args.device)
     mask = torch.zeros(args.vocab, device=args.device)
     mask[GPT2_VOCAB:] = float("-inf")
-    losses = {  # as GPT.forward computes each: the full loss from the masked bf16 logits
-        "full": lambda x, w, targets, mask: chunked_loss.cross_entropy(x @ w.T + mask.to(torch.bfloat16), targets),
+    loss_functions = {  # as GPT.forward computes each: the full loss from the masked bf16 logits
+        "full": lambda x, w, targets, mask: losses.cross_entropy(x @ w.T + mask.to(torch.bfloat16), targets),
         "chunked": lambda x, w, targets, mask: chunked.chunked_cross_entropy(x, w, targets, mask,
                                                                             chunk_rows=args.chunk_rows),
     }
@@ -114,7 +115,7 @@ def main(argv=None):
     print(f"{args.rows} rows x width {args.width} x vocab {args.vocab}, chunks of {args.chunk_rows} rows, bf16 "
           f"autocast, compile {args.compile}, on {where}, torch {torch.__version__}; the bf16 logits alone: "
           f"{args.rows * args.vocab * 2 / MIB:,.0f} MiB")
-    for name, loss_of in losses.items():
+    for name, loss_of in loss_functions.items():
         result = measure(loss_of, (x, w, targets, mask), args)
         print(f"{name:<8} peak {result['peak_mib']:>9,.0f} MiB above the inputs   {result['ms']:>9.1f} ms a forward "
               f"and backward pass   loss {result['loss']:.6f}", flush=True)

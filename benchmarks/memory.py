@@ -171,7 +171,7 @@ def activation_bytes(recipe, n_layer, n_embd, batch_size, seq_len):
 
 def logits_bytes(recipe, batch_size, seq_len):
     """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (SAVED_PER_TOKEN). GPT-2's compiled loss writes their
-    gradient over them (chunked_loss.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
+    gradient over them (losses.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
     F.cross_entropy's backward, whose gradient sits beside them where the step is one compiled graph (DDP's layout);
     under FSDP, whose groups compile as graphs of their own, none was measured (the README's Speed section)."""
     saved = SAVED_PER_TOKEN[recipe][2] * batch_size * seq_len * PADDED_VOCAB

@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fsdp  # noqa: E402
 import train_gpt2  # noqa: E402
+from machinery import fsdp  # noqa: E402
 
 
 def parse_args(argv=None):

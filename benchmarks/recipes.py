@@ -32,10 +32,10 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import modern  # noqa: E402
-import plumbing  # noqa: E402
 import train_gpt2  # noqa: E402
+from machinery import microbatch, tokenizer  # noqa: E402
 from train_gpt2 import TrainConfig, evaluate_val, make_model, make_optimizers  # noqa: E402
+from variations import modern  # noqa: E402
 
 
 def standard_library_tokens():
@@ -49,7 +49,7 @@ def standard_library_tokens():
     for path in paths:
         with open(path, encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
-    files = plumbing.gpt2_tokenizer().encode_ordinary_batch(texts)
+    files = tokenizer.gpt2_tokenizer().encode_ordinary_batch(texts)
     split = [np.array(tokens, dtype=np.int64) for tokens in files]
     held_out = split[::10]
     val = np.concatenate([held_out[i] for i in np.random.default_rng(0).permutation(len(held_out))])
@@ -153,7 +153,7 @@ def recipe_config(args, recipe, seed, vocab_size):
 def main():
     args = parse_args()
     if args.device == "cpu":
-        plumbing.keep_freed_memory(True)  # as train_gpt2.py does on a CPU
+        microbatch.keep_freed_memory(True)  # as train_gpt2.py does on a CPU
     train, val, vocab_size = standard_library_tokens()
     n_val = min(args.val_tokens, len(val) - 1) // args.seq_len * args.seq_len
     val = val[: n_val + 1]

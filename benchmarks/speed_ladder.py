@@ -41,8 +41,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from plumbing import GPT2_VOCAB  # noqa: E402
-from reporting import flops_per_token, peak_flops  # noqa: E402
+from machinery.run_log import flops_per_token, peak_flops  # noqa: E402
+from machinery.tokenizer import GPT2_VOCAB  # noqa: E402
 from train_gpt2 import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 from train_gpt2 import parse_args as parse_trainer_args  # noqa: E402
 

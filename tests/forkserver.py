@@ -464,7 +464,7 @@ if __name__ == "__main__":
     MS_RDONLY, MS_REC, MS_PRIVATE = 1, 0x4000, 1 << 18  # <sys/mount.h>
 
     import numpy  # noqa: F401
-    import requests  # noqa: F401 (plumbing.py's downloads)
+    import requests  # noqa: F401 (machinery/downloads.py's)
     import tiktoken  # noqa: F401
     import torch  # what every command imports first, imported once
     import torch._dynamo  # noqa: F401 (imported by the first optimizer a run makes: seconds, on these machines)

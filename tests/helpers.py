@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import forkserver
-import hellaswag
 import train_gpt2
-from plumbing import GPT2_VOCAB
+from evaluation import hellaswag
+from machinery.tokenizer import GPT2_VOCAB
 from train_gpt2 import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,8 @@
-"""core.py: the CORE score of tiny models on a small bundle written here in the real one's layout (2- and 4-option
-multiple choice, schema, 0-, 3- and 10-shot language modeling, delimiters other than a space, prompts longer than
-the model's context), each example's choice checked against a plain one-example-at-a-time reference that renders
-nanochat's prompts with its Jinja templates; ranks, FSDP and torch.compile; the download, offline, and bad bundles."""
+"""evaluation/core_score.py: the CORE score of tiny models on a small bundle written here in the real one's layout
+(2- and 4-option multiple choice, schema, 0-, 3- and 10-shot language modeling, delimiters other than a space,
+prompts longer than the model's context), each example's choice checked against a plain one-example-at-a-time
+reference that renders nanochat's prompts with its Jinja templates; ranks, FSDP and torch.compile; the download,
+offline, and bad bundles."""
 import contextlib
 import functools
 import json
@@ -23,10 +24,8 @@ from jinja2 import Template
 from test_hellaswag import TINY_MODEL, checkpoint_holding
 from torch._dynamo.testing import CompileCounter
 
-import core
-import hf_export
-import plumbing
 import train_gpt2
+from evaluation import core_score
 from helpers import (
     REPO,
     TINY,
@@ -38,7 +37,9 @@ from helpers import (
     tiny_gpt,
     write_shards,
 )
-from plumbing import EOT, UsageError, gpt2_tokenizer
+from machinery import downloads, hf_format
+from machinery.errors import UsageError
+from machinery.tokenizer import EOT, gpt2_tokenizer
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import core_speed  # noqa: E402
@@ -209,16 +210,17 @@ def reference_outcomes(model, tasks, max_per_task=None):
 def test_prompts_are_nanochats(bundle):
     """Every example's rows, whole and subset (a subset's few-shot examples are drawn from it): the tokens nanochat's
     templates render, the scored ranges it finds; tokenized in pieces, with the few-shot examples' shared."""
-    enc, tasks = gpt2_tokenizer(), core.load(bundle, "", 0).tasks
+    enc, tasks = gpt2_tokenizer(), core_score.load(bundle, "", 0).tasks
     for task in tasks:
         for max_per_task in (None, 11):
-            data, cache = core.chosen_examples(task, max_per_task), {}
+            data, cache = core_score.chosen_examples(task, max_per_task), {}
             for index in range(len(data)):
                 ours = [(np.concatenate(row.arrays).tolist(), row.start, row.end)
-                        for row in core.rows_of(task, data, index, enc, 10**6, cache)]
+                        for row in core_score.rows_of(task, data, index, enc, 10**6, cache)]
                 assert ours == reference_rows(task, data, index), (task.label, max_per_task, index)
             if task.num_fewshot:
-                assert len(cache) < sum(map(len, (core.option_texts(task, data, i) for i in range(len(data))))) * 4
+                options = (core_score.option_texts(task, data, i) for i in range(len(data)))
+                assert len(cache) < sum(map(len, options)) * 4
 
 
 def test_text_is_split_only_where_gpt2s_tokens_split(bundle):
@@ -229,7 +231,7 @@ def test_text_is_split_only_where_gpt2s_tokens_split(bundle):
     split = 0
     for _ in range(3000):
         left, right = ("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))) for _ in range(2))
-        if core.splits_cleanly(left, right):
+        if core_score.splits_cleanly(left, right):
             split += 1
             assert enc.encode_ordinary(left) + enc.encode_ordinary(right) == enc.encode_ordinary(left + right), \
                 (left, right)
@@ -241,27 +243,28 @@ def test_fewshot_draws_are_nanochats():
     for n, k in [(2, 1), (11, 10), (30, 3), (30, 10), (500, 10), (10042, 10)]:
         for index in {0, 1, n // 2, n - 1}:
             others = [i for i in range(n) if i != index]
-            assert core.fewshot_indices(index, n, k) == random.Random(1234 + index).sample(others, k), (n, k, index)
+            want = random.Random(1234 + index).sample(others, k)
+            assert core_score.fewshot_indices(index, n, k) == want, (n, k, index)
 
 
 @pytest.mark.parametrize("recipe", ["gpt2", "modern"])
 def test_choices_match_a_plain_one_example_at_a_time_reference(bundle, recipe):
     """Each example's choice, and so each task's accuracy, equal the reference's: many rows a forward pass, padded to
     the pass's longest or, as for a compiled model, to one of 3 shapes, with a fixed count of scored positions."""
-    model, loaded = tiny_model(recipe), core.load(bundle, "", 0)
+    model, loaded = tiny_model(recipe), core_score.load(bundle, "", 0)
     expected = reference_outcomes(model, loaded.tasks)
-    eager = core.evaluate(model, loaded, "cpu", contextlib.nullcontext(), block_size=BLOCK, tokens_per_pass=512,
+    eager = core_score.evaluate(model, loaded, "cpu", contextlib.nullcontext(), block_size=BLOCK, tokens_per_pass=512,
                           fixed_shapes=False)
     assert eager.outcomes == expected
     rows = loaded.prepared[None, BLOCK, 0, 1].rows
-    assert len(core.batches(rows, 512, BLOCK, fixed_shapes=False)) * 8 < len(rows)
-    fixed = core.evaluate(model, loaded, "cpu", contextlib.nullcontext(), block_size=BLOCK, tokens_per_pass=128,
+    assert len(core_score.batches(rows, 512, BLOCK, fixed_shapes=False)) * 8 < len(rows)
+    fixed = core_score.evaluate(model, loaded, "cpu", contextlib.nullcontext(), block_size=BLOCK, tokens_per_pass=128,
                           fixed_shapes=True)
     assert fixed.outcomes == expected
-    shapes = {shape for _, shape in core.batches(loaded.prepared[None, BLOCK, 0, 1].rows, 128, BLOCK, True)}
+    shapes = {shape for _, shape in core_score.batches(loaded.prepared[None, BLOCK, 0, 1].rows, 128, BLOCK, True)}
     assert len(shapes) == 2 and {scored for _, _, scored in shapes} == {BLOCK}  # 32 and 16 long, no 8-long row
     right = {task.label: [outcome == (1 if task.kind == "language_modeling" else example["gold"])
-                          for outcome, example in zip(expected[task.label], core.chosen_examples(task, None))]
+                          for outcome, example in zip(expected[task.label], core_score.chosen_examples(task, None))]
              for task in loaded.tasks}
     assert eager.accuracy == fixed.accuracy == {label: sum(r) / len(r) for label, r in right.items()}
     if recipe == "gpt2":
@@ -277,10 +280,11 @@ def test_the_benchmarks_bundle_has_the_real_shape_and_its_plain_evaluation_choos
     """benchmarks/core_speed.py: a synthetic bundle of DCLM's 22 tasks and 91,037 examples, and the one-example-a-pass
     evaluation it times ours against, which must choose as ours does (here on the tasks of one kind each)."""
     assert len(core_speed.REAL_SHAPE) == 22 and sum(shape[4] for shape in core_speed.REAL_SHAPE.values()) == 91037
-    loaded = core.load(core_speed.synthetic_bundle(str(tmp_path), 11), "", 0)
-    loaded = core.Bundle([task for task in loaded.tasks if task.label in ("copa", "winograd", "lambada_openai")], {})
+    loaded = core_score.load(core_speed.synthetic_bundle(str(tmp_path), 11), "", 0)
+    kept = ("copa", "winograd", "lambada_openai")
+    loaded = core_score.Bundle([task for task in loaded.tasks if task.label in kept], {})
     model = tiny_model()
-    ours = core.evaluate(model, loaded, "cpu", contextlib.nullcontext(), block_size=BLOCK, fixed_shapes=False)
+    ours = core_score.evaluate(model, loaded, "cpu", contextlib.nullcontext(), block_size=BLOCK, fixed_shapes=False)
     plain = {task.label: core_speed.plain_outcomes(model, task, None, BLOCK, "cpu", contextlib.nullcontext())
              for task in loaded.tasks}
     assert plain == ours.outcomes and len(plain) == 3
@@ -315,13 +319,13 @@ def eval_only(checkpoint, shards, log_dir, *flags):
 
 
 def test_eval_only_compiled_then_two_ranks_under_fsdp(bundle, checkpoint, tmp_path, capsys, monkeypatch):
-    """--eval-only --core-every 1 logs the line and record of core.evaluate's (eager) on the checkpoint's weights,
+    """--eval-only --core-every 1 logs the line and record of core_score.evaluate's (eager) on the checkpoint's weights,
     compiled (dynamo traces, its graphs run eagerly): a graph a shape; 2 ranks under --fsdp, each scoring half the
     examples, log the same; an export of the checkpoint names it in its model card, and scores the same with
     --init-from."""
     ckpt, shards = checkpoint
     log_dir = os.path.dirname(ckpt)
-    expected = core.evaluate(tiny_model(), core.load(bundle, "", 0), "cpu", contextlib.nullcontext(),
+    expected = core_score.evaluate(tiny_model(), core_score.load(bundle, "", 0), "cpu", contextlib.nullcontext(),
                              block_size=BLOCK, fixed_shapes=False)
     counter = CompileCounter()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))  # traces, runs eagerly
@@ -333,7 +337,7 @@ def test_eval_only_compiled_then_two_ranks_under_fsdp(bundle, checkpoint, tmp_pa
     logged = read_log(log_dir)[-1]
     assert {key: logged[key] for key in expected.record()} == expected.record()
     assert logged["eval_only"] and logged["step"] == 1
-    assert counter.frame_count <= 1 + core.SHAPES  # the validation loss's graph, and one a shape
+    assert counter.frame_count <= 1 + core_score.SHAPES  # the validation loss's graph, and one a shape
 
     two = run_script(eval_only(ckpt, shards, log_dir, "--core-data", bundle, "--fsdp"), cwd=tmp_path, nproc=2,
                      timeout=180)
@@ -363,8 +367,8 @@ def test_training_evaluates_every_n_steps_and_at_the_end(bundle, checkpoint, tmp
 
 
 def test_model_cards_of_openais_weights_give_nanochats_measure():
-    assert hf_export.published_facts("gpt2")["core"].startswith("0.1139, as nanochat measured OpenAI's gpt2")
-    assert hf_export.published_facts("random weights")["core"] is None
+    assert hf_format.published_facts("gpt2")["core"].startswith("0.1139, as nanochat measured OpenAI's gpt2")
+    assert hf_format.published_facts("random weights")["core"] is None
 
 
 # -----------------------------------------------------------------------------
@@ -388,19 +392,19 @@ def served_bundle(bundle, static_server, monkeypatch):
     www, base_url = static_server
     path = zipped(bundle, www)
     monkeypatch.setenv("CORE_BUNDLE_URL", f"{base_url}/eval_bundle.zip")
-    monkeypatch.setattr(core, "CORE_BUNDLE_SHA256", plumbing.sha256_of(path))
+    monkeypatch.setattr(core_score, "CORE_BUNDLE_SHA256", downloads.sha256_of(path))
     return static_server
 
 
 def test_download_once_then_from_the_cache(bundle, served_bundle, tmp_path):
     cache = tmp_path / "cache"
-    local = core.load(bundle, "", 0).tasks
-    downloaded = core.load("", str(cache), 0).tasks
+    local = core_score.load(bundle, "", 0).tasks
+    downloaded = core_score.load("", str(cache), 0).tasks
     assert [task._replace(path="") for task in downloaded] == [task._replace(path="") for task in local]
     assert sorted(os.listdir(cache)) == ["eval_bundle", "eval_bundle.lock"]  # no zip, no temp file left
     assert len(served_bundle.log) == 1
     (served_bundle[0] / "eval_bundle.zip").unlink()  # the server no longer has it: the cache must answer
-    assert core.load("", str(cache), 0).tasks == downloaded and len(served_bundle.log) == 1
+    assert core_score.load("", str(cache), 0).tasks == downloaded and len(served_bundle.log) == 1
 
 
 def test_a_run_waits_for_anothers_download(bundle, served_bundle, tmp_path):
@@ -416,28 +420,28 @@ def test_a_run_waits_for_anothers_download(bundle, served_bundle, tmp_path):
         "time.sleep(0.5)\n"
         f"shutil.copytree({bundle!r}, {str(cache / 'eval_bundle')!r})\n")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
-    assert len(core.load("", str(cache), 0).tasks) == 6
+    assert len(core_score.load("", str(cache), 0).tasks) == 6
     assert holder.wait() == 0 and served_bundle.log == []
 
 
 def test_offline_and_bad_downloads_are_one_line_and_cache_nothing(bundle, served_bundle, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    monkeypatch.setattr(core, "CORE_BUNDLE_SHA256", "0" * 64)  # a mirror's other bundle, or a damaged download
+    monkeypatch.setattr(core_score, "CORE_BUNDLE_SHA256", "0" * 64)  # a mirror's other bundle, or a damaged download
     url = re.escape(os.environ["CORE_BUNDLE_URL"])
     with pytest.raises(UsageError, match=rf"^downloaded {url} is not a valid CORE bundle \(its sha256 is "
                                          rf"[0-9a-f]{{64}}, not 0{{64}}\); nothing was cached; retry, or pass "
                                          rf"--core-data DIR"):
-        core.load("", str(cache), 0)
+        core_score.load("", str(cache), 0)
     assert os.listdir(cache) == ["eval_bundle.lock"]
     with socket.socket() as s:  # a port nothing listens on: the connection is refused
         s.bind(("127.0.0.1", 0))
         monkeypatch.setenv("CORE_BUNDLE_URL", f"http://127.0.0.1:{s.getsockname()[1]}/eval_bundle.zip")
     with pytest.raises(UsageError, match=r"^could not download http://127\.0\.0\.1:\d+/eval_bundle\.zip \(.*\); "
                                          r"pass --core-data DIR"):
-        core.load("", str(cache), 0)
+        core_score.load("", str(cache), 0)
     (tmp_path / "a_file").write_text("")  # fails for root too, unlike a read-only directory
     with pytest.raises(UsageError, match="cannot write to the cache directory .*a_file/cache .*; pass --cache-dir"):
-        core.load("", str(tmp_path / "a_file" / "cache"), 0)
+        core_score.load("", str(tmp_path / "a_file" / "cache"), 0)
 
 
 def test_offline_eval_only_stops_with_one_line(checkpoint, tmp_path, capsys, monkeypatch):
@@ -493,7 +497,7 @@ def test_a_bad_bundle_is_one_line_naming_its_file(bundle, tmp_path, damage, frag
     copy = shutil.copytree(bundle, tmp_path / "eval_bundle")
     damage(copy)
     with pytest.raises(UsageError) as error:
-        core.load(str(copy), "", 0)
+        core_score.load(str(copy), "", 0)
     assert all(fragment in str(error.value) for fragment in fragments), str(error.value)
     assert "\n" not in str(error.value)
 
@@ -504,7 +508,7 @@ def test_too_few_examples_a_task_for_its_shots(bundle, checkpoint, tmp_path, cap
                        capsys, "CORE task squad_like (", "is 10-shot, and an evaluation draws from 5 examples",
                        "raise --core-max-per-task above 10")
     with pytest.raises(UsageError, match="squad_like .* is 10-shot, and an evaluation draws from 10 examples"):
-        core.load(bundle, "", 10)
+        core_score.load(bundle, "", 10)
 
 
 # -----------------------------------------------------------------------------
@@ -525,8 +529,8 @@ def test_core_is_off_without_cuda_and_on_with_it(shards, capsys):
     assert (cfg.core_every, cfg.hellaswag_every) == (10, 0) and "no HellaSwag on cpu" in out and "CORE" not in out
     cfg, out = resolved_on(["--data", shards, "--dtype", "fp32"], "cuda", capsys)
     assert (cfg.core_every, cfg.core_max_per_task) == (2000, 0) and "CORE" not in out
-    assert [core.examples_per_task(0, final) for final in (False, True)] == [500, None]  # nanochat's
-    assert [core.examples_per_task(7, final) for final in (False, True)] == [7, 7]
+    assert [core_score.examples_per_task(0, final) for final in (False, True)] == [500, None]  # nanochat's
+    assert [core_score.examples_per_task(7, final) for final in (False, True)] == [7, 7]
 
 
 def test_core_needs_gpt2s_vocabulary(shards, tmp_path, capsys):

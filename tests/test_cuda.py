@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-import speedups
 import train_gpt2
-from chunked_loss import chunked_cross_entropy, cross_entropy
 from helpers import chunked_case, float64_loss_and_grads, reference, tiny_gpt, with_loud_padding
-from plumbing import GPT2_VOCAB
+from machinery.tokenizer import GPT2_VOCAB
 from train_gpt2 import TrainConfig
+from variations import speedups
+from variations.losses import chunked_cross_entropy, cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -10,9 +10,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import plumbing
 import train_gpt2
 from helpers import TINY, read_log, run_command, save_tokens, script_command, script_env, train_records, write_shards
+from machinery import errors, shard_files, tokenizer
 from train_gpt2 import TokenStream, TrainConfig
 
 BIG_VOCAB = 1 << 16  # unique token values as positions: the check of ids against the vocab lets all through
@@ -27,7 +27,7 @@ def test_reads_npy_and_bin_shards(tmp_path, ext):
         raw = open(path, "rb").read()
         assert len(raw) == 1024 + 2 * 1234
         assert list(np.frombuffer(raw[:12], dtype=np.int32)) == [20240520, 1, 1234]
-    shard = plumbing.open_shard(path)
+    shard = shard_files.open_shard(path)
     assert len(shard) == 1234 and shard[:].dtype == np.uint16
     assert np.array_equal(shard[:], tokens) and np.array_equal(shard[1000:1300], tokens[1000:])
 
@@ -71,24 +71,24 @@ def test_the_split_is_a_whole_word_of_the_shard_name(tmp_path):
 
 def test_fineweb_tells_shards_apart_by_the_pattern_the_trainer_splits_by(tmp_path, monkeypatch):
     """fineweb.py refuses an output directory that holds shards it did not make, so it must tell train and val
-    shards apart as the trainer does: both use the one pattern, plumbing.SPLIT_WORD (no copy that could drift), and
+    shards apart as the trainer does: both use the one pattern, shard_files.SPLIT_WORD (no copy that could drift), and
     the trainer reads every shard name of --data through it."""
     import fineweb
-    assert fineweb.SPLIT_WORD is plumbing.SPLIT_WORD
-    assert fineweb.SPLIT_WORD.pattern == plumbing.SPLIT_WORD.pattern
+    assert fineweb.SPLIT_WORD is shard_files.SPLIT_WORD
+    assert fineweb.SPLIT_WORD.pattern == shard_files.SPLIT_WORD.pattern
     d = tmp_path / "data"
     d.mkdir()
     names = ["interval_train_000001.npy", "training_val_000000.npy", "retrieval.npy"]
     for name, value in zip(names, (1, 2, 3)):
         save_tokens(d / name, np.full(600, value, dtype=np.uint16))
-    split_word, read = plumbing.SPLIT_WORD, []
+    split_word, read = shard_files.SPLIT_WORD, []
 
     class Spy:
         def findall(self, name):
             read.append(name)
             return split_word.findall(name)
 
-    monkeypatch.setattr(plumbing, "SPLIT_WORD", Spy())
+    monkeypatch.setattr(shard_files, "SPLIT_WORD", Spy())
     cfg = TrainConfig(data=str(d), vocab_size=128, seq_len=32, total_batch_size=256, val_tokens=256)
     stream, val = train_gpt2.load_data(cfg)
     assert sorted(read) == sorted(names)
@@ -215,7 +215,7 @@ def test_state_dict_restores_the_exact_position():
 
 
 def test_text_file_is_tokenized_with_gpt2_bpe(tmp_path):
-    enc = plumbing.gpt2_tokenizer()
+    enc = tokenizer.gpt2_tokenizer()
     assert enc.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's known ids
     path = tmp_path / "tiny.txt"
     path.write_text("Hello world, " * 200)
@@ -236,9 +236,9 @@ def test_the_stream_over_shard_files_reads_the_tokens_np_load_gives(tmp_path):
     paths = []
     for i, n in enumerate(lengths):
         paths.append(str(tmp_path / f"s_train_{i}.{'bin' if i % 2 else 'npy'}"))
-        save_tokens(paths[-1], rng.integers(0, plumbing.GPT2_VOCAB, n, dtype=np.uint16))
+        save_tokens(paths[-1], rng.integers(0, tokenizer.GPT2_VOCAB, n, dtype=np.uint16))
     arrays = [np.load(p) if p.endswith(".npy") else np.fromfile(p, np.uint16, offset=1024) for p in paths]
-    from_files = TokenStream([plumbing.open_shard(p) for p in paths], paths, seed=3)
+    from_files = TokenStream([shard_files.open_shard(p) for p in paths], paths, seed=3)
     in_memory = TokenStream(arrays, paths, seed=3)
     for _ in range(30):  # 30 x 3 x 96 tokens: past two epochs of 3801
         for (x1, y1), (x2, y2) in zip(from_files.next_step(3, 32, 1, 0, 1, BIG_VOCAB),
@@ -286,8 +286,8 @@ def test_too_many_open_files_is_named_for_what_it_is(tmp_path):
         with pytest.raises(OSError):
             while len(held) < 100:
                 held.append(os.open(os.devnull, os.O_RDONLY))
-        with pytest.raises(plumbing.UsageError) as raised:
-            plumbing.open_shard(path)
+        with pytest.raises(errors.UsageError) as raised:
+            shard_files.open_shard(path)
     finally:
         for fd in held:
             os.close(fd)
@@ -301,8 +301,8 @@ def test_a_shard_cut_short_during_the_run_is_named(tmp_path):
     going on, another fineweb.py) is named, not read short."""
     path = str(tmp_path / "x_train_000000.npy")
     save_tokens(path, np.arange(1000))
-    shard = plumbing.open_shard(path)
+    shard = shard_files.open_shard(path)
     os.truncate(path, os.path.getsize(path) - 2 * 300)
     assert np.array_equal(shard[100:700], np.arange(100, 700))
-    with pytest.raises(plumbing.UsageError, match="ends before token 700 of 1,000: it changed since this run began"):
+    with pytest.raises(errors.UsageError, match="ends before token 700 of 1,000: it changed since this run began"):
         shard[600:800]

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-import plumbing
-import settings
 import train_gpt2
 from helpers import (
     TINY,
@@ -21,6 +19,7 @@ from helpers import (
     run_script_on_tmpfs,
     write_shards,
 )
+from machinery import errors, settings
 
 
 def args(data, log_dir, *extra):
@@ -247,7 +246,7 @@ def test_more_processes_than_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(plumbing.UsageError,
+    with pytest.raises(errors.UsageError,
                        match=r"LOCAL_RANK=1 but only 1 GPU.*CUDA_VISIBLE_DEVICES=3.*--nproc_per_node"):
         train_gpt2.set_up_distributed("cuda")
 

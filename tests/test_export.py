@@ -18,14 +18,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import checkpoints
-import commands
-import hellaswag
-import hf_export
-import modern
-import settings
 import test_pretrained
 import train_gpt2
+from evaluation import hellaswag
 from helpers import (
     HARNESS_TASK,
     REPO,
@@ -47,8 +42,11 @@ from helpers import (
     write_jsonl,
     write_shards,
 )
-from plumbing import EOT, GPT2_VOCAB, UsageError, gpt2_tokenizer
+from machinery import checkpoint_commands, checkpoints, hf_format, settings
+from machinery.errors import UsageError
+from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
 from train_gpt2 import GPT
+from variations import modern
 
 transformers = pytest.importorskip("transformers")  # a test dependency: CI installs it, training never needs it
 
@@ -296,9 +294,9 @@ def quick_start_export(tmp_path_factory):
     torch.manual_seed(0)
     model = train_gpt2.model_of(train_gpt2.GPTConfig(**shapes))
     out = str(tmp_path_factory.mktemp("quick_start") / "hf")
-    about = dict(hf_export.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1")
+    about = dict(hf_format.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1")
     gpt2 = train_gpt2.RECIPES["gpt2"].hf_format
-    hf_export.export(out, gpt2, model.state_dict(), asdict(model.config), model.n_tokens, about)
+    hf_format.export(out, gpt2, model.state_dict(), asdict(model.config), model.n_tokens, about)
     return out
 
 
@@ -506,7 +504,7 @@ def test_the_exported_tokenizer_encodes_as_ours(exports):
 
 def test_merges_are_recovered_from_the_ranks():
     """GPT-2's merges.txt opens with these, in this order."""
-    merges = hf_export.tokenizer_files(1024)["merges.txt"].splitlines()
+    merges = hf_format.tokenizer_files(1024)["merges.txt"].splitlines()
     assert merges[:8] == ["#version: 0.2", "Ġ t", "Ġ a", "h e", "i n", "r e", "o n", "Ġt he"]
     assert len(merges) == 1 + 50000
 
@@ -542,8 +540,9 @@ def test_the_model_card_reads_hellaswag_past_a_damaged_log_line(tmp_path):
     record = {"step": 5, "hellaswag_acc_norm": 0.25, "hellaswag_acc": 0.5}
     (tmp_path / "log.jsonl").write_bytes(b'{"step": 5, "hellaswag_acc_norm": 0.9\n\xff\xfe{}\n' +
                                          json.dumps(record).encode() + b"\n")
-    assert commands.logged_evaluation(str(tmp_path / "ckpt_000005.dcp") + "/", 5, "hellaswag_acc_norm") == record
-    assert commands.logged_evaluation(str(tmp_path / "ckpt_000004.pt"), 4, "hellaswag_acc_norm") is None
+    in_a_directory = str(tmp_path / "ckpt_000005.dcp") + "/"
+    assert checkpoint_commands.logged_evaluation(in_a_directory, 5, "hellaswag_acc_norm") == record
+    assert checkpoint_commands.logged_evaluation(str(tmp_path / "ckpt_000004.pt"), 4, "hellaswag_acc_norm") is None
 
 
 def test_a_log_line_nested_too_deep_leaves_the_export_its_hellaswag(exports, tmp_path, capsys):
@@ -584,7 +583,7 @@ def test_an_interrupted_export_leaves_nothing(exports, tmp_path, capsys, monkeyp
     def interrupted(block_size):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_export, "tokenizer_files", interrupted)
+    monkeypatch.setattr(hf_format, "tokenizer_files", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_main(["--export-hf", tmp_path / "hf", "--resume", exports[128][0]], capsys)
     assert os.listdir(tmp_path) == []
@@ -606,13 +605,14 @@ def test_a_full_disk_stops_the_export_in_one_line(exports, tmp_path, size):
 SIGTERM_MIDWAY = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-import hf_export, train_gpt2
+import train_gpt2
+from machinery import hf_format
 
 def terminated(block_size):  # once the weights are written, as `kill PID` would
     os.kill(os.getpid(), signal.SIGTERM)
     raise AssertionError("the export went on after SIGTERM")
 
-hf_export.tokenizer_files = terminated
+hf_format.tokenizer_files = terminated
 train_gpt2.main(sys.argv[2:])
 """
 
@@ -651,14 +651,14 @@ def test_a_killed_exports_directory_is_removed_by_the_next(exports, tmp_path, ca
 def test_an_export_that_finishes_first_wins(exports, tmp_path, capsys, monkeypatch):
     """Two exports to one OUT_DIR at once: the one that renames its directory second is refused in one line, and
     leaves the other's whole."""
-    out, tokenizer_files = tmp_path / "hf", hf_export.tokenizer_files
+    out, tokenizer_files = tmp_path / "hf", hf_format.tokenizer_files
 
     def another_export_finishes(block_size):
         out.mkdir()
         (out / "config.json").write_text("the other export's")
         return tokenizer_files(block_size)
 
-    monkeypatch.setattr(hf_export, "tokenizer_files", another_export_finishes)
+    monkeypatch.setattr(hf_format, "tokenizer_files", another_export_finishes)
     expect_usage_error(["--export-hf", out, "--resume", exports[128][0]], capsys, f"--export-hf {out}",
                        "not an empty directory")
     assert os.listdir(tmp_path) == ["hf"] and (out / "config.json").read_text() == "the other export's"

@@ -21,7 +21,7 @@ import pytest
 
 import train_gpt2
 from helpers import REPO, expect_usage_error, process_stat, resolved, run_command, run_main, serving, start_command
-from plumbing import EOT, gpt2_tokenizer
+from machinery.tokenizer import EOT, gpt2_tokenizer
 
 FINEWEB = os.path.join(REPO, "fineweb.py")
 DATASET = "HuggingFaceFW/fineweb-edu"

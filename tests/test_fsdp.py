@@ -7,10 +7,6 @@ import shutil
 import pytest
 import torch
 
-import fsdp
-import plumbing
-import run_files
-import settings
 import train_gpt2
 from helpers import (
     REPO,
@@ -26,6 +22,7 @@ from helpers import (
     val_records,
     write_shards,
 )
+from machinery import checkpoint_files, errors, fsdp, log_directory, settings
 
 # 20 steps of 512 tokens: 2 accumulation steps of 4 x 32 in each of 2 processes, so that FSDP's reduce is skipped on
 # the first micro-step of each; a checkpoint every 10 steps; 12 validation sequences, in batches of 4: 2 for rank 0
@@ -71,7 +68,7 @@ def test_fsdp_trains_as_ddp_does(runs):
     assert abs(val_records(ddp)[10]["val_loss"] - val_records(ddp)[0]["val_loss"]) > 1e-3
     for step, record in val_records(ddp).items():
         assert val_records(fsdp)[step]["val_loss"] == pytest.approx(record["val_loss"], abs=1e-5), step
-    assert run_files.checkpoint_paths(dirs["fsdp"]) == [str(dirs["fsdp"] / "ckpt_000010.dcp"),
+    assert checkpoint_files.checkpoint_paths(dirs["fsdp"]) == [str(dirs["fsdp"] / "ckpt_000010.dcp"),
                                                        str(dirs["fsdp"] / "ckpt_000020.dcp")]
     files = os.listdir(dirs["fsdp"] / "ckpt_000020.dcp")
     assert {"run.pt", ".metadata"} <= set(files) and len([f for f in files if f.endswith(".distcp")]) == 2
@@ -199,9 +196,9 @@ def test_sharded_checkpoint_directories_are_pruned_and_recognised(tmp_path):
     for name in ("ckpt_000005.dcp", "ckpt_000010.dcp", "ckpt_000015.dcp", "ckpt_000020.dcp.tmp"):
         os.makedirs(tmp_path / name)
         (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
-    assert run_files.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt_000015.dcp")
-    run_files.prune_checkpoints(tmp_path, keep=2)
-    run_files.prepare_log_dir(tmp_path, str(tmp_path / "ckpt_000015.dcp"), 15)
+    assert checkpoint_files.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt_000015.dcp")
+    checkpoint_files.prune_checkpoints(tmp_path, keep=2)
+    log_directory.prepare_log_dir(tmp_path, str(tmp_path / "ckpt_000015.dcp"), 15)
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000010.dcp", "ckpt_000015.dcp"]
 
 
@@ -215,7 +212,7 @@ def test_a_sharded_checkpoint_saved_again_at_its_step_replaces_the_old(tmp_path,
         return save
 
     for content in (b"first", b"second"):
-        run_files.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, master=True)
+        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, master=True)
     assert os.listdir(tmp_path) == ["ckpt_000010.dcp"]
     assert (tmp_path / "ckpt_000010.dcp" / "run.pt").read_bytes() == b"second"
     assert "saved" in capsys.readouterr().out
@@ -225,7 +222,7 @@ def test_a_rank_that_cannot_see_the_checkpoint_directory_stops_the_run(tmp_path)
     """A rank on a node whose --log-dir is not the directory rank 0 made there (a node-local disk) is stopped with a
     line saying so, before any rank writes its part."""
     saved = []
-    with pytest.raises(plumbing.UsageError, match="does not see the checkpoint directory .*ckpt_000010.dcp.tmp that "
+    with pytest.raises(errors.UsageError, match="does not see the checkpoint directory .*ckpt_000010.dcp.tmp that "
                                                   "rank 0 made; put --log-dir on a file system that every node shares"):
-        run_files.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, master=False)
+        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, master=False)
     assert saved == [] and os.listdir(tmp_path) == []

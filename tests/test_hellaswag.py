@@ -10,9 +10,8 @@ import socket
 import pytest
 import torch
 
-import checkpoints
-import hellaswag
 import train_gpt2
+from evaluation import hellaswag
 from helpers import (
     REPO,
     SYNTHETIC,
@@ -25,7 +24,9 @@ from helpers import (
     tiny_gpt,
     write_jsonl,
 )
-from plumbing import EOT, UsageError, gpt2_tokenizer
+from machinery import checkpoints
+from machinery.errors import UsageError
+from machinery.tokenizer import EOT, gpt2_tokenizer
 
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 

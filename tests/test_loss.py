@@ -11,10 +11,8 @@ import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-import chunked_loss
-import hellaswag
 import train_gpt2
-from chunked_loss import ChunkedCrossEntropy, CrossEntropyWithPointwiseBackward, chunked_cross_entropy
+from evaluation import hellaswag
 from helpers import (
     REPO,
     chunked_case,
@@ -26,7 +24,9 @@ from helpers import (
     tiny_gpt,
     with_loud_padding,
 )
-from plumbing import GPT2_VOCAB
+from machinery.tokenizer import GPT2_VOCAB
+from variations import losses
+from variations.losses import ChunkedCrossEntropy, CrossEntropyWithPointwiseBackward, chunked_cross_entropy
 
 LOSSES = ["full", "chunked"]
 
@@ -274,7 +274,7 @@ def test_loss_under_compile_matches_eager(loss_impl, monkeypatch):
                       and node.meta["val"].shape[-1:] == (50304,) and node.meta["val"].numel() >= 96 * 50304]
     chunk_loops = [node for node in forward if node.target == torch.ops.train_gpt2.chunked_sums.default]
     assert (len(chunk_loops), bool(rows_of_logits)) == ((1, False) if loss_impl == "chunked" else (0, True))
-    assert compiled_functions == ([chunked_loss.chunk_sums] if loss_impl == "chunked" else [])
+    assert compiled_functions == ([losses.chunk_sums] if loss_impl == "chunked" else [])
 
 
 def test_chunked_loss_under_ddp(tmp_path):

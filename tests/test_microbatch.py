@@ -15,9 +15,6 @@ import signal
 import pytest
 import torch
 
-import microbatch
-import run_files
-import speedups
 from helpers import (
     REPO,
     TINY,
@@ -37,6 +34,8 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
+from machinery import checkpoint_files, microbatch
+from variations import speedups
 
 LIMITED = os.path.join(REPO, "tests", "scripts", "limited_memory.py")
 # GPT-2's whole vocabulary on a tiny model: a step's memory is mostly the logits and their gradient, 6.4 MB a sequence
@@ -318,7 +317,8 @@ def test_a_record_holds_for_the_speed_ups_it_was_made_with_alone(ran_out_at_1, t
 ROOM_MEASURED = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import microbatch, train_gpt2
+import train_gpt2
+from machinery import microbatch
 
 def address_space(field):
     with open("/proc/self/status") as f:
@@ -370,6 +370,6 @@ def test_a_rank_killed_outright_leaves_the_other_one_line(shards, tmp_path):
         code = ranks.wait(60)
     finally:
         ranks.kill()
-    latest = run_files.latest_checkpoint(log)
+    latest = checkpoint_files.latest_checkpoint(log)
     check_usage_error(code, open(tmp_path / "out.txt").read(), open(tmp_path / "err.txt").read(), "error: rank 1 died",
                       f"the latest checkpoint, {latest}, is kept: run the same command again to resume from it")

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import reporting
 import train_gpt2
 from helpers import VOCAB, final_hidden, random_ids, tiny_gpt
+from machinery import run_log
 from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, generate
 
 tiny = functools.partial(tiny_gpt, vocab_size=VOCAB)  # 128 ids, unless a test is about GPT-2's padded vocabulary
@@ -233,7 +233,7 @@ def test_the_parameters_said_leave_out_the_vocabularys_padding(recipe):
     """GPT-2 124M is 124,439,808 parameters as OpenAI counts them (its 50,257 tokens): padded to 50,304 for speed, the
     run says the same, so that a model trained unpadded and loaded back padded (--init-from DIR) counts alike."""
     with torch.device("meta"):
-        counts = {vocab: reporting.parameters(train_gpt2.RECIPES[recipe].model(GPTConfig(
+        counts = {vocab: run_log.parameters(train_gpt2.RECIPES[recipe].model(GPTConfig(
             block_size=1024, vocab_size=vocab, n_layer=12, n_head=12, n_embd=768, recipe=recipe)))
             for vocab in (GPT2_VOCAB, 50304)}
     assert counts[GPT2_VOCAB] == counts[50304]

@@ -16,11 +16,7 @@ from test_hellaswag import TINY_MODEL, checkpoint_holding, eval_only, labelled_b
 from test_model import no_cache_sample
 from test_samples import sample_without_a_cache
 
-import modern
-import plumbing
-import reporting
 import train_gpt2
-from chunked_loss import chunked_cross_entropy
 from helpers import (
     TINY,
     assert_tensors_equal,
@@ -39,9 +35,12 @@ from helpers import (
     val_records,
     write_jsonl,
 )
-from modern import get_lr, rotary_tables, rotate
-from plumbing import GPT2_VOCAB
+from machinery import run_log, tokenizer
+from machinery.tokenizer import GPT2_VOCAB
 from train_gpt2 import TrainConfig, generate
+from variations import modern
+from variations.losses import chunked_cross_entropy
+from variations.modern import get_lr, rotary_tables, rotate
 
 MODERN = ["--recipe", "modern"]
 pytestmark = needs_muon
@@ -245,7 +244,7 @@ def test_flops_per_token_counts_the_matmul_parameters(recipe):
     model = tiny_gpt(recipe=recipe, n_layer=3)
     lookups = {"gpt2": "transformer.wpe.weight", "modern": "transformer.wte.weight"}[recipe]
     n = sum(p.numel() for name, p in model.named_parameters() if name != lookups)
-    assert reporting.flops_per_token(model, 32) == 6 * n + 12 * 3 * 64 * 32
+    assert run_log.flops_per_token(model, 32) == 6 * n + 12 * 3 * 64 * 32
 
 
 # -----------------------------------------------------------------------------
@@ -301,7 +300,7 @@ def test_hellaswag_through_eval_only_scores_as_by_hand(shards, tmp_path, capsys)
     """--eval-only on a modern checkpoint, HellaSwag scored with its (soft-capped) logits: the accuracies of a
     forward pass per ending, computed by hand."""
     model = tiny_model(recipe="modern")
-    examples, acc_norm, acc, _ = labelled_by_hand(model, plumbing.gpt2_tokenizer(), 64)
+    examples, acc_norm, acc, _ = labelled_by_hand(model, tokenizer.gpt2_tokenizer(), 64)
     checkpoint = checkpoint_holding(model, shards, tmp_path / "log", capsys, *MODERN)
     write_jsonl(tmp_path / "hellaswag_val.jsonl", examples)
     code, out, err = run_main(eval_only(checkpoint, shards, tmp_path / "log", *MODERN,
@@ -385,7 +384,7 @@ def test_the_zero_heads_samples_at_step_0_are_said_to_be_punctuation(shards, tmp
     note = "(the output layer is all zeros, as the modern recipe starts it"
     assert out.count(note) == 1 and out.index(note) < out.index("--- sample 1/1 (step 0) ---")
     (*_, text), _ = printed_samples(out)
-    first_ids = {plumbing.gpt2_tokenizer().decode([i]) for i in range(50)}
+    first_ids = {tokenizer.gpt2_tokenizer().decode([i]) for i in range(50)}
     assert text.startswith("Hi") and set(text[2:]) <= set("".join(first_ids))  # each sampled token one of them
     code, out, err = run_main(TINY_MODEL + flags + ["--log-dir", tmp_path / "gpt2"], capsys)
     assert code == 0 and note not in out

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-import core
 import plot
 from helpers import REPO, run_command
+from machinery import hf_format
 
 PLOT = os.path.join(REPO, "plot.py")
 
@@ -131,10 +131,12 @@ def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
 
 
 def test_core_has_a_row_of_its_own_with_gpt2s_lines(tmp_path):
-    """CORE against the step, under HellaSwag, with GPT-2 124M's line (nanochat's measure, as core.py has it, or the
-    log's own of --eval-only --init-from gpt2) and GPT-2 1.5B's; without HellaSwag points, right under the losses."""
+    """CORE against the step, under HellaSwag, with GPT-2 124M's line (nanochat's measure, as hf_format.py has it, or
+    the log's own of --eval-only --init-from gpt2) and GPT-2 1.5B's; without HellaSwag points, right under the
+    losses."""
     pytest.importorskip("matplotlib")
-    assert (plot.GPT2_124M_CORE, plot.GPT2_XL_CORE) == (core.OPENAI_CORE["gpt2"], core.OPENAI_CORE["gpt2-xl"])
+    openai = hf_format.OPENAI_CORE
+    assert (plot.GPT2_124M_CORE, plot.GPT2_XL_CORE) == (openai["gpt2"], openai["gpt2-xl"])
     core_lines = [{"step": step, "tokens": step * 1024, "core": 0.01 * step, "core_accuracy": {"copa": 0.5},
                    "core_centered": {"copa": 0.0}, "core_examples": 100} for step in (0, 2)]
     gpt2_line = {"step": 0, "tokens": 0, "core": 0.1142, "eval_only": True, "init_from": "gpt2"}

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import hellaswag
 import train_gpt2
+from evaluation import hellaswag
 from helpers import REPO, expect_usage_error, run_main, run_script, serve_hellaswag, synthetic_examples, write_jsonl
-from plumbing import UsageError, gpt2_tokenizer
+from machinery.errors import UsageError
+from machinery.tokenizer import gpt2_tokenizer
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
 
@@ -165,7 +166,8 @@ def test_eval_only_init_from_gpt2_prints_its_hellaswag_accuracy(gpt2_server, tmp
 def test_eval_only_that_cannot_download_gpt2_says_so_in_one_line(gpt2_server, tmp_path):
     """`python train_gpt2.py --eval-only --init-from gpt2` (once `python hellaswag.py --init-from gpt2`) with no hub to
     reach (an offline node): one line, not a traceback. Run as a script, train_gpt2 is __main__: the UsageError of the
-    download, raised in plumbing, must be the class its main catches (hellaswag.py's script once raised another)."""
+    download, raised in machinery/downloads.py, must be the class its main catches (hellaswag.py's script once raised
+    another)."""
     gpt2_server[1].unlink()  # the hub answers 404
     write_jsonl(tmp_path / "hellaswag_val.jsonl", synthetic_examples([0, 1]))
     result = run_script(["--eval-only", "--init-from", "gpt2", "--cache-dir", tmp_path / "cache", "--device", "cpu",

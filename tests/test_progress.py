@@ -6,14 +6,14 @@ import shlex
 
 import torch
 
-import reporting
 from helpers import TINY, checkpoint_path, read_log, run_main, train_records
+from machinery import run_log
 
 LEFT = re.compile(r"^step +(\d+)/(\d+) \|.*\| ([^|]+) left$", re.M)
 
 
 def test_durations_read_at_a_glance():
-    assert [reporting.duration(s) for s in (0, 0.4, 45, 59.6, 60, 725, 3599, 3600, 12000, 86399, 86400, 183600)] == [
+    assert [run_log.duration(s) for s in (0, 0.4, 45, 59.6, 60, 725, 3599, 3600, 12000, 86399, 86400, 183600)] == [
         "0s", "0s", "45s", "1m 00s", "1m 00s", "12m 05s", "59m 59s", "1h 00m", "3h 20m", "23h 59m", "1d 00h",
         "2d 03h"]
 
@@ -27,7 +27,7 @@ def test_step_lines_show_the_step_of_the_total_and_the_time_left_at_the_pace(sha
     assert sorted(left) == [1, 2, 3, 4]  # none after the first step (it compiles) nor after the last
     for step, text in left.items():  # the pace since the end of the first step, from the times the log records
         pace = (steps[step]["elapsed_s"] - steps[0]["elapsed_s"]) / step
-        assert text == reporting.duration(pace * (6 - step - 1)), step
+        assert text == run_log.duration(pace * (6 - step - 1)), step
 
 
 def test_a_resumed_run_counts_the_time_of_all_its_launches(shards, tmp_path, capsys):

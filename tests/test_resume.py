@@ -20,8 +20,6 @@ import pytest
 import torch
 
 import forkserver
-import run_files
-import settings
 import train_gpt2
 from helpers import (
     REPO,
@@ -49,10 +47,11 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
+from machinery import checkpoint_files, log_directory, settings
 
 
 def checkpoint_names(log_dir):
-    return [os.path.basename(p) for p in run_files.checkpoint_paths(str(log_dir))]
+    return [os.path.basename(p) for p in checkpoint_files.checkpoint_paths(str(log_dir))]
 
 
 def assert_optimizers_equal(a, b, exact=True, atol=1e-5):
@@ -338,7 +337,7 @@ def test_no_resume_moves_the_old_log_dir_aside(shards, tmp_path, capsys, monkeyp
     assert not any(r.get("event") == "resume" for r in fresh) and sorted(train_records(fresh)) == [0]
     # once more within the same second (the clock is frozen here): a second, distinct place aside
     stamp = aside.rsplit(".", 1)[1]
-    monkeypatch.setattr(run_files.time, "strftime", lambda *a: stamp)
+    monkeypatch.setattr(log_directory.time, "strftime", lambda *a: stamp)
     code, out, err = run_main(args + ["--max-steps", "1", "--no-resume"], capsys)
     assert code == 0, err
     second_aside = re.search(r"aside to (\S+)", out).group(1)
@@ -356,7 +355,7 @@ def test_a_signal_as_a_fresh_start_moves_the_old_run_aside_leaves_it_whole(shard
     args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "2", "--max-steps", "4"]
     assert run_main(args, capsys)[0] == 0
     before = {name: (log_dir / name).read_bytes() for name in ("ckpt_000002.pt", "ckpt_000004.pt", "log.jsonl")}
-    reader = run_files.CheckpointReadLock(checkpoint_path(log_dir, 4))  # as --eval-only holds it as it loads it
+    reader = checkpoint_files.CheckpointReadLock(checkpoint_path(log_dir, 4))  # as --eval-only holds it as it loads it
     process = start_script(args + ["--no-resume"], tmp_path, tmp_path / "out.txt")
     try:
         while "waiting for a process that is loading" not in (tmp_path / "out.txt").read_text():

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import settings
 import train_gpt2
+import variations
 from helpers import (
     REPO,
     TINY,
@@ -28,6 +28,7 @@ from helpers import (
     script_env,
     write_shards,
 )
+from machinery import settings
 
 # a user's edits to the defaults at the top of the files (each must match its file, or the test stops): train_gpt2.py's,
 # and the modern recipe's own in modern.py
@@ -41,7 +42,7 @@ EDITS = {
         'hellaswag_every: int = setting(250,': 'hellaswag_every: int = setting(100,',
         'batch_size: int = setting(64,': 'batch_size: int = setting(8,',
     },
-    "modern.py": {'muon_lr: float = setting(0.02,': 'muon_lr: float = setting(0.05,'},
+    "variations/modern.py": {'muon_lr: float = setting(0.02,': 'muon_lr: float = setting(0.05,'},
 }
 
 
@@ -58,22 +59,22 @@ NANOCHAT_CONFIG = {
 
 @pytest.fixture(scope="module")
 def edited(tmp_path_factory):
-    """Copies of train_gpt2.py and modern.py with EDITS made to their defaults, the first imported as a module of its
-    own that imports the second (as `modern`, for the time of its import)."""
+    """Copies of train_gpt2.py and variations/modern.py with EDITS made to their defaults, the first imported as a
+    module of its own that imports the second (as variations.modern, for the time of its import)."""
     directory = tmp_path_factory.mktemp("edited")
     for name, edits in EDITS.items():
         text = open(os.path.join(REPO, name)).read()
         for old, new in edits.items():
             assert text.count(old) == 1, old
             text = text.replace(old, new)
-        (directory / name).write_text(text)
+        (directory / os.path.basename(name)).write_text(text)
     modern = import_as("edited_modern", directory / "modern.py")
-    real_modern = sys.modules["modern"]
-    sys.modules["modern"] = modern
+    real_modern = sys.modules["variations.modern"]
+    sys.modules["variations.modern"] = variations.modern = modern
     try:
         return import_as("edited_train_gpt2", directory / "train_gpt2.py")
     finally:
-        sys.modules["modern"] = real_modern
+        sys.modules["variations.modern"] = variations.modern = real_modern
 
 
 def import_as(name, path):

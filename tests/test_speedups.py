@@ -6,8 +6,6 @@ import pytest
 import torch
 import torch._inductor.config
 
-import microbatch
-import speedups
 import train_gpt2
 from helpers import (
     TINY,
@@ -20,8 +18,10 @@ from helpers import (
     train_records,
     val_records,
 )
-from speedups import E4M3_MAX, Float8Head, Float8Matmul, to_float8
+from machinery import microbatch
 from train_gpt2 import TrainConfig
+from variations import speedups
+from variations.speedups import E4M3_MAX, Float8Head, Float8Matmul, to_float8
 
 CPU = train_gpt2.Env(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
 CUDA = train_gpt2.Env(rank=0, local_rank=0, world_size=1, device="cuda", device_type="cuda")

@@ -14,9 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-import chunked_loss
-import modern
-import settings
 import train_gpt2
 from helpers import (
     REPO,
@@ -37,8 +34,10 @@ from helpers import (
     train_records,
     val_records,
 )
-from plumbing import GPT2_VOCAB
+from machinery import settings
+from machinery.tokenizer import GPT2_VOCAB
 from train_gpt2 import TrainConfig, get_lr
+from variations import losses, modern
 
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
@@ -211,7 +210,7 @@ def test_chunked_loss_trains_as_the_full_loss(shards, tmp_path, capsys, monkeypa
     # a tensor, not a list: dynamo replays a list's append after the graph, but guards on its length, and recompiled
     # the model at every step; a tensor's add_ is part of the graph
     chunked_in_grad_mode = torch.zeros((), dtype=torch.int64)
-    real_chunked_cross_entropy = chunked_loss.chunked_cross_entropy
+    real_chunked_cross_entropy = losses.chunked_cross_entropy
 
     def counted_chunked_cross_entropy(*args, **kwargs):
         if torch.is_grad_enabled():

@@ -11,8 +11,8 @@ import resource
 import sys
 
 sys.path.insert(0, sys.argv[1])
-import microbatch  # noqa: E402
 import train_gpt2  # noqa: E402
+from machinery import microbatch  # noqa: E402
 
 
 def take_later(mib):

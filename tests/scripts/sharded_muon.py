@@ -12,8 +12,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import fsdp  # noqa: E402
 import train_gpt2  # noqa: E402
+from machinery import fsdp  # noqa: E402
 
 SHAPES = [(7, 5), (6, 10), (16, 8), (3, 12), (1, 9)]  # (out, in): 7, 3 and 1 rows split 4 + 3, 2 + 1 and 1 + 0
 

@@ -8,8 +8,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
-import hellaswag  # noqa: E402 (after the path that finds it)
 import train_gpt2  # noqa: E402
+from evaluation import hellaswag  # noqa: E402 (after the path that finds it)
 
 hellaswag.HELLASWAG_VAL_EXAMPLES = int(sys.argv[1])
 train_gpt2.main(sys.argv[2:])

@@ -18,20 +18,21 @@ from typing import Callable, NamedTuple
 
 import torch
 
-import hf_export
-import plumbing
-import run_files
-from plumbing import GPT2_VOCAB, UsageError
+from machinery import hf_format, shard_files
+from machinery.errors import UsageError
+from machinery.tokenizer import GPT2_VOCAB
 
 # -----------------------------------------------------------------------------
 # Declaring settings: train_gpt2.py's TrainConfig, and a recipe's own (modern.py's Settings, which it inherits)
 
 
-def setting(default, help, choices=None, model=False):
+def setting(default, help, choices=None, model=False, memory=False):
     """A field of the settings: its default, its --help, its choices. model: the model's (GPTConfig has it, and
     checkpoints and exports carry it: a checkpoint or pretrained weights fix it, but for how it computes,
-    COMPUTE_ONLY)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "model": model})
+    COMPUTE_ONLY). memory: a speed-up that changes a step's memory, which an out-of-memory record names
+    (microbatch.step_shape)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "model": model,
+                                                        "memory": memory})
 
 
 COMPUTE_ONLY = ("attn", "loss")  # model settings of how the model computes, not what it is: a checkpoint fixes neither
@@ -64,7 +65,7 @@ class Recipe(NamedTuple):
     presets: dict  # what it changes over train_gpt2.py's presets: {"fineweb": {...}, "shakespeare": {...}}
     settings: tuple  # the settings only it reads: refused with the other recipe
     check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
-    hf_format: tuple  # hf_export.Format: the class of transformers its model is, and its files (--export-hf)
+    hf_format: tuple  # hf_format.Format: the class of transformers its model is, and its files (--export-hf)
     from_pretrained: Callable  # (--init-from's name or directory, GPTConfig, cache_dir) -> its model, with its weights
     named: str  # what the run's model line adds after the parameters: "" for GPT-2's, the default
 
@@ -221,11 +222,11 @@ def not_read_by(recipe, recipes):
 
 
 def pretrained_preset(cfg, recipes, model_sizes, presets):
-    """What --init-from's weights fix, (the preset's name, {setting: value}): every model setting but how it computes;
-    None from scratch. OpenAI's GPT-2 `name`: model_sizes[name] and OPENAI_SHAPES (GPT-2's model settings at their
-    defaults). An export directory (a directory of that name first, as GPT.from_pretrained and --export-hf take it: a
-    clone of the Hub's gpt2 is one): its recipe and shapes (export_settings), GPT-2's whole vocabulary padded as
-    OpenAI's is, and OPENAI_SHAPES' defaults for the model settings its config.json does not hold."""
+    """The model settings that --init-from's weights fix, as (the preset's name, {setting: value}), or None from
+    scratch. They are every model setting but how the model computes. For OpenAI's weights (--init-from gpt2) they
+    are its sizes and OPENAI_SHAPES. For an export directory (a directory of that name wins, as a clone of the Hub's
+    gpt2 is one) they are its config.json's recipe and shapes, with the vocabulary padded as OpenAI's is and
+    OPENAI_SHAPES for what config.json does not say."""
     if cfg.init_from == "scratch":
         return None
     if not os.path.isdir(cfg.init_from):
@@ -245,7 +246,7 @@ def export_settings(directory, recipes):
         if not os.path.isfile(os.path.join(directory, name)):
             raise UsageError(f"--init-from {directory}: it holds no {name}; pass a directory that --export-hf wrote, "
                              f"or one of that format (config.json and model.safetensors, not sharded)")
-    config, path = hf_export.read_config(directory, "a model of train_gpt2.py's recipes")
+    config, path = hf_format.read_config(directory, "a model of train_gpt2.py's recipes")
     recipe = {recipe.hf_format.model_type: name for name, recipe in recipes.items()}.get(config.get("model_type"))
     if recipe is None:
         known = ", ".join(f"{r.hf_format.model_type} (--recipe {name})" for name, r in recipes.items())
@@ -439,8 +440,6 @@ def check_config(cfg, world_size):
     if cfg.wandb_run_name and not cfg.wandb_project:
         raise UsageError(f"--wandb-run-name {cfg.wandb_run_name} names a W&B run, but W&B is off; pass "
                          f"--wandb-project too")
-    if cfg.wandb_project:
-        run_files.import_wandb(cfg.wandb_project)  # now rather than after the set-up: a missing package costs no time
     for key in BENCHMARKS:
         if getattr(cfg, key) > 0 and cfg.vocab_size < GPT2_VOCAB:
             raise UsageError(f"{flag(key)} {getattr(cfg, key)} needs GPT-2's whole vocabulary, but --vocab-size is "
@@ -565,7 +564,7 @@ def look_for_shards(draft):
     """Whether --data is there to train on; if not, the note that says why tiny Shakespeare is, and what to do."""
     flags = draft.flags
     # the default --data holding only what a stopped `python fineweb.py` left is as good as missing
-    leftovers = None if "data" in draft.given else plumbing.unfinished_preparation(flags.data)
+    leftovers = None if "data" in draft.given else shard_files.unfinished_preparation(flags.data)
     if "data" in draft.given or (os.path.exists(flags.data) and leftovers is None):
         return True
     doing = ("evaluating" if flags.eval_only else "training a small model" if flags.init_from == "scratch"
@@ -616,8 +615,8 @@ def resolve(draft, env, recipes, checks, resumed=None):
     """The run's settings, frozen: draft's layers (layered), then what the checkpoint resumed keeps (resumed: its
     train_config, model_config and path; None for a new run), then the values fitted to the others, then every
     check. Also the lines for rank 0 to print first: what made each value that is not the file's. It prints and
-    writes nothing. checks: the refusals of the modules that import this one (fsdp.py's, speedups.py's), each
-    check(cfg, env), so that a setting that cannot run here is refused before anything is read or downloaded."""
+    writes nothing. checks: the refusals of the modules that import this one (fsdp.py's, speedups.py's, run_log.py's),
+    each check(cfg, env), so that a setting that cannot run here is refused before anything is read or downloaded."""
     if draft.eval_only and resumed is not None:  # the model as it was trained, whatever the flags' recipe
         take_model_settings(draft, *resumed)
     fit_seq_len(draft)

@@ -28,12 +28,11 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import fsdp
-import hf_export
-import settings
-from chunked_loss import chunked_cross_entropy, soft_cap
-from plumbing import GPT2_VOCAB, UsageError
-from settings import setting
+from machinery import fsdp, hf_format, settings
+from machinery.errors import UsageError
+from machinery.settings import setting
+from machinery.tokenizer import GPT2_VOCAB
+from variations.losses import chunked_cross_entropy, soft_cap
 
 
 @dataclass(frozen=True)
@@ -238,10 +237,10 @@ def get_lr(step, max_lr, cfg):
 
 # -----------------------------------------------------------------------------
 # As transformers' own NanoChatForCausalLM (transformers 5.0 and later), whose forward pass is this model's: an export
-# (--export-hf) and an export read back (--init-from DIR). hf_export.py writes and reads its files.
+# (--export-hf) and an export read back (--init-from DIR). machinery/hf_format.py writes and reads its files.
 
 # F.rms_norm's epsilon, eps=None: the machine epsilon of the dtype it normalizes, float32's in an export
-HF_FORMAT = hf_export.nanochat(rope_theta=ROTARY_BASE, rms_norm_eps=torch.finfo(torch.float32).eps)
+HF_FORMAT = hf_format.nanochat(rope_theta=ROTARY_BASE, rms_norm_eps=torch.finfo(torch.float32).eps)
 
 
 def from_pretrained(directory, config, cache_dir=None):

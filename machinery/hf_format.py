@@ -29,9 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tiktoken.load import load_tiktoken_bpe
 
-import core
-import plumbing
-from plumbing import EOT, GPT2_VOCAB, UsageError
+from machinery import files
+from machinery.errors import UsageError
+from machinery.tokenizer import EOT, GPT2_BPE_FILE, GPT2_VOCAB
 
 try:
     import fcntl
@@ -71,7 +71,7 @@ def read_config(directory, what):
     path = os.path.join(directory, "config.json")
     try:
         with open(path) as f:
-            config = plumbing.parse_json(f.read())
+            config = files.parse_json(f.read())
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
         return config, path
@@ -388,7 +388,7 @@ EOT_SPEC = {"content": EOT_TEXT, "single_word": False, "lstrip": False, "rstrip"
 def bpe_files():
     """{file name: contents} of GPT-2's byte-pair encoding, from the shipped BPE ranks: vocab.json and merges.txt (what
     GPT2Tokenizer reads), and the same in tokenizer.json (what the `tokenizers` library reads)."""
-    ranks = load_tiktoken_bpe(plumbing.GPT2_BPE_FILE)
+    ranks = load_tiktoken_bpe(GPT2_BPE_FILE)
     stand_in = byte_stand_ins()
 
     def text(token):
@@ -400,7 +400,7 @@ def bpe_files():
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": [{"id": EOT, **EOT_SPEC}],
         "normalizer": None,
-        "pre_tokenizer": byte_level,  # with use_regex, GPT-2's split into words (plumbing's pattern) comes first
+        "pre_tokenizer": byte_level,  # with use_regex, GPT-2's split into words (tokenizer.py's pattern) comes first
         "post_processor": byte_level, "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
@@ -431,9 +431,12 @@ def tokenizer_files(block_size):
 # The model card
 
 
+OPENAI_CORE = {"gpt2": 0.1139, "gpt2-medium": 0.1849, "gpt2-large": 0.2146, "gpt2-xl": 0.2565}  # as nanochat measured
+
+
 def published_facts(name):
     """The model card's facts of OpenAI's own weights: their CORE as nanochat measured it."""
-    measured = core.OPENAI_CORE.get(name)
+    measured = OPENAI_CORE.get(name)
     return dict(source=f"OpenAI's {name}, as published", trained="WebText, by OpenAI",
                 validation="not evaluated by train_gpt2.py", hellaswag=None,
                 core=None if measured is None else f"{measured}, as nanochat measured OpenAI's {name} (its 22 tasks)")
@@ -608,17 +611,17 @@ def write_directory(out_dir, fill):
         temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
         with locked_directory(temp):
             fill(temp)
-            plumbing.sync_directory(temp)
+            files.sync_directory(temp)
             os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
     except BaseException as e:
-        plumbing.raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
+        files.raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
         if isinstance(e, OSError):
             check_new_directory(out_dir)  # another export to it finished first
             raise UsageError(f"--export-hf {out_dir}: cannot write it ({e}); pass a directory you may write to")
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-    plumbing.sync_directory(os.path.dirname(out))
+    files.sync_directory(os.path.dirname(out))
 
 
 def export(out_dir, fmt, state_dict, config, n_tokens, about):
@@ -635,7 +638,7 @@ def export(out_dir, fmt, state_dict, config, n_tokens, about):
         path = os.path.join(directory, "model.safetensors")
         save_weights(weights, path)
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
-        plumbing.sync_file(path)
+        files.sync_file(path)
         write_file(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))
         generation = generation_config(shape["vocab_size"], shape["block_size"])
         write_file(directory, "generation_config.json", json.dumps(generation, indent=2))

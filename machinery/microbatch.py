@@ -5,7 +5,7 @@ room kept for the optimizers' state that the first step allocates; B is halved (
 every rank's try fits. The ranks try with no gradient reduced, then vote, so that one rank's out-of-memory error never
 leaves the others waiting in a collective. The accumulation steps rise to match: the optimizer step takes the same
 --total-batch-size tokens (train_gpt2.TokenStream cuts any micro-batch out of the same stream), on the same schedule.
-On a CPU the tries run in the heap mode the run keeps (plumbing.keep_freed_memory): freed memory kept in the heap
+On a CPU the tries run in the heap mode the run keeps (keep_freed_memory): freed memory kept in the heap
 (faster), or given back to the system under an address-space limit (address_space_limited).
 
 With --grow-batch-size (on by default on CUDA), a B that fits at once goes up instead, to the next divisor of the batch
@@ -18,6 +18,7 @@ and the step's pieces are handed over.
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import gc
@@ -25,15 +26,14 @@ import json
 import os
 import re
 import resource
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import plumbing
-import run_files
-import speedups
-from plumbing import UsageError
+from machinery import checkpoint_files, files, ranks
+from machinery.errors import UsageError
 
 GIB = 2**30
 RECORD = "out_of_memory.json"  # in the log directory: the micro-batches that ran out of memory after they were chosen
@@ -180,7 +180,7 @@ def search(run, gradient_sync):
     """The micro-batch (--batch-size, or less), and the lines that say why it is less."""
     cfg, env = run.cfg, run.env
     if env.device_type == "cpu":
-        plumbing.keep_freed_memory(not address_space_limited())
+        keep_freed_memory(not address_space_limited())
     if not cfg.fit_batch_size:
         return cfg.batch_size, []
     sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
@@ -241,7 +241,7 @@ def where_it_does_not_fit(run, batch_size, gradient_sync):
     """None if a try of batch_size fits on every rank; else, on every rank, the memory of the first rank it did not
     fit on, in words. The ranks vote, so that none is left waiting in a collective."""
     fits = step_fits(run, batch_size, gradient_sync)
-    where = plumbing.first_error_of_any_rank(None if fits else memory_in_words(run.env.device))
+    where = ranks.first_error_of_any_rank(None if fits else memory_in_words(run.env.device))
     if where is not None:
         forget_try(run)  # on every rank, the ranks whose own try fitted too
     return where
@@ -271,7 +271,7 @@ def step_shape(run):
     shape = {"model": dataclasses.asdict(run.model.config), "seq_len": cfg.seq_len, "dtype": cfg.dtype,
              "compile": cfg.compile, "compile_mode": cfg.compile_mode, "fused_adamw": cfg.fused_adamw,
              "fsdp": cfg.fsdp, "device": env.device_type, "world_size": env.world_size,
-             "speedups": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(speedups.Settings)}}
+             "speedups": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("memory")}}
     return json.loads(json.dumps(shape))
 
 
@@ -280,7 +280,7 @@ def read_records(log_dir):
     micro-batch that ran out of memory is chosen again)."""
     try:
         with open(os.path.join(log_dir, RECORD)) as f:
-            records = plumbing.parse_json(f.read())
+            records = files.parse_json(f.read())
     except (OSError, ValueError):
         return []
     return [r for r in records if possible(r)] if isinstance(records, list) else []
@@ -310,7 +310,7 @@ def recorded_on_this_rank(run):
 def recorded_on_some_rank(run):
     """The record of the smallest micro-batch that ran out of memory, of those that hold on each rank
     (recorded_on_this_rank), on every rank; or None. All ranks must call it."""
-    records = [r for r in plumbing.every_rank(recorded_on_this_rank(run)) if r is not None]
+    records = [r for r in ranks.every_rank(recorded_on_this_rank(run)) if r is not None]
     return min(records, key=lambda r: r["micro_batch"], default=None)
 
 
@@ -339,7 +339,7 @@ def record_out_of_memory(run):
     records = read_records(run.cfg.log_dir) + [{"micro_batch": run.micro_batch, "step": run.step, "memory": size,
                                                "memory_words": words, "shape": step_shape(run)}]
     try:
-        plumbing.write_atomically(path, lambda f: f.write(json.dumps(records, indent=1).encode()),
+        files.write_atomically(path, lambda f: f.write(json.dumps(records, indent=1).encode()),
                                   f"{path}.{os.getpid()}.tmp", lambda: "")
     except (OSError, UsageError):  # the out-of-memory line matters more: it says to pass a smaller --batch-size
         return None
@@ -365,11 +365,11 @@ def out_of_memory_later(error, cfg, run):
     error = out_of_memory_in(error)
     device = f"cuda:{torch.cuda.current_device()}" if isinstance(error, torch.cuda.OutOfMemoryError) else (
         "mps" if "MPS" in str(error) else "cpu")
-    reason = plumbing.first_line(error)
+    reason = files.first_line(error)
     what = f"out of memory in {memory_in_words(device)}" + (f" ({reason})" if reason else "")
     if cfg.sample or cfg.export_hf:  # --sample draws its samples --batch-size at a time
         return f"{what}; pass a smaller --batch-size" if cfg.sample else what
-    latest = run_files.latest_checkpoint(cfg.log_dir)
+    latest = checkpoint_files.latest_checkpoint(cfg.log_dir)
     what += f"; the latest checkpoint, {latest}, is kept" if latest else "; no checkpoint was written yet"
     if run is None:  # before the micro-batch was chosen: the model, its checkpoint, the data
         return what
@@ -384,3 +384,20 @@ def out_of_memory_later(error, cfg, run):
     if recorded is None:
         return f"{what}; pass a --batch-size below {run.micro_batch}"
     return f"{what}; run the same command again: it chooses a micro-batch below {run.micro_batch} ({recorded} says why)"
+
+
+# -----------------------------------------------------------------------------
+# The CPU heap
+
+def keep_freed_memory(keep):
+    """On Linux, glibc gives every freed block over 32 MB back to the OS, and the next step faults its pages back in,
+    zeroed: on a CPU, GPT-2's 50257-wide logits made that 40% of a small model's step. keep: freed memory stays in the
+    heap. Not keep, where memory is tight: every block over 1 MiB is mapped on its own and given back once freed, so
+    that no free block in the heap counts against the memory left (glibc's default keeps up to 32 MB ones)."""
+    libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+    if hasattr(libc, "mallopt"):
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+        libc.mallopt(M_MMAP_MAX, 0 if keep else 1 << 16)  # keep: no block gets an mmap of its own
+        if not keep:
+            libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30 if keep else 1 << 20)  # the heap's free top goes back past this

@@ -1,12 +1,14 @@
 """
 What a run of train_gpt2.py says and records: its first lines (what it runs, the model, the data), the log
-directory readied, each record's line in log.jsonl and W&B (run_files.RunLog), MFU, and how the run ended. Only
+directory readied, each record's line in log.jsonl and W&B (run_log.RunLog), MFU, and how the run ended. Only
 rank 0 prints and writes. It never imports train_gpt2: the run is handed over.
 """
 
 import contextlib
 import functools
+import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -16,9 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import run_files
-import settings
-from plumbing import GPT2_VOCAB, UsageError, failing_together
+from machinery import checkpoint_files, files, log_directory, settings
+from machinery.checkpoint_files import latest_checkpoint
+from machinery.errors import UsageError
+from machinery.log_directory import LOG_FILE
+from machinery.ranks import failing_together
+from machinery.tokenizer import GPT2_VOCAB
 
 
 def report(run, record, line=None):
@@ -100,7 +105,7 @@ def start(run, micro_batch_said, recipe_named):
     with failing_together():
         if run.master and not cfg.eval_only:
             try:
-                run_files.prepare_log_dir(cfg.log_dir, run.resumed_from, run.step)
+                log_directory.prepare_log_dir(cfg.log_dir, run.resumed_from, run.step)
             except OSError as e:
                 raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
                                  f"write to")
@@ -184,7 +189,7 @@ def finish(run, stopped_by_signal):
     cfg = run.cfg
     if not run.master:
         return
-    last = run_files.latest_checkpoint(cfg.log_dir)
+    last = checkpoint_files.latest_checkpoint(cfg.log_dir)
     skipped = "" if run.nonfinite_since is None else f" ({skipped_in_words(run.nonfinite_since, run.step - 1)})"
     if stopped_by_signal and last is None:
         print("stopped by signal before the first step: nothing to save")
@@ -238,3 +243,67 @@ def model_flops_utilization(model, seq_len, tok_per_sec, env):
     """The model FLOPs utilization of all the processes' GPUs; None where their peak is unknown."""
     peak = peak_flops(env.device_type)
     return None if peak is None else flops_per_token(model, seq_len) * tok_per_sec / (peak * env.world_size)
+def finite_only(record):
+    """record with null for each NaN or infinity, which JSON has no words for (strict parsers, jq, refuse them)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def check_settings(cfg, env):
+    """Refuses --wandb-project in one line where the wandb package is missing: before the set-up, which takes time."""
+    if cfg.wandb_project:
+        import_wandb(cfg.wandb_project)
+
+
+def import_wandb(project):
+    """wandb, an optional dependency: imported only when --wandb-project asks for it."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError(f"--wandb-project {project} needs the wandb package: pip install wandb "
+                         f"(or leave out --wandb-project)") from None
+    return wandb
+
+
+class RunLog:
+    """Rank 0's record of a run: lines appended to <log-dir>/log.jsonl (never truncated), and the same records in a
+    W&B run with --wandb-project."""
+
+    def __init__(self, log_dir):
+        self.log_dir, self.path = log_dir, os.path.join(log_dir, LOG_FILE)
+        self.wandb, self.wandb_step = None, 0
+        self.wandb_id = None  # kept in the checkpoints: a resumed run continues the same W&B run
+
+    def write(self, record):
+        record = finite_only(record)
+        files.append_line(self.path, json.dumps(record, allow_nan=False), lambda: (
+            f"make room, then run the same command again: it resumes from "
+            f"{latest_checkpoint(self.log_dir) or 'the start'}"))
+        if self.wandb:
+            self.wandb.log(record, step=self.wandb_step)
+            self.wandb_step += 1
+
+    def start_wandb(self, project, name, config):
+        """Starts logging to W&B, under <log-dir>/wandb (where WANDB_MODE=offline leaves it, for `wandb sync`),
+        continuing the W&B run of wandb_id if set."""
+        wandb = import_wandb(project)
+        try:
+            self.wandb = wandb.init(project=project, name=name or None, id=self.wandb_id, resume="allow",
+                                    dir=self.log_dir, config=config)
+        except wandb.errors.Error as e:  # not logged in, no network, ...
+            reason = str(e).strip().partition("\n")[0]  # its hints run over several lines
+            raise UsageError(f"--wandb-project {project}: W&B cannot start the run ({reason}); log in with "
+                             f"`wandb login`, or set WANDB_MODE=offline on a machine with no internet (and "
+                             f"`wandb sync` later)") from None
+        # W&B's step only goes up, but a resumed run logs the steps after its checkpoint again: W&B's step is the
+        # record's line in log.jsonl, which only grows, across resumes and offline runs alike, and every chart's x-axis
+        # is the training step, so a step trained again is drawn again rather than refused as a step back in time.
+        with open(self.path, "a+") as f:
+            f.seek(0)
+            self.wandb_step = sum(1 for _ in f)
+        self.wandb.define_metric("*", step_metric="step")
+        self.wandb_id = self.wandb.id
+
+    def finish(self, failed):
+        """Ends the W&B run, if one started: failed, if an error stopped the run."""
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if failed else 0)

@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plumbing import BadFile, UsageError, default_cache_dir, download_once_per_node, gpt2_tokenizer, parse_json
+from machinery.downloads import default_cache_dir, download_once_per_node
+from machinery.errors import BadFile, UsageError
+from machinery.files import parse_json
+from machinery.tokenizer import gpt2_tokenizer
 
 # the validation split is the one everybody reports (the test split has no labels)
 HELLASWAG_FILE = "hellaswag_val.jsonl"

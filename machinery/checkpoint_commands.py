@@ -1,6 +1,6 @@
 """
 The commands of train_gpt2.py that train nothing: `--sample PATH` prints samples from a checkpoint, and
-`--export-hf DIR` writes a checkpoint (or OpenAI's weights) as a Hugging Face model directory (hf_export.py). Neither
+`--export-hf DIR` writes a checkpoint (or OpenAI's weights) as a Hugging Face model directory (hf_format.py). Neither
 sets up a run. It never imports train_gpt2: what they need of it (the recipes, whose hf_format says which class of
 transformers each one's model is; model_of, which makes a model of a checkpoint's settings; GPT.from_pretrained) is
 handed over.
@@ -11,12 +11,8 @@ import os
 import shlex
 from dataclasses import asdict
 
-import checkpoints
-import hf_export
-import plumbing
-import run_files
-import settings
-from plumbing import UsageError
+from machinery import checkpoints, files, hf_format, log_directory, settings, tokenizer
+from machinery.errors import UsageError
 
 
 def sample(cfg, given, env, model_of, autocast_context, print_samples):
@@ -26,7 +22,7 @@ def sample(cfg, given, env, model_of, autocast_context, print_samples):
     model, step, micro_batch = model_to_sample(cfg, env, model_of)
     rows = cfg.batch_size if "batch_size" in given or not micro_batch else micro_batch
     autocast_ctx = autocast_context(env.device_type, settings.resolve_dtype(cfg.dtype, env.device_type))
-    print_samples(model, cfg, plumbing.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step, rows,
+    print_samples(model, cfg, tokenizer.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step, rows,
                   show=env.rank == 0)
 
 
@@ -52,13 +48,13 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
     it, and the other ranks end at once (each writing it, all but one would fail, finding it written)."""
     if settings.processes()[0] != 0:
         return
-    hf_export.check_new_directory(cfg.export_hf)  # now, not after a long load
+    hf_format.check_new_directory(cfg.export_hf)  # now, not after a long load
     if cfg.init_from != "scratch" and os.path.isdir(cfg.init_from):
         raise UsageError(f"--export-hf: --init-from {cfg.init_from} is a Hugging Face model directory already; copy "
                          f"it, or export a checkpoint of a run that starts from it")
     if cfg.init_from != "scratch":
         model = from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)
-        source, about = f"OpenAI's {cfg.init_from}", hf_export.published_facts(cfg.init_from)
+        source, about = f"OpenAI's {cfg.init_from}", hf_format.published_facts(cfg.init_from)
     else:
         ckpt, source = checkpoints.find_resume_checkpoint(cfg, rank=0, world_size=1)  # one process: on the CPU
         if ckpt is None:
@@ -66,14 +62,14 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
                              f"run's --log-dir, --resume PATH, or --init-from gpt2")
         model = checkpoints.model_from_checkpoint(ckpt, source, model_of)
         init_from = ckpt["train_config"]["init_from"]
-        about = hf_export.checkpoint_facts(source, ckpt["step"], ckpt["train_config"],
+        about = hf_format.checkpoint_facts(source, ckpt["step"], ckpt["train_config"],
                                            checkpoints.val_loss_in_words(ckpt),
                                            logged_evaluation(source, ckpt["step"], "hellaswag_acc_norm"),
                                            None if init_from == "scratch"
-                                           else settings.pretrained_in_words(init_from, hf_export.name_only),
+                                           else settings.pretrained_in_words(init_from, hf_format.name_only),
                                            logged_evaluation(source, ckpt["step"], "core"))
     fmt = recipes[model.config.recipe].hf_format
-    n_params = hf_export.export(cfg.export_hf, fmt, model.state_dict(), asdict(model.config), model.n_tokens,
+    n_params = hf_format.export(cfg.export_hf, fmt, model.state_dict(), asdict(model.config), model.n_tokens,
                                 dict(about, command=command_in_card(argv)))
     print(f"exported {source} to {cfg.export_hf}: a {fmt.architecture} of {n_params / 1e6:.2f}M parameters for Hugging "
           f"Face's transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
@@ -81,13 +77,13 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
 
 def command_in_card(argv):
     """The export's command line as its model card records it: each absolute path (given alone, or as --flag=PATH)
-    by its last part, hf_export.name_only's (--log-dir /home/alice/runs/run1 as --log-dir run1)."""
+    by its last part, hf_format.name_only's (--log-dir /home/alice/runs/run1 as --log-dir run1)."""
     # The card is published with the model: the directories of the user's machine mean nothing to its readers and may
     # name the user, while the names of the run, its checkpoint and the export say which they were. Relative paths
     # are kept as typed: from where the user stood, they are the user's own naming, not the machine's layout.
     def shown(arg):
         flag, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
-        return flag + equals + (hf_export.name_only(value) if os.path.isabs(value) else value)
+        return flag + equals + (hf_format.name_only(value) if os.path.isabs(value) else value)
 
     return shlex.join(["python", "train_gpt2.py", *map(shown, argv)])
 
@@ -95,10 +91,10 @@ def command_in_card(argv):
 def logged_evaluation(checkpoint, step, key):
     """The record holding key (hellaswag_acc_norm, core) that the run logged of the weights at step (its log.jsonl,
     beside the checkpoint): the latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
-    log = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), run_files.LOG_FILE)
+    log = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), log_directory.LOG_FILE)
     records = []
     with contextlib.suppress(OSError):
-        records = [record for _, record in plumbing.json_records(log) if record is not None]  # None: a damaged line
+        records = [record for _, record in files.json_records(log) if record is not None]  # None: a damaged line
     measured = [record for record in records if record.get("step") == step and key in record
                 and record.get("init_from", checkpoint) == checkpoint]
     return measured[-1] if measured else None

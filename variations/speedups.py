@@ -8,7 +8,7 @@ one line one that cannot run here (check), and set_up switches on the rest for t
 - --fp8-head: the output layer's matmul, the model's largest, in float8 with a scale per row; its backward in bf16.
   3.0% faster on an H100 (2026-11-28), held off until its CUDA test passes there (README, Speed)
 
-The ranked winners are the trainer's own defaults now: --loss chunked on CUDA (chunked_loss.py) and the micro-batch
+The ranked winners are the trainer's own defaults now: --loss chunked on CUDA (losses.py) and the micro-batch
 search going up as well as down on CUDA (--grow-batch-size, microbatch.py).
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from plumbing import UsageError
-from settings import setting
+from machinery.errors import UsageError
+from machinery.settings import setting
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: float8 e4m3's largest finite value
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
@@ -28,9 +28,9 @@ FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
 class Settings:
     """The speed-ups' settings, each off by default: train_gpt2.py's TrainConfig inherits them."""
     coordinate_descent: bool = setting(False, "inductor tunes each kernel's launch settings by coordinate descent "
-                                       "(longer compiles)")
+                                       "(longer compiles)", memory=True)
     fp8_head: bool = setting(False, "the output layer's matmul in float8 with a scale per row, its backward in bf16 "
-                             "(CUDA, compute capability 8.9 or later)")
+                             "(CUDA, compute capability 8.9 or later)", memory=True)
 
 
 def check(cfg, env):

@@ -60,8 +60,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import plumbing
-from plumbing import EOT, BadFile, UsageError, default_cache_dir, failing_together, gpt2_tokenizer
+from machinery import downloads, files
+from machinery.downloads import default_cache_dir
+from machinery.errors import BadFile, UsageError
+from machinery.ranks import failing_together
+from machinery.tokenizer import EOT, gpt2_tokenizer
 
 CORE_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 CORE_BUNDLE_SHA256 = "90a7c19e28ee7a52b4f6e1f87658deb9fde7f63deba2379045bdb1fe9ea5d200"
@@ -72,7 +75,6 @@ IN_TRAINING = 500  # examples a task in the evaluations during training, as nano
 SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234
 SHAPES = 3  # under torch.compile, rows are padded to block_size, block_size / 2, ..., one graph each
 SCORED = 4  # under torch.compile, a pass of n tokens scores n / SCORED at most, those logits alone computed
-OPENAI_CORE = {"gpt2": 0.1139, "gpt2-medium": 0.1849, "gpt2-large": 0.2146, "gpt2-xl": 0.2565}  # nanochat's measures
 
 
 class Task(NamedTuple):
@@ -127,11 +129,11 @@ def fetch_bundle(cache_dir):
         if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not os.path.isdir(directory):
             unwritable = (f"cannot write to the cache directory {cache_dir} ({{reason}}); pass --cache-dir or set "
                           f"$GPT2_CACHE_DIR to a writable directory, or pass --core-data DIR")
-            with plumbing.waiting_for_lock(os.path.join(cache_dir, f"{BUNDLE}.lock"), unwritable):
+            with files.waiting_for_lock(os.path.join(cache_dir, f"{BUNDLE}.lock"), unwritable):
                 if not os.path.isdir(directory):  # another run may have unpacked it while this one waited
                     if not os.path.exists(zip_path):  # one left by a run stopped while unpacking was checked
                         print(f"downloading {url} to {zip_path}")
-                        plumbing.download(url, zip_path, check_zip, "CORE bundle",
+                        downloads.download(url, zip_path, check_zip, "CORE bundle",
                                           f"pass --core-data DIR (an unzipped copy of {os.path.basename(url)})")
                     unpack(zip_path, directory)
     return directory
@@ -139,7 +141,7 @@ def fetch_bundle(cache_dir):
 
 def check_zip(path):
     """Raises BadFile unless path is the bundle's zip: its checksum, and its core.yaml in eval_bundle/."""
-    digest = plumbing.sha256_of(path)
+    digest = downloads.sha256_of(path)
     if digest != CORE_BUNDLE_SHA256:
         raise BadFile(f"its sha256 is {digest}, not {CORE_BUNDLE_SHA256}")
     try:
@@ -159,7 +161,7 @@ def unpack(zip_path, directory):
         os.rename(os.path.join(temp, BUNDLE), directory)
         os.remove(zip_path)
     except OSError as e:
-        plumbing.raise_if_no_room(e, directory, lambda: "make room in the cache directory, or pass --core-data DIR")
+        files.raise_if_no_room(e, directory, lambda: "make room in the cache directory, or pass --core-data DIR")
         raise UsageError(f"cannot unpack {zip_path} into {directory} ({e}); pass --cache-dir or set "
                          f"$GPT2_CACHE_DIR to a writable directory, or pass --core-data DIR") from None
     finally:
@@ -214,7 +216,7 @@ def read_config(path, fix):
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:  # RecursionError: nested too deep
-        raise UsageError(f"cannot read {path} ({plumbing.first_line(e)}); {fix}")
+        raise UsageError(f"cannot read {path} ({files.first_line(e)}); {fix}")
     if not (isinstance(config, dict) and isinstance(config.get("icl_tasks"), list) and config["icl_tasks"]):
         raise UsageError(f"{path} lists no icl_tasks; {fix}")
     return config["icl_tasks"]
@@ -261,7 +263,7 @@ def read_examples(path, kind, label, fix):
                 if not line.strip():
                     continue
                 try:
-                    example = plumbing.parse_json(line)
+                    example = files.parse_json(line)
                     if not isinstance(example, dict):
                         raise ValueError("not a JSON object")
                     example = dict(example, **{field: text(example[field]) for field in text_fields})

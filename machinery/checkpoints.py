@@ -1,12 +1,11 @@
 """
-Checkpoints and resuming, for train_gpt2.py: what a checkpoint holds, saving and pruning it, finding the one to
-resume from (the resume policy), restoring a run from it, and the signals that end a run with one. Also the log
-directory's lock, which keeps a second run from moving the first one's checkpoints.
+Checkpoints and resuming: what a checkpoint holds, saving and pruning it, finding the one to resume from, restoring a
+run from it, and the signals that end a run with one.
 
-A checkpoint is a file ckpt_<step>.pt, or with --fsdp a directory ckpt_<step>.dcp/ of each rank's slices (fsdp.py)
-and run.pt beside them; plumbing.py writes either whole or not at all. A process reading one holds it from choosing it
-until its tensors are loaded (load, release), so that the training beside never prunes it under its reader. It never
-imports train_gpt2: the run is handed over, and the model is built by the model_of it passes (a checkpoint's
+A checkpoint is a file ckpt_<step>.pt; with --fsdp, a directory ckpt_<step>.dcp/ of each rank's slices
+(sharded_checkpoints.py) with run.pt beside them. checkpoint_files.py writes either whole or not at all. A process
+reading one holds it from choosing it until its tensors are loaded (load, release), so that the training beside never
+prunes it under its reader. The run is handed over, and the model is built by the model_of it passes (a checkpoint's
 model_config -> a new model).
 """
 
@@ -19,22 +18,21 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-import fsdp
-import plumbing
-import run_files
-import settings
-from plumbing import UsageError, failing_together
+from machinery import checkpoint_files, files, log_directory, settings, sharded_checkpoints
+from machinery.errors import UsageError
+from machinery.ranks import failing_together
 
 FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
 
 
 @contextlib.contextmanager
 def holding_log_dir(cfg, env):
-    """Rank 0 holds the log directory's lock (run_files.lock_log_dir) while inside; every rank stops if it cannot."""
+    """Rank 0 holds the log directory's lock (log_directory.lock_log_dir) while inside; every rank stops if it
+    cannot."""
     with contextlib.ExitStack() as held:
         with failing_together():
             if env.rank == 0:
-                held.enter_context(run_files.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
+                held.enter_context(log_directory.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
         yield
 
 
@@ -57,7 +55,8 @@ def catch_stop_signals():
 
 
 def contents(run, rng_per_rank):
-    """All a checkpoint holds, but for FSDP's weights and optimizer state (fsdp.sharded_contents), kept apart."""
+    """All a checkpoint holds, but for FSDP's weights and optimizer state (sharded_checkpoints.sharded_contents),
+    kept apart."""
     whole = {} if run.cfg.fsdp else {
         "model": run.model.state_dict(), "optimizers": [optimizer.state_dict() for optimizer in run.optimizers]}
     return {
@@ -85,44 +84,26 @@ def save(run):
     with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
         ckpt = contents(run, rng_per_rank) if run.master else None  # rank 0 alone writes it
         if cfg.fsdp:
-            sharded = fsdp.sharded_contents(run.model, run.optimizers)
+            sharded = sharded_checkpoints.sharded_contents(run.model, run.optimizers)
 
             def save_into(directory):  # every rank writes its slices there, and rank 0 all the rest beside them
-                fsdp.save(sharded, directory)
+                sharded_checkpoints.save(sharded, directory)
                 if run.master:  # through a file object: given a path, torch.save's own stream fails with no errno
                     with open(os.path.join(directory, "run.pt"), "wb") as f:
                         torch.save(ckpt, f)
 
-            run_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
+            checkpoint_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, files.tensor_bytes(sharded) *
                                                env.world_size, cfg.keep_checkpoints, run.master)
         elif run.master:
-            run_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
-                                       plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
+            checkpoint_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
+                                       files.tensor_bytes(ckpt), cfg.keep_checkpoints)
 
 
 def prune(run):
     """Rank 0 deletes the checkpoints past --keep-checkpoints: only once the newest one's weights trained to a finite
     loss, so that the last checkpoint that trains is never deleted."""
     if run.master:
-        run_files.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
-
-
-def stop_if_diverging(run, rate_flags):
-    """After --max-bad-steps non-finite steps in a row, stops the run, saying what to do (go_back)."""
-    in_a_row = 0 if run.nonfinite_since is None else run.step - run.nonfinite_since + 1
-    if in_a_row >= run.cfg.max_bad_steps:
-        raise UsageError(f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: step {run.step}); "
-                         f"stopping. {go_back(run, rate_flags)}")
-
-
-def go_back(run, rate_flags):
-    """What to do about steps gone non-finite, in words: lower the recipe's learning rates (rate_flags), and resume
-    from the latest checkpoint from before them, as the weights that made them non-finite came later."""
-    good = run_files.latest_checkpoint(run.cfg.log_dir, before_step=run.nonfinite_since)
-    later = good != run_files.latest_checkpoint(run.cfg.log_dir)
-    resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
-                                       f"non-finite)" if later else "")) if good else "start again"
-    return f"Lower the learning rate{'s' if len(rate_flags) > 1 else ''} ({', '.join(rate_flags)}) and {resume}"
+        checkpoint_files.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------
@@ -130,14 +111,15 @@ def go_back(run, rate_flags):
 
 
 def load(path):
-    """A checkpoint of this train_gpt2.py, whole, and held (run_files.CheckpointReadLock) until release(ckpt), once its
-    tensors are loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be read
-    (run_files.CheckpointGone if it is no more), UsageError if it is of another format or a file inside one."""
+    """A checkpoint of this train_gpt2.py, whole, and held (checkpoint_files.CheckpointReadLock) until release(ckpt),
+    once its tensors are loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be
+    read (checkpoint_files.CheckpointGone if it is no more), UsageError if it is of another format or a file inside
+    one."""
     inside = os.path.dirname(path) or os.getcwd()
     if not os.path.isdir(path) and os.path.isfile(os.path.join(inside, "run.pt")):
         raise UsageError(f"{path} is a file inside the sharded checkpoint {inside}: pass the directory {inside}")
     try:
-        held = run_files.CheckpointReadLock(path)
+        held = checkpoint_files.CheckpointReadLock(path)
     except OSError as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
     try:
@@ -156,7 +138,7 @@ def read_checkpoint(path):
         ckpt = torch.load(os.path.join(path, "run.pt") if os.path.isdir(path) else path, map_location="cpu",
                           weights_only=True, mmap=True)  # mmap: no private copy per rank
     except Exception as e:  # torch's messages can run over many lines: keep the first, for one-line errors
-        raise ValueError(f"{type(e).__name__}: {plumbing.first_line(e)}") from None
+        raise ValueError(f"{type(e).__name__}: {files.first_line(e)}") from None
     if not isinstance(ckpt, dict) or not ("model" in ckpt or ckpt.get("sharded")) or "model_config" not in ckpt:
         raise ValueError("not a train_gpt2.py checkpoint")
     ckpt.setdefault("sharded", False)  # written before --fsdp was
@@ -164,7 +146,7 @@ def read_checkpoint(path):
         raise UsageError(f"{path} is a checkpoint of format {ckpt.get('format', 1)}, and this train_gpt2.py reads "
                          f"format {FORMAT} only; use the train_gpt2.py that wrote it")
     if ckpt["sharded"]:
-        fsdp.check_complete(path)
+        sharded_checkpoints.check_complete(path)
     return ckpt
 
 
@@ -178,9 +160,9 @@ def release(ckpt):
 def load_weights(model, ckpt, path):
     """The checkpoint's weights into the model, sharded by FSDP or not, whichever way the checkpoint was written."""
     if ckpt["sharded"]:
-        fsdp.load_weights(model, path)
-    elif fsdp.is_sharded(model):  # a DDP run's whole tensors, into FSDP's slices
-        fsdp.load_whole_weights(model, ckpt["model"])
+        sharded_checkpoints.load_weights(model, path)
+    elif sharded_checkpoints.is_sharded(model):  # a DDP run's whole tensors, into FSDP's slices
+        sharded_checkpoints.load_whole_weights(model, ckpt["model"])
     else:
         model.load_state_dict(ckpt["model"])
 
@@ -217,12 +199,12 @@ def choose_checkpoint(cfg):
             raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
     unreadable = []
     while True:
-        paths = [path for path in run_files.checkpoint_paths(cfg.log_dir) if path not in unreadable]
+        paths = [path for path in checkpoint_files.checkpoint_paths(cfg.log_dir) if path not in unreadable]
         if not paths:
             return None, None
         try:
             return load(paths[-1]), paths[-1]
-        except run_files.CheckpointGone:
+        except checkpoint_files.CheckpointGone:
             continue  # the training beside pruned it meanwhile, or saved its step again: look again
         except ValueError as e:
             print(f"warning: skipping unreadable checkpoint {paths[-1]} ({e})")
@@ -231,7 +213,7 @@ def choose_checkpoint(cfg):
 
 def how_to_resume(cfg):
     """What a run that stopped early keeps, and the command that goes on from it, in words."""
-    latest = run_files.latest_checkpoint(cfg.log_dir)
+    latest = checkpoint_files.latest_checkpoint(cfg.log_dir)
     if latest is None:
         return "no checkpoint was written yet: run the same command again to start over"
     return f"the latest checkpoint, {latest}, is kept: run {settings.resume_command(cfg)} again to resume from it"
@@ -317,7 +299,7 @@ def load_optimizers(optimizers, model, ckpt, path, sharded):
     settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                 for optimizer in optimizers]
     if sharded:
-        fsdp.load_optimizers(model, optimizers, path)
+        sharded_checkpoints.load_optimizers(model, optimizers, path)
     else:
         if len(ckpt["optimizers"]) != len(optimizers):
             raise UsageError(f"{path} holds the state of {len(ckpt['optimizers'])} optimizer(s), and this run has "
@@ -341,7 +323,8 @@ def restore(run, ckpt, path):
     if cfg.eval_only:  # its settings are the checkpoint's (settings.take_model_settings)
         release(ckpt)
         return
-    # evaluated at its step as its own run was due; as the end of this one (a smaller --max-steps), only if validated
+    # The checkpoint's evaluations count for this run too, unless its step is now this run's end (a smaller
+    # --max-steps) and it was not validated there: the end always has a validation loss.
     run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
     if run.step > cfg.max_steps:
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
@@ -359,9 +342,9 @@ def restore(run, ckpt, path):
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    # the same W&B run as the checkpoint's, unless this run branches it into another directory (run_files'
+    # the same W&B run as the checkpoint's, unless this run branches it into another directory (log_dir.py's
     # prepare_log_dir): W&B's step is the record's line in log.jsonl, which begins again there
-    run.log.wandb_id = ckpt["wandb_id"] if run_files.is_log_dir_of(path, cfg.log_dir) else None
+    run.log.wandb_id = ckpt["wandb_id"] if log_directory.is_log_dir_of(path, cfg.log_dir) else None
     run.seconds_before = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was
 
 

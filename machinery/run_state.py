@@ -20,13 +20,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import checkpoints
-import microbatch
-import plumbing
-import reporting
-import run_files
-import settings
-from plumbing import DataError, UsageError
+from machinery import checkpoints, microbatch, ranks, run_log, settings
+from machinery.checkpoint_files import checkpoint_path, latest_checkpoint
+from machinery.errors import DataError, UsageError
 
 
 class StopVoted(Exception):
@@ -47,7 +43,7 @@ class Run:
     optimizers: list
     scaler: torch.amp.GradScaler
     autocast_ctx: object
-    log: run_files.RunLog
+    log: run_log.RunLog
     micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py)
     step: int = 0  # optimizer steps taken
     evaluated: bool = False  # the evaluations due at step are done
@@ -84,7 +80,7 @@ class Run:
         directory readied and the run's first lines said; from here on a stop signal ends the run with a checkpoint,
         and the launch's clock runs."""
         self.micro_batch, said = microbatch.largest_that_fits(self, gradient_sync, trained_with)
-        reporting.start(self, said, self.recipe.named)
+        run_log.start(self, said, self.recipe.named)
         self.first_step, self.saved_step = self.step, self.resumed_from and self.step
         self.saved_evaluated = self.evaluated  # the resumed checkpoint's, as restore set it
         self.stop_signal = None if self.cfg.eval_only else checkpoints.catch_stop_signals()
@@ -99,7 +95,7 @@ class Run:
         if self.evaluated or self.stopped:
             return False
         if due:
-            self.stopped = plumbing.any_rank(bool(self.stop_signal), self.env.device)
+            self.stopped = ranks.any_rank(bool(self.stop_signal), self.env.device)
             if self.stopped:
                 return False
         self.evaluated = True  # also when none was due: nothing is left to evaluate at this step
@@ -116,7 +112,7 @@ class Run:
             return
 
         def vote(module, args):
-            if plumbing.any_rank(bool(self.stop_signal), self.env.device):
+            if ranks.any_rank(bool(self.stop_signal), self.env.device):
                 raise StopVoted
 
         hook = self.compiled.register_forward_pre_hook(vote, prepend=True)  # before FSDP's, which gathers weights
@@ -130,7 +126,7 @@ class Run:
     def validated(self, loss):
         """Records the validation loss of this step's weights, and logs it."""
         self.val_loss, self.val_step = loss, self.step
-        reporting.log_evaluation(self, {"val_loss": loss}, f"val loss {loss:.4f}")
+        run_log.log_evaluation(self, {"val_loss": loss}, f"val loss {loss:.4f}")
 
     # -------------------------------------------------------------------------
     # The calls of the training loop
@@ -156,9 +152,9 @@ class Run:
                                        env.world_size, cfg.vocab_size)
         except DataError as e:
             error = str(e)
-        if plumbing.any_rank(error is not None, env.device):
+        if ranks.any_rank(error is not None, env.device):
             stream.epoch, stream.index, stream.offset = position  # where the ranks that read it were: it is not taken
-            errors = plumbing.every_rank(error)
+            errors = ranks.every_rank(error)
             failed = [rank for rank, line in enumerate(errors) if line is not None]
             raise DataError(("" if len(failed) == len(errors) else f"rank {failed[0]}: ") + errors[failed[0]])
         return batches
@@ -185,18 +181,35 @@ class Run:
             self.pace_from = now, self.step
         elif self.step + 1 < self.cfg.max_steps:  # evaluations and checkpoints included, as they will come again
             left = (now - self.pace_from[0]) / (self.step - self.pace_from[1]) * (self.cfg.max_steps - self.step - 1)
-        reporting.log_step(self, result, self.optimizers[0].param_groups[0]["lr"], now - self.step_start, left)
-        checkpoints.stop_if_diverging(self, self.recipe.rate_flags())
+        run_log.log_step(self, result, self.optimizers[0].param_groups[0]["lr"], now - self.step_start, left)
+        self.stop_if_diverging()
         self.step, self.evaluated = self.step + 1, False
-        self.stopped = plumbing.any_rank(bool(self.stop_signal), self.env.device)
+        self.stopped = ranks.any_rank(bool(self.stop_signal), self.env.device)
         if self.step == self.cfg.max_steps:  # the final evaluations can outlast a preemption's grace period
             self.save_where_it_stops()
+
+    def stop_if_diverging(self):
+        """After --max-bad-steps non-finite steps in a row, stops the run, saying what to do (go_back)."""
+        in_a_row = 0 if self.nonfinite_since is None else self.step - self.nonfinite_since + 1
+        if in_a_row >= self.cfg.max_bad_steps:
+            raise UsageError(f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: step "
+                             f"{self.step}); stopping. {self.go_back()}")
+
+    def go_back(self):
+        """What to do about steps gone non-finite, in words: lower the recipe's learning rates, and resume from the
+        latest checkpoint from before them, as the weights that made them non-finite came later."""
+        rate_flags = self.recipe.rate_flags()
+        good = latest_checkpoint(self.cfg.log_dir, before_step=self.nonfinite_since)
+        later = good != latest_checkpoint(self.cfg.log_dir)
+        resume = (f"resume from {good}" + (f" (--resume {good}: the later checkpoints hold the weights that went "
+                                           f"non-finite)" if later else "")) if good else "start again"
+        return f"Lower the learning rate{'s' if len(rate_flags) > 1 else ''} ({', '.join(rate_flags)}) and {resume}"
 
     def finish(self):
         """Saves where the run ended (the end, evaluated since it was saved, or where a signal stopped it) and says
         how it ended; a UsageError instead where its weights are not finite (save_if_moved)."""
         self.save_where_it_stops()
-        reporting.finish(self, self.stopped)
+        run_log.finish(self, self.stopped)
 
     # -------------------------------------------------------------------------
     # Checkpoints
@@ -217,7 +230,7 @@ class Run:
         """Whether every parameter is finite, on every rank (under FSDP each holds slices of them)."""
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
         finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all())
-        return not plumbing.any_rank(not finite, self.env.device)
+        return not ranks.any_rank(not finite, self.env.device)
 
     def save_if_moved(self):
         """Saves the run where it stands if it moved on since its latest checkpoint, and says whether it did. After
@@ -228,7 +241,7 @@ class Run:
         if self.nonfinite_since is not None and not self.weights_finite():
             raise UsageError(f"the run is not saved at step {self.step}: its weights are not finite (the steps since "
                              f"{self.nonfinite_since} were non-finite, their updates skipped). "
-                             f"{checkpoints.go_back(self, self.recipe.rate_flags())}")
+                             f"{self.go_back()}")
         self.save()
         return True
 
@@ -241,13 +254,13 @@ class Run:
     def running(self):
         """While the run trains or evaluates: its W&B run open (--wandb-project), and its errors ended in one line,
         every rank's: a shard gone bad (after saving the run), running out of memory, a rank that died."""
-        with reporting.wandb(self), plumbing.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
+        with run_log.wandb(self), ranks.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
                 microbatch.out_of_memory_in_one_line(self.cfg, self), self.saved_if_data_fails():
             yield
 
     @contextlib.contextmanager
     def saved_if_data_fails(self):
-        """A shard that turns bad as the stream reaches it (plumbing.DataError, raised on every rank at once by
+        """A shard that turns bad as the stream reaches it (errors.DataError, raised on every rank at once by
         read_step) ends the run after saving it where it stands, before the step (save_if_moved); its line then says
         how to go on, or names both causes where the save fails too (a full disk, weights that are not finite)."""
         try:
@@ -261,6 +274,6 @@ class Run:
             if saved:
                 raise DataError(f"{e}; the run is saved at step {self.step}: once that is mended, "
                                 f"{settings.resume_command(self.cfg)} resumes from "
-                                f"{run_files.checkpoint_path(self.cfg.log_dir, self.step, self.cfg.fsdp)}") from None
-            how = plumbing.every_rank(checkpoints.how_to_resume(self.cfg) if self.master else None)[0]
+                                f"{checkpoint_path(self.cfg.log_dir, self.step, self.cfg.fsdp)}") from None
+            how = ranks.every_rank(checkpoints.how_to_resume(self.cfg) if self.master else None)[0]
             raise DataError(f"{e}; once that is mended: {how}") from None

@@ -1,0 +1,195 @@
+"""
+Checkpoint files in a run's log directory: their names, written whole or not at all (a file ckpt_<step>.pt, or with
+--fsdp a directory ckpt_<step>.dcp/), pruned, and held by their readers (--eval-only beside the training) so that no
+pruning deletes one being read. It never imports torch: what a checkpoint holds is checkpoints.py's.
+"""
+
+import contextlib
+import errno
+import functools
+import os
+import shutil
+import time
+
+from machinery import files, ranks
+from machinery.errors import UsageError
+
+try:
+    import fcntl
+except ImportError:  # Windows: a checkpoint being read is not held there
+    fcntl = None
+
+CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckpt_<step>.pt, or --fsdp's directory
+PARTIAL = CHECKPOINT + r"\.tmp(\.old)?"  # a checkpoint being written, or one being replaced by its step's new one
+ABANDONED = CHECKPOINT + r"\.abandoned(\.\d+)?"  # a checkpoint newer than the one a run resumed from, moved aside
+
+
+def checkpoint_step(path):
+    return int(os.path.splitext(os.path.basename(path))[0][len("ckpt_"):])
+
+
+def checkpoint_path(log_dir, step, sharded=False):
+    """Where the checkpoint of step goes: a file, or with --fsdp a directory."""
+    return os.path.join(log_dir, f"ckpt_{step:06d}.{'dcp' if sharded else 'pt'}")
+
+
+def checkpoint_paths(log_dir):
+    """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
+    return sorted(files.files_in(log_dir, CHECKPOINT), key=checkpoint_step)
+
+
+class CheckpointGone(ValueError):
+    """No checkpoint at the path (any more): the training pruned it, or replaced it, while a reader was choosing it."""
+
+
+def flock(fd, operation):
+    """fcntl.flock, but on a file system that has no such locks (some network ones), nothing: its checkpoints are
+    read unguarded, as they were before these locks. Raises BlockingIOError for a lock another process holds."""
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+
+
+class CheckpointReadLock:
+    """A shared flock on the checkpoint at path (its file, or --fsdp's directory), held from choosing it until its
+    tensors are loaded (release): the training deletes or moves no checkpoint a reader holds (unread). --eval-only,
+    --sample and --export-hf read checkpoints while the training that writes them goes on. flock, not lockf: POSIX
+    record locks are dropped when any descriptor of the file closes, and torch.load opens it again."""
+
+    def __init__(self, path):
+        self.fd = None
+        if fcntl is None:  # Windows: no flock, and no descriptors of directories
+            return
+        try:
+            self.fd = os.open(path, os.O_RDONLY)  # a directory too
+        except FileNotFoundError as e:
+            if os.path.lexists(path):  # a broken symbolic link: unreadable, not gone
+                raise
+            raise CheckpointGone(f"{type(e).__name__}: {e}") from None
+        try:
+            flock(self.fd, fcntl.LOCK_SH)  # waits only while the training deletes or moves it
+            locked, named = os.fstat(self.fd), os.stat(path)
+            if (locked.st_dev, locked.st_ino) != (named.st_dev, named.st_ino):
+                raise FileNotFoundError
+        except FileNotFoundError:
+            self.release()
+            raise CheckpointGone(f"{path} was deleted or replaced as it was opened") from None
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+@contextlib.contextmanager
+def unread(path, wait):
+    """An exclusive flock on path while inside, so that it can be deleted or moved: no reader is loading it
+    (CheckpointReadLock). Yields True; or at once False if a reader holds it and not wait."""
+    if fcntl is None:
+        yield True
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            print(f"waiting for a process that is loading {path} (--eval-only, --sample, --export-hf) to finish")
+            flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(log_dir, before_step=None):
+    """The path of the latest checkpoint in log_dir (of a step before before_step, if given), or None."""
+    paths = [p for p in checkpoint_paths(log_dir) if before_step is None or checkpoint_step(p) < before_step]
+    return paths[-1] if paths else None
+
+
+def no_room_for_checkpoint(log_dir, size, keep):
+    """What to do when a checkpoint of about size bytes does not fit, in words."""
+    return (f"a checkpoint needs about {size / 2**20:,.1f} MiB, {files.free_mib(log_dir):,.1f} MiB are free "
+            f"(saving needs room for --keep-checkpoints {keep} of them and one more); make room, then run the same "
+            f"command again: it resumes from {latest_checkpoint(log_dir) or 'the start'}")
+
+
+def write_checkpoint(log_dir, step, save, size, keep):
+    """Writes log_dir/ckpt_<step>.pt whole or not at all, with save(file); size: about how many bytes it takes."""
+    path = checkpoint_path(log_dir, step)
+    t0 = time.perf_counter()
+    files.write_atomically(path, save, path + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
+    print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
+    """Writes log_dir/ckpt_<step>.dcp/ whole or not at all: rank 0 makes ckpt_<step>.dcp.tmp/, save(directory) fills
+    it, every rank writing its own part (torch.distributed.checkpoint, which rank 0 ends with the index of all parts),
+    then rank 0 renames it. Every rank calls it, save being collective; size: about how many bytes all ranks write."""
+    path = checkpoint_path(log_dir, step, sharded=True)
+    temp, t0 = path + ".tmp", time.perf_counter()
+    if_no_room = functools.partial(no_room_for_checkpoint, log_dir, size, keep)
+    with ranks.failing_together():  # also the barrier after which every rank looks for the directory
+        if master:
+            try:
+                if os.path.exists(temp):  # a save cut short, in this very run
+                    files.remove(temp)
+                os.mkdir(temp)
+            except OSError as e:
+                files.raise_if_no_room(e, path, if_no_room)
+                raise UsageError(f"--log-dir {log_dir}: cannot make the checkpoint directory {temp} ({e.strerror})")
+    with ranks.failing_together():
+        if not os.path.isdir(temp):
+            raise UsageError(f"--log-dir {log_dir}: this node does not see the checkpoint directory {temp} that rank 0 "
+                             f"made; put --log-dir on a file system that every node shares")
+    failure = None
+    try:
+        save(temp)
+        if master:  # torch.distributed.checkpoint syncs its own files; the rest of them too, before the rename
+            for name in os.listdir(temp):
+                files.sync_file(os.path.join(temp, name))
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is no Exception
+        failure = e
+    what = None if failure is None else f"{type(failure).__name__}: {files.first_line(failure)}"
+    failed = None if failure is None else (files.no_room(failure), what)
+    failed = ranks.first_error_of_any_rank(failed)  # on every rank, as of rank 0's part alone: none is left waiting
+    if failed is not None:
+        if master:
+            shutil.rmtree(temp, ignore_errors=True)
+        reason, what = failed
+        if reason is None:  # not for lack of room: the rank it happened on shows its traceback
+            if failure is not None:
+                raise failure
+            raise UsageError(f"another rank failed to write its part of {path} ({what})")
+        with ranks.failing_together():  # rank 0's line, with the room there is once the partial directory is gone
+            if master:
+                raise UsageError(f"{reason} writing {path}: {if_no_room()}")
+    if master:
+        replaced = path + ".tmp.old"
+        if os.path.exists(path):  # the same step saved again, evaluated since: the new one takes its place
+            with unread(path, wait=True):
+                os.replace(path, replaced)
+        os.replace(temp, path)
+        files.sync_directory(log_dir)
+        if os.path.exists(replaced):
+            files.remove(replaced)
+        written = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+        print(f"saved {path} ({written / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def prune_checkpoints(log_dir, keep):
+    """Deletes all but the latest keep checkpoints; only once the newest is durably in place (write_checkpoint). One
+    that a reader is loading stays until a later prune: the training never waits for a reader."""
+    for old in checkpoint_paths(log_dir)[:-keep]:
+        with unread(old, wait=False) as unheld:
+            if unheld:
+                files.remove(old)

@@ -1,0 +1,252 @@
+"""
+Files: JSON read from files that may be damaged, files written whole or not at all (and what to say when a disk, a
+quota or a file-size limit stops a write), and directory locks.
+"""
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+
+from machinery.errors import UsageError
+
+try:
+    import fcntl
+except ImportError:  # Windows: two runs in one directory are not caught there
+    fcntl = None
+
+
+# -----------------------------------------------------------------------------
+# JSON read from files that may be damaged
+
+
+def files_in(directory, pattern):
+    """The files of directory whose names fully match the regex pattern. Not glob: "run[a]" is a name, not a pattern."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(os.path.join(directory, name) for name in names if re.fullmatch(pattern, name))
+
+
+def parse_json(text):
+    """text as JSON; a ValueError for what is not JSON, or is nested too deep for json to parse. json raises a
+    RecursionError for that (a damaged line of 200,000 ['s), which every reader would otherwise have to know of."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep to parse") from None
+
+
+def json_records(path):
+    """(line number, the JSON object it holds) for each line of a JSON-lines file such as log.jsonl, with None for a
+    line that holds none: the last line of a run killed mid-write, a damaged block. Its readers skip such a line and
+    read the rest."""
+    with open(path, "rb") as f:  # decoded line by line: bytes that are not UTF-8 damage their line only
+        for number, line in enumerate(f, start=1):
+            try:
+                record = parse_json(line.decode("utf-8"))
+            except ValueError:
+                record = None
+            yield number, record if isinstance(record, dict) else None
+
+
+# -----------------------------------------------------------------------------
+# Files written whole, and the writes that run out of room
+
+NO_ROOM = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large for this process's file-size limit (ulimit -f)",
+}
+
+
+def no_room(error):
+    """What stopped a write for lack of room (disk full, quota, file-size limit), in words; None if something else.
+    torch.save raises a RuntimeError that keeps the OSError as its context."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in NO_ROOM:
+            return NO_ROOM[error.errno]
+        # torch.distributed.checkpoint's CheckpointException: each failed rank's (exception, traceback)
+        for failure, _ in getattr(error, "failures", {}).values():
+            reason = no_room(failure)
+            if reason:
+                return reason
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def first_line(error):
+    """The first line of an error's message: torch's can run over many, and errors here are one line."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def raise_if_no_room(error, path, if_no_room, reason=None):
+    """Raises the one-line UsageError of a write to path that ran out of room (reason, if given, or no_room's): the
+    reason, path, then if_no_room(), which says what to do. Returns if the error is something else."""
+    reason = reason or no_room(error)
+    if reason is not None:
+        raise UsageError(f"{reason} writing {path}: {if_no_room()}") from None
+
+
+def sync_file(path, flags=0):
+    """Makes what was written to path durable, whoever wrote it."""
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_directory(path):
+    """Makes the renames in a directory durable (where directories can be opened: not on Windows)."""
+    if hasattr(os, "O_DIRECTORY"):
+        sync_file(path, os.O_DIRECTORY)
+
+
+def write_atomically(path, write, temp, if_no_room):
+    """Writes path whole or not at all: write(f) fills temp, which is synced, then renamed to path. A write that runs
+    out of room deletes temp and raises a UsageError: the reason, path, then if_no_room(), which says what to do."""
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+        short_write = isinstance(e, OSError) and e.errno is None  # how numpy reports a short write to a full disk
+        raise_if_no_room(e, path, if_no_room, NO_ROOM[errno.ENOSPC] if short_write else None)
+        raise
+    sync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def append_line(path, line, if_no_room):
+    """Appends line (and a newline) to path; one that does not fit is taken back whole, and raises a UsageError."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size, written = os.fstat(fd).st_size, 0
+        try:
+            while written < len(data):  # unbuffered: a failed write is known here, not at a later flush
+                written += os.write(fd, data[written:])
+        except OSError as e:
+            if os.fstat(fd).st_size == size + written:  # never half a line, nor another process's (--eval-only) line
+                os.ftruncate(fd, size)
+            raise_if_no_room(e, path, if_no_room)
+            raise
+    finally:
+        os.close(fd)
+
+
+def free_mib(directory):
+    return shutil.disk_usage(directory).free / 2**20
+
+
+def tensor_bytes(obj):
+    """About the size of obj saved: the bytes of the tensors in it, each storage once (tied weights share one)."""
+    storages, todo = {}, [obj]
+    while todo:
+        obj = todo.pop()
+        if hasattr(obj, "to_local"):  # a DTensor: this rank's slice
+            obj = obj.to_local()
+        if hasattr(obj, "untyped_storage"):  # a tensor
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return sum(storages.values())
+
+def remove(path):
+    """Deletes a file, or a directory and all in it."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+# -----------------------------------------------------------------------------
+# Directory locks
+
+
+def lock_holder(lock_path):
+    """Who holds the lock file at lock_path (directory_lock's), in words; None if no process does."""
+    if fcntl is None:
+        return None
+    try:
+        with open(lock_path) as lock_file:
+            try:
+                fcntl.lockf(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a read lock: only a writer's lock stops it
+            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: a writer holds it
+                return holder_of(lock_file)
+            fcntl.lockf(lock_file, fcntl.LOCK_UN)
+    except OSError:  # no lock file: nobody holds it
+        pass
+    return None
+
+
+def holder_of(lock_file):
+    lock_file.seek(0)
+    return lock_file.read().strip() or "a process that did not say which"
+
+
+@contextlib.contextmanager
+def directory_lock(directory, refusal, unwritable):
+    """Holds <directory>/.lock while inside, having checked that this process can write there. Raises UsageError:
+    refusal.format(holder=...) if another process holds the lock, unwritable.format(reason=...) if it cannot write.
+    With no refusal, only checks (a process that shares the directory with others takes no lock).
+    A POSIX record lock belongs to its process: the kernel drops it when the process dies, even by SIGKILL, and the
+    processes it forks do not hold it. A directory made here that holds nothing but the lock at the end is removed."""
+    made = []  # deepest first
+    path = os.path.abspath(directory)
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    lock_path = os.path.join(directory, ".lock")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write_test.{os.getpid()}")  # the lock file may be writable, the dir not
+        open(probe, "w").close()
+        os.remove(probe)
+        lock_file = open(lock_path, "a+")
+    except OSError as e:
+        reason = e.strerror
+        in_the_way = [path for path in made if os.path.exists(path)]  # a file where a directory must be
+        if in_the_way:
+            reason = f"{'it' if in_the_way[-1] == made[0] else in_the_way[-1]} is a file, not a directory"
+        raise UsageError(unwritable.format(reason=reason)) from None
+    with lock_file:
+        try:
+            if fcntl and refusal:
+                try:
+                    fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except (BlockingIOError, PermissionError):
+                    raise UsageError(refusal.format(holder=holder_of(lock_file))) from None
+                lock_file.truncate(0)
+                lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+                lock_file.flush()
+            yield
+        finally:  # while the lock is held: no other process can have taken the directory meanwhile
+            with contextlib.suppress(OSError):
+                if made and os.listdir(directory) == [".lock"]:
+                    os.remove(lock_path)
+                    for path in made:
+                        os.rmdir(path)
+
+
+@contextlib.contextmanager
+def waiting_for_lock(path, unwritable):
+    """Holds the lock file path while inside, waiting first for any other process that holds it: the runs that share
+    a cache download a file into it once, the others waiting for it. The kernel drops the lock of a process that
+    dies. Raises UsageError unwritable.format(reason=...) if the file cannot be made."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        lock_file = open(path, "a")
+    except OSError as e:
+        raise UsageError(unwritable.format(reason=e.strerror or e)) from None
+    with lock_file:
+        if fcntl:
+            fcntl.lockf(lock_file, fcntl.LOCK_EX)
+        yield

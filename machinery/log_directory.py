@@ -1,0 +1,157 @@
+"""
+The log directory of a run: its lock, which keeps a second run out; what a fresh start moves aside, whole or not at
+all, and what a resume abandons (the checkpoints after the one it resumed from).
+"""
+
+import contextlib
+import os
+import signal
+import time
+
+from machinery import files
+from machinery.checkpoint_files import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step, unread
+from machinery.errors import UsageError
+
+try:
+    import fcntl
+except ImportError:  # Windows: two runs in one directory are not caught there
+    fcntl = None
+
+LOG_FILE = "log.jsonl"  # the run's record (RunLog)
+# What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
+# other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
+RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, ABANDONED, r"wandb"]
+
+
+def lock_log_dir(log_dir, exclusive):
+    """The log directory, locked for this run if exclusive: a second run in it would move the first's files aside, or
+    resume from its live checkpoints, and prune them. --eval-only, which only appends its lines to log.jsonl, may run
+    beside the training it evaluates. Also checks now that the run can write there, and append to its log.jsonl (in a
+    group's shared directory, another user's file may not be writable), not at its first log line."""
+    refusal = (f"another run is using --log-dir {log_dir} ({{holder}}); wait for it to end or stop it, or pass another "
+               f"--log-dir")
+    log = os.path.join(log_dir, LOG_FILE)
+    try:
+        if os.path.isfile(log):
+            open(log, "a").close()
+    except OSError as e:
+        raise UsageError(f"--log-dir {log_dir}: cannot append to {log} ({e.strerror}); make it writable for this user, "
+                         f"or pass another --log-dir (--resume PATH still reads a checkpoint of this one)") from None
+    return files.directory_lock(log_dir, refusal if exclusive else None,
+                                   f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run "
+                                   f"may write to")
+
+
+def unused_name(path):
+    """path, or if that is taken, the first of path.1, path.2, ... that is not."""
+    n, name = 0, path
+    while os.path.lexists(name):
+        n += 1
+        name = f"{path}.{n}"
+    return name
+
+
+def aside_directory(log_dir):
+    """A new directory for an earlier run's files, on log_dir's own file system, which a rename cannot leave: beside
+    the directory that log_dir is, or links to (`log -> /scratch/...`), <dir>.<date-time>; inside it where it is the
+    root of its file system (a container's bind mount, a scratch volume)."""
+    real = os.path.realpath(log_dir)
+    parent = os.path.dirname(real)
+    if os.stat(parent).st_dev != os.stat(real).st_dev:
+        parent = real
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = unused_name(os.path.join(parent, f"{os.path.basename(real)}.{stamp}"))  # two starts in one second
+    os.mkdir(aside)
+    return aside
+
+
+class StoppedBySignal(Exception):
+    """SIGINT or SIGTERM, come while StopSignals raises them."""
+
+
+class StopSignals:
+    """While inside, the first SIGINT or SIGTERM raises StoppedBySignal unless deferred is set; any other is only kept
+    (their names, in caught) for after. Their handlers are given back on leaving. SIGTERM's own would end the process
+    at once, and SIGINT's KeyboardInterrupt print a traceback, wherever they came."""
+
+    def __init__(self):
+        self.deferred, self.caught = False, []
+
+    def __enter__(self):
+        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig, handler in self.handlers.items():
+            if handler != signal.SIG_IGN:  # a background job's SIGINT, which its shell ignores: left so
+                signal.signal(sig, self.on_signal)
+        return self
+
+    def __exit__(self, *exception):
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+
+    def on_signal(self, signum, frame):
+        self.caught.append(signal.Signals(signum).name)
+        if not self.deferred:
+            self.deferred = True  # once: a second signal never cuts short the handling of the first
+            raise StoppedBySignal
+
+
+def move_old_run_aside(log_dir, why="starting fresh"):
+    """Moves the files an earlier run wrote in log_dir into a new directory (aside_directory), saying why: all of them,
+    or none if a signal comes before the first is moved, or an error stops it. Half of them moved would be two runs,
+    and a later start would resume the half left in log_dir."""
+    old = files.files_in(log_dir, "|".join(RUN_FILES))
+    if not old:
+        return
+    with StopSignals() as signals, contextlib.ExitStack() as held:
+        try:  # first, every file unread (not a checkpoint that --eval-only, say, is loading): the wait a signal stops
+            for path in old:
+                held.enter_context(unread(path, wait=True))
+            signals.deferred = True  # from here on, the renames: none waits, and none is left half done
+        except StoppedBySignal:
+            raise UsageError(f"{why}: stopped by {signals.caught[0]} before the old run's files were moved aside; "
+                             f"they stay in {log_dir}, as they were")
+        aside = aside_directory(log_dir)
+        try:
+            for path in old:  # checkpoints first (by name): a crash midway leaves none to resume without its log
+                os.rename(path, os.path.join(aside, os.path.basename(path)))
+        except OSError:
+            with contextlib.suppress(OSError):  # no run split in two, nor an empty directory left at each failed try
+                for name in os.listdir(aside):
+                    os.rename(os.path.join(aside, name), os.path.join(log_dir, name))
+                os.rmdir(aside)
+            raise
+    names = ", ".join(os.path.basename(path) for path in old)
+    if signals.caught:
+        raise UsageError(f"{why}: stopped by {signals.caught[0]} as the old run's files were moved aside; all of them "
+                         f"({names}) were moved from {log_dir} to {aside}, and nothing was trained")
+    print(f"{why}: moved the old run's files ({names}) from {log_dir} aside to {aside}")
+
+
+def is_log_dir_of(path, log_dir):
+    """Whether log_dir is the directory of the checkpoint at path, by whatever path (a link to it or to the
+    directory, another mount)."""
+    try:
+        return os.path.samefile(os.path.dirname(os.path.realpath(path)), log_dir)
+    except OSError:
+        return False
+
+
+def prepare_log_dir(log_dir, resumed_from, resumed_step):
+    """A fresh run (resumed_from None) moves an earlier run's files aside, and so does a run resumed from another
+    directory's checkpoint: a run in log_dir is another one, which it must neither prune nor continue the log of. A
+    run resumed from a checkpoint of log_dir moves aside the checkpoints newer than its own (abandoned, or
+    unreadable), so that they are never resumed later."""
+    if resumed_from is None:
+        move_old_run_aside(log_dir)
+        return
+    if not is_log_dir_of(resumed_from, log_dir):
+        move_old_run_aside(log_dir, f"resuming {resumed_from}, a checkpoint of another directory")
+        return
+    for stale in files.files_in(log_dir, PARTIAL):  # a save cut short by a crash
+        files.remove(stale)
+    for path in checkpoint_paths(log_dir):
+        if checkpoint_step(path) > resumed_step:
+            aside = unused_name(path + ".abandoned")  # resuming twice from one checkpoint abandons a step twice
+            with unread(path, wait=True):
+                os.rename(path, aside)
+            print(f"moved {path} aside to {aside}: this run continues from step {resumed_step}")
