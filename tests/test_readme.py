@@ -2,8 +2,10 @@
 either run here, in a directory of its own as a fresh clone would be (the training runs cut short and shrunk by flags
 appended to them, which override any preset; a checkpoint the README names by its step, the one the shortened run
 wrote), with the network pointed at a local HTTP server, or skipped with its reason (a GPU, a cluster, the real
-downloads). And the files its commands make in a clone stay out of git's way (.gitignore covers them)."""
+downloads). And the files its commands make in a clone stay out of git's way (.gitignore covers them), and every
+link between the README and the pages of docs/ leads somewhere."""
 import base64
+import glob
 import hashlib
 import http.server
 import json
@@ -530,3 +532,44 @@ def test_what_the_readmes_commands_write_is_ignored_by_git():
         if result.returncode != 0:  # a file rather than a directory
             result = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO)
         assert result.returncode == 0, f"{path}, which a README command writes, is not in .gitignore"
+
+
+# -----------------------------------------------------------------------------
+# Links between the docs
+
+
+def outside_code(text):
+    """Markdown text without its fenced code blocks, whose lines are commands and output, not headings or links."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def heading_anchors(text):
+    """The anchors GitHub gives a markdown file's headings: lowercased, punctuation dropped, spaces as hyphens, and
+    -1, -2, ... after a repeated one."""
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", outside_code(text), re.M):
+        anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return anchors
+
+
+def test_every_link_between_the_docs_resolves():
+    """docs/DEVELOPMENT.md was split into pages by topic, and the README's sections moved there in part: a link from
+    the README or a page of docs/ names a file of the repository that exists, and its #anchor a heading of that
+    file."""
+    pages = [README, *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+    assert len(pages) > 2, pages
+    broken = []
+    for page in pages:
+        text = open(page, encoding="utf-8").read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", outside_code(text)):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(path):
+                broken.append(f"{os.path.relpath(page, REPO)}: {target} (no such file)")
+            elif anchor and anchor not in heading_anchors(open(path, encoding="utf-8").read()):
+                broken.append(f"{os.path.relpath(page, REPO)}: {target} (no such heading)")
+    assert not broken, broken
