@@ -131,7 +131,7 @@ GPTConfig = settings.model_config_class(TrainConfig)  # the model's settings: th
 # name each setting a preset changed from the file's value. modern.py's PRESETS are the modern recipe's.
 # A model that learns tiny Shakespeare in a few minutes on a laptop CPU: the default when no shards are there. Its
 # vocab is not padded: padding speeds up GPU matmuls, not a CPU's. The 50257-wide output layer costs most of a step,
-# so depth is cheap (docs/DEVELOPMENT.md has the search); 900 steps are 3 passes, ending where the val text follows.
+# so depth is cheap (docs/LOG.md has the search); 900 steps are 3 passes, ending where the val text follows.
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=8, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
     batch_size=8, seq_len=128, total_batch_size=1024, max_steps=900, warmup_steps=50, max_lr=2e-3, eval_every=150,

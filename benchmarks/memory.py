@@ -173,7 +173,7 @@ def logits_bytes(recipe, batch_size, seq_len):
     """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (SAVED_PER_TOKEN). GPT-2's compiled loss writes their
     gradient over them (losses.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
     F.cross_entropy's backward, whose gradient sits beside them where the step is one compiled graph (DDP's layout);
-    under FSDP, whose groups compile as graphs of their own, none was measured (the README's Speed section)."""
+    under FSDP, whose groups compile as graphs of their own, none was measured (docs/LOG.md, 2026-11-25)."""
     saved = SAVED_PER_TOKEN[recipe][2] * batch_size * seq_len * PADDED_VOCAB
     return (2 * saved if recipe == "modern" else saved), saved
 
@@ -235,8 +235,8 @@ NOTES = (
     "(saved_per_token): per token, {0}*C per layer and {1}*C outside them for --recipe gpt2 ({3}*C and {4}*C for "
     "modern), and the B*T*V bf16 logits, which GPT-2's compiled backward overwrites with their gradient (the modern "
     "recipe's, with DDP, holds it beside them). At GPT-2 124M, B=64 on one H100 the estimate was within 5% of the "
-    "peaks measured, DDP's and FSDP's (the README's Speed "
-    "section). Not counted: the CUDA context, the caching allocator's free blocks, and transients: a block's gradients "
+    "peaks measured, DDP's and FSDP's (docs/LOG.md, 2026-11-25). Not counted: the CUDA context, the caching "
+    "allocator's free blocks, and transients: a block's gradients "
     "before their reduce-scatter, the one bf16 matrix ShardedMuon gathers.").format(*SAVED_PER_TOKEN["gpt2"],
                                                                                     *SAVED_PER_TOKEN["modern"])
 

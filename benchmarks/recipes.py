@@ -117,7 +117,7 @@ def parse_args():
     parser.add_argument("--loss", default="chunked", choices=["full", "chunked"],
                         help="train_gpt2.py's --loss: the same numbers, and on a CPU chunked is the faster")
     parser.add_argument("--max-lr", type=float, default=2e-3, help="the GPT-2 recipe's peak learning rate (the best of "
-                        "1e-3, 2e-3 and 4e-3 at the default size: docs/DEVELOPMENT.md has the search)")
+                        "1e-3, 2e-3 and 4e-3 at the default size: docs/LOG.md has the search)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of the run for GPT-2's "
                         "recipe, none for the modern one (as train_gpt2.py's presets)")
     for name in ("muon_lr", "embed_lr", "head_lr", "cooldown_frac", "logit_softcap"):

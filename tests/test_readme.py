@@ -555,9 +555,8 @@ def heading_anchors(text):
 
 
 def test_every_link_between_the_docs_resolves():
-    """docs/DEVELOPMENT.md was split into pages by topic, and the README's sections moved there in part: a link from
-    the README or a page of docs/ names a file of the repository that exists, and its #anchor a heading of that
-    file."""
+    """A link from the README or a page of docs/ names a file of the repository that exists, and its #anchor a
+    heading of that file."""
     pages = [README, *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
     assert len(pages) > 2, pages
     broken = []

@@ -11,7 +11,7 @@ The chunks run inside a custom op (chunked_sums), which torch.compile calls as o
 compiled, each chunk is compiled on its own. A loop that the compiler traces is unrolled into the model's graph, and
 inductor, free to order and fuse the chunks' independent kernels, ran every chunk's matmul first and all their
 softmaxes in one fused kernel: every chunk's logits and gradient were alive at once (39.7 GiB at micro-batch 64 on an
-H100, against the full loss's 28.95; docs/DEVELOPMENT.md has the evidence).
+H100, against the full loss's 28.95; docs/LOG.md, 2026-11-27, has the evidence).
 
 The full loss, compiled (cross_entropy_with_pointwise_backward): F.cross_entropy's backward is a reduction over each
 row (the log-softmax's), which inductor fuses with the gradient it writes, so the gradient gets a (B*T, V) buffer of

@@ -54,7 +54,7 @@ PRESETS = {
     # yet measured with this one), at full rate from the first
     "fineweb": dict(max_steps=3815, warmup_steps=0, log_dir="log_modern"),
     # on tiny Shakespeare (over train_gpt2.py's SHAKESPEARE): the rates of benchmarks/recipes.py's search, on a model
-    # of about that size (docs/DEVELOPMENT.md has it)
+    # of about that size (docs/LOG.md, 2026-11-25)
     "shakespeare": dict(warmup_steps=0, muon_lr=0.02, embed_lr=0.3, head_lr=0.004, log_dir="log_modern"),
 }
 
