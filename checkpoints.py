@@ -92,7 +92,7 @@ def save(run):
                         torch.save(ckpt, f)
 
             run_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, plumbing.tensor_bytes(sharded) *
-                                               env.world_size, cfg.keep_checkpoints, run.master)
+                                               fsdp.mesh_shape(cfg, env)[1], cfg.keep_checkpoints, run.master)
         elif run.master:
             run_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
                                        plumbing.tensor_bytes(ckpt), cfg.keep_checkpoints)
@@ -305,14 +305,12 @@ def shards_changed(saved, now):
 
 def load_optimizers(optimizers, model, ckpt, path, sharded):
     """The optimizers' state from the checkpoint, under the settings of this run's flags (--weight-decay, ...)."""
-    if ckpt["sharded"] != sharded:  # the state of whole tensors, by position, or FSDP's slices, by name
-        written = "with" if ckpt["sharded"] else "without"
-        raise UsageError(f"{path} was written {written} --fsdp, and only a run {written} it can train on from it; "
-                         f"pass {'--fsdp' if ckpt['sharded'] else '--no-fsdp'}, or --no-resume to start over "
-                         f"(--eval-only, --sample and --export-hf read either)")
+    if sharded and not ckpt["sharded"]:  # the state of whole tensors, by position, cannot be split into FSDP's slices
+        raise UsageError(f"{path} was written without --fsdp, and only a run without it can train on from it; pass "
+                         f"--no-fsdp, or --no-resume to start over (--eval-only, --sample and --export-hf read either)")
     settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                 for optimizer in optimizers]
-    if sharded:
+    if ckpt["sharded"]:  # by name: split anew for this run's mesh, or whole for DDP's
         fsdp.load_optimizers(model, optimizers, path)
     else:
         if len(ckpt["optimizers"]) != len(optimizers):
