@@ -120,6 +120,8 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
                                 "graphs", ["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"])
     fused_adamw: bool = setting(True, "use the fused CUDA kernel of AdamW")
     fsdp: bool = setting(False, "shard weights, gradients, optimizer state over the processes (FSDP2), not copy them")
+    fsdp_shards: Optional[int] = setting(None, "--fsdp's processes each tensor is split over, replicated across such "
+                                         "groups (HSDP); 0: all (default: a node's, torchrun's LOCAL_WORLD_SIZE)")
     loss: str = setting("auto", "full: one cross-entropy over all (B*T, vocab) logits; chunked: a chunk of rows at a "
                         "time, never all the logits (less memory); auto: chunked on CUDA, where it is as fast, full "
                         "elsewhere, where it is not", ["auto", "full", "chunked"], model=True)
@@ -157,7 +159,8 @@ def parse_args(argv=None):
         if f.type in (bool, Optional[bool]):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
-            parser.add_argument(flag, type=f.type, choices=f.metadata["choices"], help=help)
+            parser.add_argument(flag, type=int if f.type == Optional[int] else f.type, choices=f.metadata["choices"],
+                                help=help)
     parser.add_argument("--no-resume", dest="resume", action="store_const", const="none",
                         help="start fresh, moving an earlier run's files in --log-dir aside")
     given = vars(parser.parse_args(argv))
@@ -564,7 +567,7 @@ def wrap_model(model, cfg, env):
     """What trains and evaluates: the model compiled and, under torchrun, in DDP, which all-reduces the gradients; or
     with --fsdp, sharded in place first (fsdp.py), so that the optimizers must be made after this."""
     if cfg.fsdp:
-        return compile_model(fsdp.shard_model(model, cfg.dtype, env.device_type), cfg)
+        return compile_model(fsdp.shard_model(model, cfg, env), cfg)
     compiled = compile_model(model, cfg)
     if env.world_size == 1:
         return compiled

@@ -1,10 +1,12 @@
 """
-The memory each GPU needs to train a GPT-2 size with DDP (the default) and with FSDP (--fsdp), for a number of GPUs:
-the weights, gradients and optimizer state computed from how each of the two lays them out (exact, from the model's
-own parameters), an estimate of the activations, and with --measure, the peak memory and speed of real
-train_gpt2.py runs on this machine's GPUs beside them.
+The memory each GPU needs to train a GPT-2 size with DDP (the default) and with FSDP (--fsdp), for a number of GPUs,
+and with --shards, with HSDP (--fsdp on several nodes: each tensor split over a node's GPUs): the weights, gradients
+and optimizer state computed from how each lays them out (exact, from the model's own parameters), an estimate of the
+activations, and with --measure, the peak memory and speed of real train_gpt2.py runs on this machine's GPUs beside
+them (DDP's and FSDP's).
 
     python benchmarks/memory.py                                    # GPT-2 XL on 8 GPUs of 40 GiB at micro-batch 2
+    python benchmarks/memory.py --world-size 32 --shards 8         # and on 4 nodes of 8 GPUs, HSDP beside them
     python benchmarks/memory.py --model gpt2 --world-size 1 --batch-size 64 --accumulation-steps 8   # any machine
     python benchmarks/memory.py --model gpt2 --world-size 1 --batch-size 64 --accumulation-steps 8 --gpu-gib 80 \\
         --measure                                                  # one 80 GB GPU: computed, then measured
@@ -179,18 +181,30 @@ def logits_bytes(recipe, batch_size, seq_len):
 
 
 def memory_rows(args):
-    """(the parameters, {row: (DDP bytes, FSDP bytes)}) per rank for the settings."""
+    """(the parameters, {row: (DDP bytes, FSDP bytes)}) per rank for the settings; with --shards, HSDP's bytes third:
+    FSDP's on one group of --shards ranks, as each tensor is split over a group (the replicas add only an all-reduce
+    of the gradients' slices, in place)."""
     params = count_parameters(args.model, args.recipe)
     rows = model_state(params, args.world_size, args.recipe, args.accumulation_steps)
+    if args.shards:
+        group = model_state(params, args.shards, args.recipe, args.accumulation_steps)
+        rows = {key: (*row, group[key][1]) for key, row in rows.items()}
     size = MODEL_SIZES[args.model]
     activations = activation_bytes(args.recipe, size["n_layer"], size["n_embd"], args.batch_size, args.seq_len)
-    rows["activations"] = (activations, activations)
-    rows["logits"] = logits_bytes(args.recipe, args.batch_size, args.seq_len)
-    rows["total"] = tuple(sum(rows[key][i] for key in ("model_state", "activations", "logits")) for i in (0, 1))
+    ddp_logits, sharded_logits = logits_bytes(args.recipe, args.batch_size, args.seq_len)
+    columns = len(rows["weights"])
+    rows["activations"] = (activations,) * columns
+    rows["logits"] = (ddp_logits,) + (sharded_logits,) * (columns - 1)
+    rows["total"] = tuple(sum(rows[key][i] for key in ("model_state", "activations", "logits")) for i in range(columns))
     return params, rows
 
 
-LINE = "{:<44} {:>15} {:>15}"
+def column_names(args):
+    return ["DDP", "FSDP"] + ([f"HSDP {args.world_size // args.shards}x{args.shards}"] if args.shards else [])
+
+
+def line(label, cells):
+    return f"{label:<44}" + "".join(f" {cell:>15}" for cell in cells)
 
 
 def gib(value):
@@ -202,15 +216,14 @@ def fits(total, gpu_gib):
     return f"yes, {spare:.1f} left" if spare >= 0 else f"no, {-spare:.1f} over"
 
 
-def table(rows, gpu_gib):
-    """The rows in GiB, a rule above the sums, and whether each total fits."""
-    lines = [LINE.format("GiB per rank", "DDP", "FSDP")]
-    for key, (ddp, fsdp) in rows.items():
+def table(rows, gpu_gib, names):
+    """The rows in GiB under the layouts' names, a rule above the sums, and whether each total fits."""
+    lines = [line("GiB per rank", names)]
+    for key, values in rows.items():
         if key in ("model_state", "total"):
-            lines.append(LINE.format("", "-" * 15, "-" * 15))
-        lines.append(LINE.format(LABELS[key], gib(ddp), gib(fsdp)))
-    ddp, fsdp = rows["total"]
-    lines.append(LINE.format(f"fits in {gpu_gib:g} GiB?", fits(ddp, gpu_gib), fits(fsdp, gpu_gib)))
+            lines.append(line("", ["-" * 15] * len(names)))
+        lines.append(line(LABELS[key], [gib(value) for value in values]))
+    lines.append(line(f"fits in {gpu_gib:g} GiB?", [fits(total, gpu_gib) for total in rows["total"]]))
     return lines
 
 
@@ -223,15 +236,17 @@ def header(args, params):
     about = (f"{args.model}, --recipe {args.recipe}: {blocks + rest:,} parameters, {blocks:,} in {params.n_layer} "
              f"blocks and {rest:,} in the " + ("embedding, position table, final norm and head (tied)" if gpt2 else
                                                 "embedding and head") + f"; {optimizer}")
+    hsdp = f"; HSDP: {args.world_size // args.shards} replicas x {args.shards} shards" if args.shards else ""
     return textwrap.wrap(about, 118) + [f"world size {args.world_size}, micro-batch {args.batch_size} x "
-                                        f"{args.seq_len} tokens, {steps}, bf16 autocast"]
+                                        f"{args.seq_len} tokens, {steps}, bf16 autocast{hsdp}"]
 
 
 NOTES = (
-    "FSDP: the sharded rows are rank 0's slice (each tensor's rows split over the ranks); gathered in flight: the root "
-    "(embedding, head, final norm) in fp32, kept from forward to backward, and about 2 blocks in bf16; its unsharded "
-    "gradients: with accumulation > 1 only. DDP: its buckets copy the gradients, with more than one process only. "
-    "Activations, the same for both: the bytes the compiled bf16 step saves for its backward, counted on a CPU "
+    "FSDP: the sharded rows are rank 0's slice (each tensor's rows split over the ranks; under HSDP over a group of "
+    "--shards ranks, a node, as FSDP's on that many); gathered in flight: the root (embedding, head, final norm) in "
+    "fp32, kept from forward to backward, and about 2 blocks in bf16; its unsharded gradients: with accumulation > 1 "
+    "only. DDP: its buckets copy the gradients, with more than one process only. "
+    "Activations, the same for all: the bytes the compiled bf16 step saves for its backward, counted on a CPU "
     "(saved_per_token): per token, {0}*C per layer and {1}*C outside them for --recipe gpt2 ({3}*C and {4}*C for "
     "modern), and the B*T*V bf16 logits, which GPT-2's compiled backward overwrites with their gradient (the modern "
     "recipe's, with DDP, holds it beside them). At GPT-2 124M, B=64 on one H100 the estimate was within 5% of the "
@@ -316,12 +331,12 @@ def measured_lines(rows, measured):
     ddp, fsdp = measured["ddp"], measured["fsdp"]
     ratio = f"FSDP's tok/s over DDP's: {fsdp['tok_per_sec'] / ddp['tok_per_sec']:.3f}" \
         if isinstance(ddp, dict) and isinstance(fsdp, dict) else ""
-    lines = [LINE.format("rank 0", "DDP", "FSDP"),
-             LINE.format(LABELS["total"] + ", GiB", gib(rows["total"][0]), gib(rows["total"][1])),
-             LINE.format("measured peak (max_memory_allocated), GiB", *cells("peak_gib", "{:.2f}".format)),
-             LINE.format(f"tok/s (median of steps {UNTIMED_STEPS}-{MEASURED_STEPS - 1})",
-                         *cells("tok_per_sec", "{:,.0f}".format)),
-             LINE.format("MFU", *cells("mfu", lambda mfu: f"{100 * mfu:.1f}%")), ratio]
+    lines = [line("rank 0", ["DDP", "FSDP"]),
+             line(LABELS["total"] + ", GiB", [gib(rows["total"][0]), gib(rows["total"][1])]),
+             line("measured peak (max_memory_allocated), GiB", cells("peak_gib", "{:.2f}".format)),
+             line(f"tok/s (median of steps {UNTIMED_STEPS}-{MEASURED_STEPS - 1})",
+                  cells("tok_per_sec", "{:,.0f}".format)),
+             line("MFU", cells("mfu", lambda mfu: f"{100 * mfu:.1f}%")), ratio]
     return lines + [f"{name.upper()} failed:\n{why}" for name, why in measured.items() if isinstance(why, str)]
 
 
@@ -345,6 +360,8 @@ def parse_args(argv=None):
                         f"(default: 1024)")
     parser.add_argument("--accumulation-steps", type=int, default=1,
                         help="micro-batches per optimizer step (default: 1)")
+    parser.add_argument("--shards", type=int, default=0, help="also HSDP's memory, each tensor split over this many "
+                        "GPUs (a node's: --fsdp-shards) and replicated across the groups (default: 0, no HSDP)")
     parser.add_argument("--gpu-gib", type=float, default=40.0, help="memory of one GPU, to say whether it fits "
                         "(default: 40)")
     parser.add_argument("--json", default="", help="also write the rows (bytes) and measurements to this JSON file")
@@ -355,6 +372,8 @@ def parse_args(argv=None):
     for name in ("world_size", "batch_size", "seq_len", "accumulation_steps", "gpu_gib"):
         if not getattr(args, name) > 0:  # written so that NaN fails too
             parser.error(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if args.shards < 0 or (args.shards and args.world_size % args.shards):
+        parser.error(f"--shards {args.shards} does not divide --world-size {args.world_size}; pass a divisor of it")
     if args.seq_len > BLOCK_SIZE:
         parser.error(f"--seq-len {args.seq_len} is longer than the model's {BLOCK_SIZE} positions; shorten it")
     if args.measure and not torch.cuda.is_available():
@@ -369,7 +388,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     params, rows = memory_rows(args)
-    print("\n".join(header(args, params) + [""] + table(rows, args.gpu_gib) + [""] + textwrap.wrap(NOTES, 118)),
+    print("\n".join(header(args, params) + [""] + table(rows, args.gpu_gib, column_names(args)) + [""] +
+                    textwrap.wrap(NOTES, 118)),
           flush=True)
     measured = None
     if args.measure:
@@ -378,7 +398,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**vars(args), "parameters": {"blocks": numel(params.blocks), "rest": numel(params.rest)},
-                       "rows_bytes": {key: {"ddp": ddp, "fsdp": fsdp} for key, (ddp, fsdp) in rows.items()},
+                       "rows_bytes": {key: dict(zip(("ddp", "fsdp", "hsdp"), row)) for key, row in rows.items()},
                        "measured": measured, "torch": torch.__version__}, f, indent=2)
 
 

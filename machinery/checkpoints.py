@@ -92,8 +92,9 @@ def save(run):
                     with open(os.path.join(directory, "run.pt"), "wb") as f:
                         torch.save(ckpt, f)
 
-            checkpoint_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, files.tensor_bytes(sharded) *
-                                               env.world_size, cfg.keep_checkpoints, run.master)
+            size = files.tensor_bytes(sharded) * sharded_checkpoints.shards(run.model)  # each slice written once
+            checkpoint_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, size, cfg.keep_checkpoints,
+                                                      run.master)
         elif run.master:
             checkpoint_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
                                        files.tensor_bytes(ckpt), cfg.keep_checkpoints)
@@ -291,14 +292,12 @@ def shards_changed(saved, now):
 
 def load_optimizers(optimizers, model, ckpt, path, sharded):
     """The optimizers' state from the checkpoint, under the settings of this run's flags (--weight-decay, ...)."""
-    if ckpt["sharded"] != sharded:  # the state of whole tensors, by position, or FSDP's slices, by name
-        written = "with" if ckpt["sharded"] else "without"
-        raise UsageError(f"{path} was written {written} --fsdp, and only a run {written} it can train on from it; "
-                         f"pass {'--fsdp' if ckpt['sharded'] else '--no-fsdp'}, or --no-resume to start over "
-                         f"(--eval-only, --sample and --export-hf read either)")
+    if sharded and not ckpt["sharded"]:  # the state of whole tensors, by position, cannot be split into FSDP's slices
+        raise UsageError(f"{path} was written without --fsdp, and only a run without it can train on from it; pass "
+                         f"--no-fsdp, or --no-resume to start over (--eval-only, --sample and --export-hf read either)")
     settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                 for optimizer in optimizers]
-    if sharded:
+    if ckpt["sharded"]:  # by name: split anew for this run's mesh, or whole for DDP's
         sharded_checkpoints.load_optimizers(model, optimizers, path)
     else:
         if len(ckpt["optimizers"]) != len(optimizers):

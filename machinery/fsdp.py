@@ -1,15 +1,20 @@
 """
 --fsdp: the weights, gradients and optimizer state sharded over the processes with PyTorch's FSDP2, instead of copied
-to each by DDP (train_gpt2.py's default), for models too large for one GPU. What it holds:
+to each by DDP (train_gpt2.py's default), for models too large for one GPU. On several nodes it shards within each
+node and replicates across them (HSDP: a 2-D mesh of replicas x shards), so that the slow links between nodes carry
+only the gradients' all-reduce. What it holds:
 
-- the refusals: what FSDP cannot run with;
+- the refusals: what FSDP cannot run with; and the mesh: how many processes each tensor is split over (--fsdp-shards);
 - shard_model: which modules become groups of their own, and in which precision their weights are gathered;
-- ShardedMuon: torch's Muon (the modern recipe's, modern.py) for matrices split over the ranks;
-(Its checkpoints, each rank's slices of the weights and optimizer state, are sharded_checkpoints.py's.)
+- ShardedMuon: torch's Muon (the modern recipe's, variations/modern.py) for matrices split over the ranks.
+
+Its checkpoints, each slice of the weights and optimizer state written once, by the first replica's ranks, are
+sharded_checkpoints.py's.
 
 train_gpt2.py shards the model in one place (wrap_model), before its optimizers are made.
 """
 
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,9 +32,13 @@ except ImportError:  # --fsdp --recipe modern is refused then (modern.check_sett
 
 
 def check_settings(cfg, env):
-    """Refuses, in one line, what --fsdp cannot run with (nothing without --fsdp)."""
+    """Refuses, in one line, what --fsdp cannot run with (nothing without --fsdp); returns the line that says the
+    mesh under HSDP, for the run's first lines."""
+    if cfg.fsdp_shards is not None and not cfg.fsdp:
+        raise UsageError(f"--fsdp-shards {cfg.fsdp_shards} splits --fsdp's tensors, and --fsdp is off; pass --fsdp "
+                         f"too, or drop --fsdp-shards")
     if not cfg.fsdp:
-        return
+        return None
     if not dist.is_available():
         raise UsageError(f"--fsdp needs torch.distributed, and this build of PyTorch ({torch.__version__}) has none; "
                          f"install one that has (pytorch.org), or drop --fsdp")
@@ -39,15 +48,62 @@ def check_settings(cfg, env):
     if cfg.compile_mode == "reduce-overhead":
         raise UsageError("--compile-mode reduce-overhead cannot run with --fsdp: its CUDA graphs cannot hold FSDP's "
                          "gathers and reductions; pick another --compile-mode, or drop --fsdp")
+    replicas, shards = mesh_shape(cfg, env)
+    if replicas == 1:
+        return None
+    why = "--fsdp-shards" if cfg.fsdp_shards is not None else "the processes of a node, torchrun's LOCAL_WORLD_SIZE"
+    return (f"HSDP: {replicas} replicas x {shards} shards (each tensor split over {shards} processes: {why}; "
+            f"--fsdp-shards 0 splits it over all {env.world_size})")
 
 
-def shard_model(model, dtype, device_type):
+def mesh_shape(cfg, env):
+    """(replicas, shards) of --fsdp's processes: each tensor split over a group of shards processes (--fsdp-shards;
+    by default a node's, torchrun's LOCAL_WORLD_SIZE; 0: all of them), and each group a replica of the others.
+    Refuses, in one line, a group size that does not divide the processes."""
+    shards = cfg.fsdp_shards
+    if shards is None:
+        shards = processes_per_node(env.world_size)
+        if env.world_size % shards:
+            raise UsageError(f"torchrun's LOCAL_WORLD_SIZE={shards} does not divide the {env.world_size} process(es), "
+                             f"so --fsdp cannot shard within each node; pass --fsdp-shards with a divisor of "
+                             f"{env.world_size}, or 0 to shard over all of them")
+    if shards < 0 or (shards and env.world_size % shards):
+        raise UsageError(f"--fsdp-shards {shards} does not divide the {env.world_size} process(es) into groups; pass a "
+                         f"divisor of {env.world_size}, or 0 to shard over all of them")
+    shards = shards or env.world_size
+    return env.world_size // shards, shards
+
+
+def processes_per_node(world_size):
+    """torchrun's LOCAL_WORLD_SIZE, the processes of this node: world_size where it is unset (one node)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", str(world_size))
+    if not (value.isascii() and value.isdigit() and int(value) > 0):
+        raise UsageError(f"LOCAL_WORLD_SIZE={value!r} in the environment is not a positive whole number; torchrun "
+                         f"sets it for each process it starts: unset it, or pass --fsdp-shards")
+    return int(value)
+
+
+def device_mesh(cfg, env):
+    """HSDP's 2-D mesh of processes, ("replicate", "shard"): rank r is shard r % shards of replica r // shards, and
+    torchrun numbers a node's processes in a row, so a shard group is a node. None for one replica: FSDP's own mesh,
+    of all the processes."""
+    replicas, shards = mesh_shape(cfg, env)
+    if replicas == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(env.device_type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model, cfg, env):
     """FSDP2, in place: each block, then the rest (embedding, final norm, head), becomes a group whose tensors are
-    split over the ranks, each rank holding 1/world of every one. A group's weights are gathered whole just before
-    its forward and backward and freed after them, and its gradients are reduce-scattered: each rank receives the
-    sum of its own slice. The optimizers then step on slices, so their state is sharded too."""
+    split over the ranks of a shard group, each rank holding 1/shards of every one (device_mesh). A group's weights
+    are gathered whole just before its forward and backward and freed after them, and its gradients are
+    reduce-scattered: each rank receives the sum of its own slice, then under HSDP all-reduced over the replicas. The
+    optimizers then step on slices, so their state is sharded too."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    dtype, device_type, mesh = cfg.dtype, env.device_type, device_mesh(cfg, env)
     block_policy = MixedPrecisionPolicy()
     if dtype == "bf16":  # the blocks' weights gathered in bf16 (half the bytes), their gradients summed in float32;
         # inputs not cast, and the embedding and head gathered in float32: the residual stream stays float32, and
@@ -58,10 +114,10 @@ def shard_model(model, dtype, device_type):
             # runs it in float32): there the norms are groups of their own, gathered in float32, as under DDP
             for norm in model.modules():
                 if isinstance(norm, torch.nn.LayerNorm) and norm.weight is not None:
-                    fully_shard(norm)
+                    fully_shard(norm, mesh=mesh)
     for block in model.transformer.h:
-        fully_shard(block, mp_policy=block_policy)
-    fully_shard(model, reshard_after_forward=False)  # the head's backward comes first: no gather of it again
+        fully_shard(block, mesh=mesh, mp_policy=block_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # the head's backward comes first: no gather of it again
     return model
 
 
@@ -69,8 +125,10 @@ class ShardedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch
     """torch's Muon for matrices that FSDP shards over the ranks, row blocks of each to each rank. Orthogonalizing an
     update needs the whole matrix: every rank gathers each matrix's update in bf16 (the precision the orthogonalization
     runs in, so it is the same as Muon's unsharded), orthogonalizes it (all ranks the same work), and applies its own
-    rows. The momentum stays sharded: it is elementwise. The arithmetic is on each rank's plain local rows: DTensor's
-    operations each cost a dispatch in Python, and a step makes several for every matrix of the model."""
+    rows. Under HSDP the gather is within the shard group, and every replica, holding the same all-reduced gradients
+    and momentum, computes the same update. The momentum stays sharded: it is elementwise. The arithmetic is on each
+    rank's plain local rows: DTensor's operations each cost a dispatch in Python, and a step makes several for every
+    matrix of the model."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -89,8 +147,8 @@ class ShardedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch
                 whole = DTensor.from_local(update.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
                                            stride=p.stride()).full_tensor()  # (out, in), gathered on every rank
                 whole = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                weights = p.to_local()
-                first_row = p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())  # FSDP's chunks
+                weights, shard_dim = p.to_local(), p.device_mesh.ndim - 1  # HSDP's mesh is (replicate, shard)
+                first_row = p.device_mesh.get_local_rank(shard_dim) * -(-p.shape[0] // p.device_mesh.size(shard_dim))
                 weights.mul_(1 - group["lr"] * group["weight_decay"])
                 weights.add_(whole[first_row:first_row + weights.shape[0]],
                              alpha=-muon_lr_scale(group["lr"], group["adjust_lr_fn"], p.shape))

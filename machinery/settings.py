@@ -616,7 +616,8 @@ def resolve(draft, env, recipes, checks, resumed=None):
     train_config, model_config and path; None for a new run), then the values fitted to the others, then every
     check. Also the lines for rank 0 to print first: what made each value that is not the file's. It prints and
     writes nothing. checks: the refusals of the modules that import this one (fsdp.py's, speedups.py's, run_log.py's),
-    each check(cfg, env), so that a setting that cannot run here is refused before anything is read or downloaded."""
+    each check(cfg, env), so that a setting that cannot run here is refused before anything is read or downloaded; one
+    may return a line to say too (fsdp.py's mesh)."""
     if draft.eval_only and resumed is not None:  # the model as it was trained, whatever the flags' recipe
         take_model_settings(draft, *resumed)
     fit_seq_len(draft)
@@ -630,6 +631,5 @@ def resolve(draft, env, recipes, checks, resumed=None):
     cfg = draft.done()
     check_config(cfg, env.world_size)
     check_recipe(cfg, draft.given, recipes)  # once the shapes are whole: --model's, --init-from's, the checkpoint's
-    for check in checks:
-        check(cfg, env)
+    lines += [line for line in (check(cfg, env) for check in checks) if line]
     return cfg, lines

@@ -1,8 +1,7 @@
 """
-Sharded checkpoints, as --fsdp writes them: a directory of each rank's slices of the weights and optimizer state,
-written and read with torch.distributed.checkpoint by parameter name, on any number of ranks (checkpoints.py writes
-the rest of the checkpoint beside them), and checked whole before they are read. A checkpoint of either kind loads
-into a model of either kind.
+Sharded checkpoints, as --fsdp writes them: a directory of the slices of the weights and optimizer state, each written
+once, with torch.distributed.checkpoint by parameter name (checkpoints.py writes the rest of the checkpoint beside
+them), checked whole before they are read, and read on any number of ranks and any mesh, with or without --fsdp.
 """
 
 import os
@@ -59,11 +58,20 @@ def keeping_errno(write):
 
 
 def save(contents, directory):
-    """Every rank writes its slices of contents (sharded_contents) into directory; rank 0 ends with the index."""
+    """Every rank of the first replica writes its slices of contents (sharded_contents) into directory, each slice
+    once: the other replicas of HSDP hold the same ones. Rank 0 ends with the index."""
     dcp, _ = checkpoint_modules()
     writer = dcp.FileSystemWriter(directory)
     writer.write_data, writer.finish = keeping_errno(writer.write_data), keeping_errno(writer.finish)
-    dcp.save(contents, storage_writer=writer)
+    # a slice that several ranks hold goes to the lowest of them: HSDP's first replica, not spread over all ranks
+    dcp.save(contents, storage_writer=writer, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+
+
+def shards(model):
+    """How many processes each of the model's tensors is split over: the last dimension of its mesh (HSDP's is
+    (replicate, shard)); 1 for a model that is not sharded."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    return 1 if mesh is None else mesh.size(mesh.ndim - 1)
 
 
 def check_complete(path):
@@ -88,13 +96,19 @@ def check_complete(path):
             raise ValueError(f"{name} is cut short: {size:,} bytes of {end:,}")
 
 
-def load_weights(model, path):
-    """A sharded checkpoint's weights into the model, sharded or whole: each rank reads its slices, or all."""
-    dcp, dcp_state = checkpoint_modules()
-    contents = sharded_contents(model)
+def read(contents, path):
+    """contents (sharded_contents) read from the sharded checkpoint at path, in place: each rank its slices, or all."""
+    dcp, _ = checkpoint_modules()
     with warnings.catch_warnings():  # in one process it warns that it assumes one process, as it should
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(contents, checkpoint_id=path)
+
+
+def load_weights(model, path):
+    """A sharded checkpoint's weights into the model, sharded (on any mesh) or whole."""
+    _, dcp_state = checkpoint_modules()
+    contents = sharded_contents(model)
+    read(contents, path)
     dcp_state.set_model_state_dict(model, contents["model"])
 
 
@@ -105,8 +119,9 @@ def load_whole_weights(model, state_dict):
 
 
 def load_optimizers(model, optimizers, path):
-    """The optimizers' entries alone of a sharded checkpoint (load_weights has read the weights already)."""
-    dcp, dcp_state = checkpoint_modules()
+    """The optimizers' entries alone of a sharded checkpoint (load_weights has read the weights already), by parameter
+    name: into a sharded model's slices, or a whole model's (DDP's) tensors."""
+    _, dcp_state = checkpoint_modules()
     contents = {"optimizers": sharded_contents(model, optimizers)["optimizers"]}
-    dcp.load(contents, checkpoint_id=path)
+    read(contents, path)
     dcp_state.set_optimizer_state_dict(model, optimizers, contents["optimizers"])

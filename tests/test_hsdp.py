@@ -1,0 +1,276 @@
+"""--fsdp on several nodes (HSDP): each tensor split within a node, each node a replica, on the CPU with gloo. 4
+processes as 2 "nodes" of 2: two torchrun launchers (--nnodes=2), and one launcher with --fsdp-shards 2. One run of
+each, chained: the two-node run trains as DDP does and writes each slice once; the single launcher resumes its
+checkpoint bitwise and is stopped by SIGTERM; that checkpoint resumes as FSDP on 4 and on 2 processes and as DDP on
+1. The modern recipe (ShardedMuon on the 2-D mesh) against DDP, with a rank killed outright. The mesh's size, its
+refusals, and the memory benchmark's HSDP column."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import (
+    REPO,
+    SCRIPT,
+    TINY,
+    expect_usage_error,
+    load_ckpt,
+    needs_muon,
+    read_log,
+    run_main,
+    run_script,
+    script_env,
+    start_command,
+    train_records,
+    val_records,
+    write_shards,
+)
+from machinery import errors, files, fsdp, sharded_checkpoints
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import memory  # noqa: E402
+
+SIGNAL_AT_STEP = os.path.join(REPO, "tests", "scripts", "signal_at_step.py")
+# 8 steps of 1024 tokens: on 4 processes, 2 accumulation steps of 4 x 32 each (8 on 1 process); a checkpoint every 4
+STEPS = ["--max-steps", "8", "--checkpoint-every", "4", "--total-batch-size", "1024", "--warmup-steps", "2"]
+HSDP_LINE = "HSDP: 2 replicas x 2 shards"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_shards(tmp_path_factory.mktemp("shards"), train_lengths=(9000, 8000), val_length=2000)
+
+
+def two_nodes(args, cwd, out_path, timeout=240):
+    """train_gpt2.py under two torchrun launchers on this machine, each a "node" of 2 processes (--nnodes=2,
+    --node_rank 0 and 1, meeting at 127.0.0.1): their exit codes, and node 0's output (rank 0's lines) in out_path."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launchers = []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                   f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, *args]
+        with open(out_path if node == 0 else f"{out_path}.node1", "w") as out:
+            launchers.append(start_command([str(word) for word in command], cwd, script_env(), stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        return [launcher.wait(timeout) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def copy_checkpoint(source_dir, step, log_dir):
+    os.makedirs(log_dir)
+    name = f"ckpt_{step:06d}.dcp"
+    shutil.copytree(source_dir / name, log_dir / name)
+    return log_dir / name
+
+
+@pytest.fixture(scope="module")
+def runs(shards, tmp_path_factory):
+    """GPT-2's recipe for 8 steps on 4 processes: DDP; HSDP 2 x 2 on two torchrun launchers; and its step-4
+    checkpoint resumed by one launcher of 4 processes with --fsdp-shards 2, whose rank 3 gets a SIGTERM as step 5
+    begins. (root, args, {name: (log dir, output)})."""
+    root = tmp_path_factory.mktemp("hsdp")
+    args = TINY + ["--data", shards, "--max-lr", "1e-2", *STEPS]
+    done = {}
+    result = run_script(args + ["--log-dir", root / "ddp"], cwd=root, nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    done["ddp"] = root / "ddp", result.stdout
+    codes = two_nodes(args + ["--fsdp", "--log-dir", root / "nodes"], root, root / "nodes.out")
+    assert codes == [0, 0], (root / "nodes.out").read_text()[-3000:] + (root / "nodes.out.node1").read_text()[-3000:]
+    done["nodes"] = root / "nodes", (root / "nodes.out").read_text()
+    copy_checkpoint(root / "nodes", 4, root / "one_launcher")
+    hsdp = ["--fsdp", "--fsdp-shards", "2", "--log-dir", root / "one_launcher"]
+    result = run_script(["3", "5", "SIGTERM", *args, *hsdp], cwd=root, nproc=4, script=SIGNAL_AT_STEP)
+    assert result.returncode == 0, result.stderr[-3000:]
+    done["one_launcher"] = root / "one_launcher", result.stdout
+    return root, args, done
+
+
+def assert_losses_close(records, reference, steps, tolerance=1e-5):
+    for step in steps:
+        assert records[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], abs=tolerance), step
+
+
+def test_hsdp_on_two_nodes_trains_as_ddp_does_and_writes_each_slice_once(runs):
+    """Two torchrun launchers of 2 processes: each node's processes split every tensor, the nodes replicate it, and
+    the 8 steps' losses are DDP's within float32's reduction order (the same tokens: the batch does not depend on the
+    layout). The checkpoints hold one copy of the weights and optimizer state, written by the first replica's ranks
+    (0 and 1): the second replica's hold the same slices."""
+    _, _, done = runs
+    (nodes, out), (ddp, _) = done["nodes"], done["ddp"]
+    mesh_line = f"{HSDP_LINE} (each tensor split over 2 processes: the processes of a node, torchrun's LOCAL_WORLD_SIZE"
+    assert out.index(mesh_line) < out.index("training from scratch")  # the run's first lines (torchrun's may precede)
+    hsdp_records, ddp_records = train_records(read_log(nodes)), train_records(read_log(ddp))
+    assert sorted(hsdp_records) == list(range(8))
+    assert_losses_close(hsdp_records, ddp_records, range(8))
+    assert abs(ddp_records[7]["train_loss"] - ddp_records[0]["train_loss"]) > 1e-3  # the weights moved past that
+    assert val_records(read_log(nodes))[8]["val_loss"] == pytest.approx(val_records(read_log(ddp))[8]["val_loss"],
+                                                                       abs=1e-5)
+    dcp, _ = sharded_checkpoints.checkpoint_modules()
+    checkpoint = nodes / "ckpt_000008.dcp"
+    written = {item.relative_path for item in dcp.FileSystemReader(checkpoint).read_metadata().storage_data.values()}
+    assert written == {"__0_0.distcp", "__1_0.distcp"}
+    sizes = {name: os.path.getsize(checkpoint / name) for name in os.listdir(checkpoint) if name.endswith(".distcp")}
+    assert sizes["__2_0.distcp"] == sizes["__3_0.distcp"] == 0, sizes
+    whole = load_ckpt(ddp / "ckpt_000008.pt")
+    one_copy = files.tensor_bytes({"model": whole["model"], "optimizers": whole["optimizers"]})
+    assert one_copy < sum(sizes.values()) < 1.5 * one_copy  # two copies would be twice one
+
+
+def test_hsdp_resumes_bitwise_on_the_same_layout_then_stops_on_sigterm(runs):
+    """The two-node run's step-4 checkpoint resumed by one launcher of 4 processes with --fsdp-shards 2, the same
+    mesh: steps 4 and 5 bitwise the two-node run's own. A SIGTERM to rank 3 alone as step 5 begins stops every rank
+    after that step, with a checkpoint of step 6."""
+    _, _, done = runs
+    (one_launcher, out), (nodes, _) = done["one_launcher"], done["nodes"]
+    assert out.splitlines()[0].startswith(f"{HSDP_LINE} (each tensor split over 2 processes: --fsdp-shards;")
+    assert "resuming from the checkpoint of step 4" in out
+    resumed, whole = train_records(read_log(one_launcher)), train_records(read_log(nodes))
+    assert sorted(resumed) == [4, 5]
+    for step in (4, 5):
+        assert (resumed[step]["train_loss"], resumed[step]["grad_norm"]) == \
+            (whole[step]["train_loss"], whole[step]["grad_norm"]), step
+    assert "stopped by signal at step 6" in out
+    assert sorted(os.listdir(one_launcher / "ckpt_000006.dcp")) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                    "__2_0.distcp", "__3_0.distcp", "run.pt"]
+
+
+@pytest.mark.parametrize("layout, nproc, flags", [
+    ("fsdp_4", 4, ["--fsdp", "--fsdp-shards", "0"]),  # every rank one shard group, as FSDP on one node
+    ("fsdp_2", 2, ["--fsdp"]),  # one node: the default is FSDP
+    ("ddp_1", 1, []),
+])
+def test_the_sigterm_checkpoint_resumes_on_another_layout(runs, tmp_path, capsys, layout, nproc, flags):
+    """HSDP 2 x 2's checkpoint of step 6 (the SIGTERM's) trains on as FSDP on 4 processes, on 2, and as DDP on one
+    (no --fsdp): the weights and the optimizer state split anew by name, the data position kept. Steps 6 and 7 are
+    DDP's on 4 processes within float32's reduction order, and the final checkpoint's data position is DDP's. On 2,
+    a later checkpoint cut short is skipped."""
+    _, args, done = runs
+    log_dir = tmp_path / layout
+    copy_checkpoint(done["one_launcher"][0], 6, log_dir)
+    damaged = log_dir / "ckpt_000007.dcp"
+    if layout == "fsdp_2":
+        shutil.copytree(log_dir / "ckpt_000006.dcp", damaged)
+        os.truncate(damaged / "__1_0.distcp", 1000)
+    argv = args + flags + ["--log-dir", log_dir]
+    if nproc == 1:
+        code, out, err = run_main(argv, capsys)
+        assert code == 0, err
+    else:
+        result = run_script(argv, cwd=tmp_path, nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out = result.stdout
+    assert "resuming from the checkpoint of step 6" in out and HSDP_LINE not in out
+    assert (f"warning: skipping unreadable checkpoint {damaged} (__1_0.distcp is cut short" in out) == \
+        (layout == "fsdp_2")
+    ddp_dir = done["ddp"][0]
+    resumed, ddp = train_records(read_log(log_dir)), train_records(read_log(ddp_dir))
+    assert sorted(resumed) == [6, 7]
+    assert_losses_close(resumed, ddp, [6, 7])
+    assert val_records(read_log(log_dir))[8]["val_loss"] == pytest.approx(
+        val_records(read_log(ddp_dir))[8]["val_loss"], abs=1e-5)
+    final = log_dir / ("ckpt_000008.pt" if nproc == 1 else "ckpt_000008.dcp/run.pt")
+    assert load_ckpt(final)["stream"] == load_ckpt(ddp_dir / "ckpt_000008.pt")["stream"]
+
+
+@needs_muon
+def test_the_modern_recipe_under_hsdp_and_a_rank_killed_outright(shards, tmp_path, capsys):
+    """--recipe modern on HSDP 2 x 2 (one launcher, --fsdp-shards 2): ShardedMuon gathers each matrix within a node,
+    and both replicas apply the same update, so the losses are DDP's. kill -9 of rank 3 as step 3 begins leaves the
+    other ranks one line, the same on each, naming the checkpoint of step 2; that checkpoint trains on as DDP in one
+    process (its Muon momentum read whole): its first step as DDP's on 4, then its trend (Muon orthogonalizes in
+    bf16, where 8 micro-steps' sums round apart from 2's)."""
+    args = TINY + ["--data", shards, "--recipe", "modern", *STEPS[:2], "--checkpoint-every", "2", *STEPS[4:]]
+    result = run_script(args + ["--log-dir", tmp_path / "ddp"], cwd=tmp_path, nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp = train_records(read_log(tmp_path / "ddp"))
+    log_dir = tmp_path / "hsdp"
+    result = run_script(["3", "3", "SIGKILL", *args, "--fsdp", "--fsdp-shards", "2", "--log-dir", log_dir],
+                        cwd=tmp_path, nproc=4, script=SIGNAL_AT_STEP)
+    assert result.returncode != 0 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0].startswith(HSDP_LINE)
+    checkpoint = log_dir / "ckpt_000002.dcp"
+    lines = set(result.stderr.strip().splitlines())
+    assert lines == {f"error: another rank died (killed, perhaps by the kernel's out-of-memory killer, or failed: its "
+                     f"own output says why); the latest checkpoint, {checkpoint}, is kept: run the same command again "
+                     f"to resume from it"}, result.stderr
+    hsdp = train_records(read_log(log_dir))
+    assert sorted(hsdp) == [0, 1, 2]
+    assert_losses_close(hsdp, ddp, [0, 1, 2])
+
+    code, out, err = run_main(args + ["--log-dir", log_dir], capsys)  # without --fsdp, in one process
+    assert code == 0, err
+    assert f"resuming from the checkpoint of step 2 ({checkpoint})" in out
+    resumed = train_records(read_log(log_dir))
+    assert_losses_close(resumed, ddp, [2])
+    assert_losses_close(resumed, ddp, [7], tolerance=1e-3)
+
+
+def mesh(monkeypatch, world_size, fsdp_shards=None, local_world_size=None):
+    """fsdp.mesh_shape of --fsdp-shards on world_size processes, local_world_size of them a node (None: unset)."""
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
+    return fsdp.mesh_shape(SimpleNamespace(fsdp_shards=fsdp_shards), SimpleNamespace(world_size=world_size))
+
+
+def test_the_mesh_shards_within_a_node_unless_told_otherwise(monkeypatch):
+    """(replicas, shards): a node's processes (torchrun's LOCAL_WORLD_SIZE) by default, --fsdp-shards N's groups,
+    0's all of them; one node, or none under torchrun, is FSDP's one group."""
+    assert mesh(monkeypatch, 32, local_world_size=8) == (4, 8)
+    assert mesh(monkeypatch, 8, local_world_size=8) == (1, 8)
+    assert mesh(monkeypatch, 1) == (1, 1)
+    assert mesh(monkeypatch, 32, fsdp_shards=16, local_world_size=8) == (2, 16)
+    assert mesh(monkeypatch, 32, fsdp_shards=0, local_world_size=8) == (1, 32)
+    assert mesh(monkeypatch, 4, fsdp_shards=1) == (4, 1)  # every process a whole replica, as DDP
+    with pytest.raises(errors.UsageError, match=r"^--fsdp-shards 3 does not divide the 32 process\(es\)"):
+        mesh(monkeypatch, 32, fsdp_shards=3, local_world_size=8)
+    with pytest.raises(errors.UsageError, match=r"^torchrun's LOCAL_WORLD_SIZE=3 does not divide the 32 process"):
+        mesh(monkeypatch, 32, local_world_size=3)
+
+
+@pytest.mark.parametrize("flags, environment, fragments", [
+    (["--fsdp", "--fsdp-shards", "2"], {}, ["--fsdp-shards 2 does not divide the 1 process(es) into groups",
+                                            "or 0 to shard over all of them"]),
+    (["--fsdp-shards", "1"], {}, ["--fsdp-shards 1 splits --fsdp's tensors, and --fsdp is off"]),
+    (["--fsdp"], {"LOCAL_WORLD_SIZE": "two"}, ["LOCAL_WORLD_SIZE='two' in the environment is not a positive whole",
+                                               "pass --fsdp-shards"]),
+])
+def test_a_mesh_that_cannot_be_is_refused_in_one_line(shards, tmp_path, capsys, monkeypatch, flags, environment,
+                                                      fragments):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path, *flags], capsys, *fragments)
+
+
+def test_the_memory_benchmark_gives_hsdps_memory_beside_fsdps_and_ddps(capsys):
+    """GPT-2 XL on 4 nodes of 8 GPUs: HSDP holds what FSDP on one node's 8 does (each tensor split in 8), FSDP over
+    all 32 a 32nd; activations and the gathered weights are the same for both."""
+    code, out, err = run_main(["--world-size", "32", "--shards", "8", "--batch-size", "4", "--accumulation-steps", "4"],
+                              capsys, memory.main)
+    assert code == 0 and err == "", err
+    lines = out.splitlines()
+    table = {line[:44].strip(): line[44:].split() for line in lines[lines.index("") + 1:] if line[:44].strip()}
+    assert table["GiB per rank"] == ["DDP", "FSDP", "HSDP", "4x8"]
+    n = 1_557_686_400
+    # every tensor's rows are split whole, so a rank's slice is a little over 1/shards of the weights
+    weights = [float(gib) * 2**30 for gib in table["weights (fp32)"]]
+    assert weights[0] == pytest.approx(4 * n, rel=1e-3) and weights[1] == pytest.approx(4 * n / 32, rel=2e-2)
+    assert weights[2] == pytest.approx(4 * n / 8, rel=1e-2)
+    eight = {key: row[1] for key, row in memory.memory_rows(memory.parse_args(
+        ["--world-size", "8", "--batch-size", "4", "--accumulation-steps", "4"]))[1].items()}
+    _, rows = memory.memory_rows(memory.parse_args(["--world-size", "32", "--shards", "8", "--batch-size", "4",
+                                                    "--accumulation-steps", "4"]))
+    assert {key: row[2] for key, row in rows.items()} == eight
+    assert rows["activations"][1] == rows["activations"][2] and rows["total"][1] < rows["total"][2] < rows["total"][0]
