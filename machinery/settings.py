@@ -184,6 +184,9 @@ def presets_for(draft, shards_found, recipes, model_sizes, presets):
             chosen.append((f"SHAKESPEARE_FINETUNE ({TOP})", presets["SHAKESPEARE_FINETUNE"]))
         if "shakespeare" in recipe:
             chosen.append((f"--recipe {recipe_name}'s PRESETS['shakespeare'] ({where})", recipe["shakespeare"]))
+        if pretrained and "shakespeare_finetune" in recipe:
+            chosen.append((f"--recipe {recipe_name}'s PRESETS['shakespeare_finetune'] ({where})",
+                           recipe["shakespeare_finetune"]))
     elif "fineweb" in recipe:
         chosen.append((f"--recipe {recipe_name}'s PRESETS['fineweb'] ({where})", recipe["fineweb"]))
     if pretrained is None:

@@ -214,21 +214,27 @@ def said_by(out):
 @needs_muon
 def test_a_modern_fine_tune_names_each_setting_under_the_preset_that_set_it(tmp_path, capsys, monkeypatch):
     """A fine-tune of the modern recipe's export on tiny Shakespeare: SHAKESPEARE_FINETUNE's warmup and rate are not
-    what it runs at (the modern recipe's preset replaces the one and refuses the other), so they must not appear
-    under it; and the one line for flags says that a flag overrides any of them, naming no arbitrary setting."""
+    what it runs at (the modern recipe's fine-tuning preset replaces the one and refuses the other), so they must not
+    appear under it; and the one line for flags says that a flag overrides any of them, naming no arbitrary
+    setting."""
     monkeypatch.chdir(tmp_path)
     export = tmp_path / "hf_modern"
     export.mkdir()
     (export / "config.json").write_text(json.dumps(NANOCHAT_CONFIG))
     (export / "model.safetensors").touch()  # the settings never read the weights
     cfg, out = resolve(train_gpt2, ["--init-from", str(export), "--log-dir", "log_finetune"], capsys)
-    assert (cfg.recipe, cfg.warmup_steps, cfg.embed_lr, cfg.max_steps) == ("modern", 0, 0.3, 100)
+    # the modern recipe's own fine-tuning rates, over its from-scratch ones: a sixtieth of them
+    assert (cfg.recipe, cfg.warmup_steps, cfg.max_steps) == ("modern", 10, 100)
+    assert (cfg.muon_lr, cfg.embed_lr, cfg.head_lr) == (0.0003, 0.005, 0.00007)
     groups = said_by(out)
     finetune = groups["preset SHAKESPEARE_FINETUNE (at the top of train_gpt2.py)"]
-    modern_preset = groups["preset --recipe modern's PRESETS['shakespeare'] (in modern.py)"]
+    modern_finetune = groups["preset --recipe modern's PRESETS['shakespeare_finetune'] (in modern.py)"]
     assert "--max-steps 100 (default: 19073)" in finetune and "--eval-every 25" in finetune
     assert "--warmup-steps" not in finetune and "-lr" not in finetune
-    assert "--warmup-steps 0 (default: 715)" in modern_preset and "--embed-lr 0.3 (default: 0.2)" in modern_preset
+    # the recipe's from-scratch preset is named under nothing: the fine-tune's replaces all it would change here
+    assert "preset --recipe modern's PRESETS['shakespeare'] (in modern.py)" not in groups
+    assert "--warmup-steps 10 (default: 715)" in modern_finetune and "--muon-lr 0.0003 (default: 0.02)" in \
+        modern_finetune and "--embed-lr 0.005 (default: 0.2)" in modern_finetune
     assert out.splitlines()[-1] == "    (a flag overrides any of these but what --init-from fixes)"
     assert "instead:" not in out
 
