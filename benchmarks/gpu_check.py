@@ -14,7 +14,6 @@ The parts, most needed first (the speed-ups that a call ranked and settled are o
                  them, ranked (5 timed steps)
   core-all       benchmarks/core_speed.py --device cuda: every example, as the end of a run scores it
   modern-peak    benchmarks/small_cards.py --caps 0 -- --recipe modern: the modern recipe's peak memory
-  core-500       benchmarks/core_speed.py --device cuda --max-per-task 500: CORE as a training run scores it
   compile-modes  benchmarks/speed_ladder.py: the defaults again, coordinate descent, max-autotune, CUDA graphs
                  (minutes of compiling each)
 Each part's whole output is written to --out (PART.txt, and the JSON of those that write one). --cpu runs each part's
@@ -59,8 +58,6 @@ PARTS = [
     Part("modern-peak", 120, [os.path.join(BENCHMARKS, "small_cards.py"), "--caps", "0", "--steps", "3", "--json",
                               "{out}/modern_peak.json", "--", "--recipe", "modern"], "modern recipe, whole card",
          ["--dry-run"]),
-    Part("core-500", 90, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda", "--max-per-task", "500"],
-         "CORE, 500 a task", ["--dry-run"]),
     Part("compile-modes", 600, [os.path.join(BENCHMARKS, "speed_ladder.py"), "--rungs",
                                 "defaults,coordinate-descent,max-autotune,cuda-graphs", *LADDER_STEPS,
                                 "--time-budget", "{inner}", "--json", "{out}/compile_modes.json"], "compile modes",

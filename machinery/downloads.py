@@ -6,7 +6,6 @@ import hashlib
 import os
 import uuid
 
-import requests
 from safetensors import safe_open
 
 from machinery.errors import BadFile, UsageError
@@ -42,6 +41,7 @@ def download(url, path, check, what, hint, headers=None):
     # cache) don't mix. os.open applies the umask to 0o666, so that a shared $GPT2_CACHE_DIR stays shared
     # (tempfile.mkstemp would make the file private to this user).
     tmp_path = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    import requests  # here: its import takes a quarter of a second of every process's start, and few runs download
     try:
         os.makedirs(cache_dir, exist_ok=True)
         with open(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f, \

@@ -55,7 +55,7 @@ PADDED = train_gpt2.PADDED_VOCAB
 FILES = ["README.md", "config.json", "generation_config.json", "merges.txt", "model.safetensors",
          "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.json"]
 INPUT = os.path.join(REPO, "input.txt")
-STEPS = 12
+STEPS = 6
 # the tiny models trained on input.txt, with a padded vocabulary: GPT-2's 50257 real ids and 47 of padding
 ON_INPUT = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "128", "--vocab-size", str(PADDED)]
 BLOCK = 128  # the Shakespeare preset's --seq-len, which the README's --init-from lines take

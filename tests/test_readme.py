@@ -216,6 +216,8 @@ def test_the_quick_start_and_what_to_do_next(clone, capsys, monkeypatch):
             continue  # needs PyTorch 2.9
         if args[1] == "plot.py" and plot.plt is None:
             continue  # matplotlib: optional
+        if "--export-hf" in args and os.path.exists(args[args.index("--export-hf") + 1]):
+            continue  # the fixture `exported` made it, for a test that ran before this one
         extra = SHRINK if args[1] == "train_gpt2.py" and "--sample" not in args and "--export-hf" not in args else ()
         code, out, err = run_python(args, capsys, clone, extra)
         assert code == 0, (args, err)
@@ -259,12 +261,14 @@ def test_the_modern_recipes_commands(clone, capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def exported(clone):
-    """The Export section's `python train_gpt2.py --export-hf` lines that read the clone's runs, run there (OpenAI's,
-    which downloads, is test_the_export_commands'): hf/run1 (the quick start's test made it), hf/modern, hf/step900."""
+    """The `python train_gpt2.py --export-hf` lines that read the clone's runs, run there where the quick start's test
+    has not made them: the Quick start's hf/run1, and the Export section's hf/modern and hf/step900 (OpenAI's, which
+    downloads, is test_the_export_commands')."""
     before = os.getcwd()
     os.chdir(clone.root)
     try:
-        for args in commands_of("Exporting to Hugging Face", "python train_gpt2.py --export-hf"):
+        for args in (commands_of("Quick start", "python train_gpt2.py --export-hf")
+                     + commands_of("Exporting to Hugging Face", "python train_gpt2.py --export-hf")):
             made = args[args.index("--export-hf") + 1]
             if "--init-from" in args or os.path.exists(made) or ("modern" in made and not os.path.isdir("log_modern")):
                 continue

@@ -179,18 +179,18 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     code, out, err = run_main(["--out", tmp_path, "--budget", "320"], capsys, main=gpu_check.main)
     assert code == 0, err
-    table = out.splitlines()[-8:]
+    table = out.splitlines()[-7:]
     assert table[0].startswith(f"NVIDIA H100 80GB HBM3, torch {torch.__version__}, commit ") and \
         table[0].endswith(": 300 s of --budget 320")
     assert [line.split("  ")[0].strip() for line in table[1:]] == [
         "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 12. FP8 head", "CORE, every example",
-        "modern recipe, whole card", "CORE, 500 a task", "compile modes"], table
+        "modern recipe, whole card", "compile modes"], table
     assert table[1].endswith("10 passed in 61.02s [100 s]")
     assert "B 64 | 466,568 tok/s | MFU 40.3% | 28.95 GiB | launch 35 s, 1st step 21.0 s | loss 10.9794" in table[2]
     assert table[3].endswith("failed: CUDA out of memory")
     assert "ours, 91,037 examples (all a task)" in table[4]
     assert all(line.endswith("not run: no time left of --budget 320 s (--parts " + name + ")")
-               for line, name in zip(table[5:], ["modern-peak", "core-500", "compile-modes"]))
+               for line, name in zip(table[5:], ["modern-peak", "compile-modes"]))
     assert (tmp_path / "table.txt").read_text().splitlines() == table
 
 
@@ -204,11 +204,11 @@ def test_every_part_of_the_gpu_check_starts_alone_on_the_cpu(tmp_path):
     assert not [line for line in table if "failed" in line or "timed out" in line or "not run" in line], table
     parts = {line.split("  ")[0].split(":")[0].strip() for line in table[1:]}
     assert parts == {"tests/test_cuda.py", "ladder", "CORE, every example", "modern recipe, whole card",
-                     "CORE, 500 a task", "compile modes"}, table
+                     "compile modes"}, table
     assert re.search(r"tests/test_cuda.py +\d+ skipped in", table[1]), table[1]  # every CUDA test collected, skipped
     for part in ("ladder", "modern recipe", "compile modes"):  # each run's command, read by the trainer's parser
         assert any(line.startswith(part) and "python train_gpt2.py --data" in line for line in table), table
-    assert sum("dry run: gpt2 shapes" in line for line in table) == 2, table
+    assert sum("dry run: gpt2 shapes" in line for line in table) == 1, table
 
 
 def test_loss_memory_on_cpu(capsys):
