@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from machinery import checkpoint_files, files, log_directory, settings, sharded_checkpoints
 from machinery.errors import UsageError
-from machinery.ranks import failing_together
+from machinery.ranks import failing_together, first_error_of_any_rank
 
 FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
 
@@ -87,17 +87,26 @@ def save(run):
             sharded = sharded_checkpoints.sharded_contents(run.model, run.optimizers)
 
             def save_into(directory):  # every rank writes its slices there, and rank 0 all the rest beside them
-                sharded_checkpoints.save(sharded, directory)
+                checksums = sharded_checkpoints.save(sharded, directory)
                 if run.master:  # through a file object: given a path, torch.save's own stream fails with no errno
                     with open(os.path.join(directory, "run.pt"), "wb") as f:
-                        torch.save(ckpt, f)
+                        torch.save({**ckpt, "checksums": checksums}, f)
 
-            size = files.tensor_bytes(sharded) * sharded_checkpoints.shards(run.model)  # each slice written once
-            checkpoint_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, size, cfg.keep_checkpoints,
-                                                      run.master)
+            size = sharded_checkpoints.written_bytes(sharded, sharded_checkpoints.shards(run.model))
+            checkpoint_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, size + files.tensor_bytes(ckpt),
+                                                      cfg.keep_checkpoints, env.rank)  # and rank 0's run.pt
         elif run.master:
             checkpoint_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
-                                       files.tensor_bytes(ckpt), cfg.keep_checkpoints)
+                                              files.tensor_bytes(ckpt), cfg.keep_checkpoints)
+
+
+def ready_to_save(cfg):
+    """What a save needs, taken at the start (Run.launch): a rank that reaches its open-file limit later could take
+    none of it. A few file descriptors kept for the save (files.DescriptorReserve), and under --fsdp,
+    torch.distributed.checkpoint imported (a second)."""
+    if cfg.fsdp:
+        sharded_checkpoints.checkpoint_modules()
+    return files.DescriptorReserve()
 
 
 def prune(run):
@@ -191,14 +200,14 @@ def val_loss_in_words(ckpt):
     return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"
 
 
-def choose_checkpoint(cfg):
-    """--resume's checkpoint and its path, or the latest readable one in --log-dir ((None, None): there is none)."""
+def choose_checkpoint(cfg, unreadable):
+    """--resume's checkpoint and its path, or the latest readable one in --log-dir but those in unreadable ((None,
+    None): there is none)."""
     if cfg.resume != "auto":
         try:
             return load(cfg.resume), cfg.resume
         except ValueError as e:
             raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
-    unreadable = []
     while True:
         paths = [path for path in checkpoint_files.checkpoint_paths(cfg.log_dir) if path not in unreadable]
         if not paths:
@@ -208,8 +217,25 @@ def choose_checkpoint(cfg):
         except checkpoint_files.CheckpointGone:
             continue  # the training beside pruned it meanwhile, or saved its step again: look again
         except ValueError as e:
-            print(f"warning: skipping unreadable checkpoint {paths[-1]} ({e})")
-            unreadable.append(paths[-1])
+            skip_unreadable(paths[-1], e, unreadable)
+
+
+def skip_unreadable(path, why, unreadable):
+    print(f"warning: skipping unreadable checkpoint {path} ({why})")
+    unreadable.append(path)
+
+
+def damage(ckpt, path, rank=0, world_size=1):
+    """What is damaged in the checkpoint at path (load's ckpt), in words, or None, on every rank: each reads its share
+    of it whole (by bytes), against the checksums written with it, so that no rank reads all of it. torch.save's
+    CRC-32 of each record of a .pt, or of --fsdp's run.pt, which holds those of the slice files beside it. All ranks
+    must call it."""
+    run_pt = os.path.join(path, "run.pt") if ckpt["sharded"] else path
+    parts = files.zip_record_checks(run_pt)
+    if ckpt["sharded"]:
+        parts += sharded_checkpoints.file_checks(path, ckpt.get("checksums"))
+    share = sorted(parts, key=lambda part: part[0], reverse=True)[rank::world_size]  # the largest spread over ranks
+    return first_error_of_any_rank(next(filter(None, (check() for _, check in share)), None))
 
 
 def how_to_resume(cfg):
@@ -222,23 +248,36 @@ def how_to_resume(cfg):
 
 def find_resume_checkpoint(cfg, rank, world_size):
     """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
-    unreadable ones, and every rank loads that same one."""
+    unreadable ones, and every rank loads that same one; they check it whole together (damage) before any of its
+    tensors is used, and fall back past a damaged one too."""
     if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
         return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
-    ckpt, chosen = None, [None]
-    with failing_together():
+    unreadable = []  # rank 0's
+    while True:
+        ckpt, chosen = None, [None]
+        with failing_together():
+            if rank == 0:
+                ckpt, chosen[0] = choose_checkpoint(cfg, unreadable)
+        if world_size > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        path = chosen[0]
+        if path is None:
+            return None, None
+        with failing_together():
+            if rank != 0:
+                try:
+                    ckpt = load(path)
+                except ValueError as e:
+                    raise UsageError(f"rank {rank} cannot read {path}, which rank 0 resumes from ({e}); --log-dir "
+                                     f"must be on a file system every node shares")
+        damaged = damage(ckpt, path, rank, world_size)
+        if damaged is None:
+            return ckpt, path
+        release(ckpt)
+        if cfg.resume != "auto":
+            raise UsageError(f"--resume {path}: cannot load it ({damaged})")
         if rank == 0:
-            ckpt, chosen[0] = choose_checkpoint(cfg)
-    if world_size > 1:
-        dist.broadcast_object_list(chosen, src=0)
-    with failing_together():
-        if rank != 0 and chosen[0] is not None:
-            try:
-                ckpt = load(chosen[0])
-            except ValueError as e:
-                raise UsageError(f"rank {rank} cannot read {chosen[0]}, which rank 0 resumes from ({e}); "
-                                 f"--log-dir must be on a file system every node shares")
-    return ckpt, chosen[0]
+            skip_unreadable(path, damaged, unreadable)
 
 
 def saved_model_config(ckpt, config_class, path):

@@ -279,6 +279,21 @@ def wait_for_output(proc, path, text, timeout=120):
         time.sleep(0.005)
 
 
+def ranks_of(launcher_pid, log_dir):
+    """{rank: pid} of the ranks that tests/scripts/ranks.py forked: rank 0 is the one holding log_dir's lock open."""
+    lock, ranks = os.path.realpath(os.path.join(log_dir, ".lock")), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                    continue
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        ranks[0 if lock in fds else 1] = int(pid)
+    return ranks
+
+
 def process_stat(pid):
     """(state, parent pid, cpu seconds) from Linux's /proc, or None once the process is gone or a zombie (dead,
     waiting to be reaped)."""

@@ -33,6 +33,7 @@ from helpers import (
     logged_train_steps,
     needs_muon,
     printed_samples,
+    ranks_of,
     read_log,
     run_main,
     run_script,
@@ -154,21 +155,6 @@ def tokens_consumed(stream_state, shard_lengths, seed):
     order = stream.order(stream_state["epoch"])
     before = sum(shard_lengths[i] for i in order[: stream_state["index"]])
     return stream_state["epoch"] * sum(shard_lengths) + before + stream_state["offset"]
-
-
-def ranks_of(launcher_pid, log_dir):
-    """{rank: pid} of the ranks that tests/scripts/ranks.py forked: rank 0 is the one holding log_dir's lock open."""
-    lock, ranks = os.path.realpath(os.path.join(log_dir, ".lock")), {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher_pid:
-                    continue
-            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
-        ranks[0 if lock in fds else 1] = int(pid)
-    return ranks
 
 
 def test_a_shard_that_one_rank_alone_cannot_read_stops_both_ranks_saved(shards, tmp_path):
