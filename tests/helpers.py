@@ -214,6 +214,13 @@ def printed_samples(out):
     return [(int(i), int(n), int(step), text) for i, n, step, text in blocks]
 
 
+def scribble(path, size=200_000):
+    """Random bytes over the middle of the file at path, its size unchanged: what a failing disk or copy leaves."""
+    with open(path, "r+b") as f:
+        f.seek((os.path.getsize(path) - size) // 2)
+        f.write(os.urandom(size))
+
+
 def load_ckpt(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 

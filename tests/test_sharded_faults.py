@@ -21,6 +21,7 @@ from helpers import (
     read_log,
     run_main,
     run_script,
+    scribble,
     script_command,
     script_env,
     start_command,
@@ -50,13 +51,6 @@ def copy_of(trained, tmp_path):
     args, log_dir = trained
     shutil.copytree(log_dir, tmp_path / "log")
     return args, tmp_path / "log"
-
-
-def scribble(path, size=200_000):
-    """Random bytes over the middle of the file at path, its size unchanged: what a failing disk or copy leaves."""
-    with open(path, "r+b") as f:
-        f.seek((os.path.getsize(path) - size) // 2)
-        f.write(os.urandom(size))
 
 
 def index_keys(checkpoint):
