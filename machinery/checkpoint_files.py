@@ -140,6 +140,15 @@ def write_checkpoint(log_dir, step, save, size, keep):
     print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
 
 
+def write_run_file(log_dir, step, save, size, keep):
+    """Writes the run.pt of log_dir/ckpt_<step>.dcp/ anew, whole or not at all, with save(file): the rest of the
+    checkpoint saved again at its step, its slices as they were written."""
+    path = checkpoint_path(log_dir, step, sharded=True)
+    run_file, t0 = os.path.join(path, "run.pt"), time.perf_counter()
+    files.write_atomically(run_file, save, run_file + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
+    print(f"saved {path} (its run.pt again, its slices as written: {time.perf_counter() - t0:.1f} s)")
+
+
 def write_sharded_checkpoint(log_dir, step, save, size, keep, rank):
     """Writes log_dir/ckpt_<step>.dcp/ whole or not at all: rank 0 makes ckpt_<step>.dcp.tmp/, save(directory) fills
     it, every rank writing its own part (torch.distributed.checkpoint, which rank 0 ends with the index of all parts),
@@ -150,14 +159,7 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, rank):
     if_no_room = functools.partial(no_room_for_checkpoint, log_dir, size, keep)
     try:
         make_shared_directory(temp, log_dir, path, if_no_room, rank)
-        # a rank at its open-file limit could not open its part: every rank stops before any writes, as none can save
-        stuck = None if files.can_open_a_file() else (f"rank {rank} cannot write its part of {path}: too many open "
-                                                       f"files: {files.open_file_limit_in_words()}")
-        stuck = ranks.first_error_of_any_rank(stuck)
-        if stuck is not None:
-            with ranks.failing_together():  # rank 0's line: it names the checkpoint kept
-                if rank == 0:
-                    raise UsageError(f"{stuck}, then {resumes_from(log_dir)}")
+        stop_if_a_rank_can_open_nothing(path, log_dir, rank)
         write_parts(save, temp, path, if_no_room, rank)
         if rank == 0:
             put_in_place(temp, path, log_dir)
@@ -184,6 +186,18 @@ def make_shared_directory(temp, log_dir, path, if_no_room, rank):
         if not os.path.isdir(temp):
             raise UsageError(f"--log-dir {log_dir}: this node does not see the checkpoint directory "
                              f"{temp} that rank 0 made; put --log-dir on a file system that every node shares")
+
+
+def stop_if_a_rank_can_open_nothing(path, log_dir, rank):
+    """Stops every rank, in one line naming the checkpoint kept, if any rank is at its open-file limit now (with the
+    descriptors kept for saving let go): it could not write its part of path, and a checkpoint needs every part."""
+    stuck = None if files.can_open_a_file() else (f"rank {rank} cannot write its part of {path}: too many open "
+                                                   f"files: {files.open_file_limit_in_words()}")
+    stuck = ranks.first_error_of_any_rank(stuck)
+    if stuck is not None:
+        with ranks.failing_together():  # rank 0's line: a rank at its limit could not list the directory
+            if rank == 0:
+                raise UsageError(f"{stuck}, then {resumes_from(log_dir)}")
 
 
 def write_parts(save, temp, path, if_no_room, rank):
@@ -216,7 +230,7 @@ def write_parts(save, temp, path, if_no_room, rank):
 def put_in_place(temp, path, log_dir):
     """Renames the written directory temp to path, durably; an older one of the same step once no reader holds it."""
     replaced = path + ".tmp.old"
-    if os.path.exists(path):  # the same step saved again, evaluated since: the new one takes its place
+    if os.path.exists(path):  # one of this step already, of other slices: the new one takes its place
         with unread(path, wait=True):
             os.replace(path, replaced)
     os.replace(temp, path)

@@ -215,11 +215,14 @@ class DescriptorReserve:
             while len(self.fds) < self.count:
                 self.fds.append(os.open(os.devnull, os.O_RDONLY))
 
-    @contextlib.contextmanager
-    def released(self):
+    def close(self):
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+    @contextlib.contextmanager
+    def released(self):
+        self.close()
         try:
             yield
         finally:

@@ -260,8 +260,10 @@ class Run:
     @contextlib.contextmanager
     def running(self):
         """While the run trains or evaluates: its W&B run open (--wandb-project), and its errors ended in one line,
-        every rank's: a shard gone bad (after saving the run), running out of memory, a rank that died."""
-        with run_log.wandb(self), ranks.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
+        every rank's: a shard gone bad (after saving the run), running out of memory, a rank that died. The
+        descriptors kept for saving are let go after."""
+        with contextlib.closing(self.descriptors), run_log.wandb(self), \
+                ranks.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
                 microbatch.out_of_memory_in_one_line(self.cfg, self), self.saved_if_data_fails():
             yield
 

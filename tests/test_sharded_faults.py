@@ -37,14 +37,31 @@ FSDP = ["--fsdp", "--checkpoint-every", "2", "--keep-checkpoints", "3"]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-process --fsdp run of GPT-2's recipe to step 6, with checkpoints at steps 2, 4 and 6: (its flags, its log
-    dir)."""
+    dir); its output in run.out beside that."""
     root = tmp_path_factory.mktemp("sharded_faults")
     args = TINY + ["--data", write_shards(root / "data"), *FSDP]
     result = run_script(args + ["--max-steps", "6", "--log-dir", root / "run"], cwd=root, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert checkpoint_files.checkpoint_paths(root / "run") == [str(root / "run" / f"ckpt_00000{step}.dcp")
                                                                for step in (2, 4, 6)]
+    (root / "run.out").write_text(result.stdout)
     return args, root / "run"
+
+
+def test_the_end_is_saved_whole_before_its_evaluations_then_its_run_file_alone(trained):
+    """The end of a run is saved before its final evaluations (a preemption may come during them), and again once
+    they are done, so that a resume does not do them again: that wrote the weights and optimizer state twice. Now the
+    second save writes run.pt alone, the slices and their checksums kept: a resume finds the run finished."""
+    args, log_dir = trained
+    end = log_dir / "ckpt_000006.dcp"
+    output = (log_dir.parent / "run.out").read_text()
+    saved = [line for line in output.splitlines() if line.startswith(f"saved {end} ")]
+    assert len(saved) == 2 and "MiB in" in saved[0], saved
+    assert saved[1].startswith(f"saved {end} (its run.pt again, its slices as written: "), saved
+    ckpt = checkpoints.load(str(end))
+    assert ckpt["evaluated"] and ckpt["val_step"] == 6 and checkpoints.damage(ckpt, str(end)) is None
+    assert sorted(ckpt["checksums"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    checkpoints.release(ckpt)
 
 
 def copy_of(trained, tmp_path):
@@ -89,7 +106,7 @@ def test_the_tied_embedding_is_stored_once_and_a_checkpoint_with_it_twice_still_
     shutil.copytree(new, runs["new"])
     whole = as_written_before(new, runs["old"])
     assert "model.lm_head.weight" in index_keys(runs["old"])
-    losses = {}
+    losses, descriptors = {}, []
     for name, path in runs.items():
         model = checkpoints.model_from_checkpoint(checkpoints.load(str(path)), str(path), train_gpt2.model_of)
         assert model.lm_head.weight is model.transformer.wte.weight
@@ -97,7 +114,9 @@ def test_the_tied_embedding_is_stored_once_and_a_checkpoint_with_it_twice_still_
         code, out, err = run_main(args + ["--max-steps", "8", "--log-dir", path.parent], capsys)
         assert code == 0 and "resuming from the checkpoint of step 6" in out, err
         losses[name] = [record["train_loss"] for record in train_records(read_log(path.parent)).values()]
+        descriptors.append(len(os.listdir("/proc/self/fd")))
     assert len(losses["old"]) == 2 and losses["old"] == losses["new"]
+    assert descriptors[0] == descriptors[1]  # those kept for saving are let go as a run ends
 
 
 # -----------------------------------------------------------------------------
