@@ -189,11 +189,11 @@ def make_shared_directory(temp, log_dir, path, if_no_room, rank):
 
 
 def stop_if_a_rank_can_open_nothing(path, log_dir, rank):
-    """Stops every rank, in one line naming the checkpoint kept, if any rank is at its open-file limit now (with the
-    descriptors kept for saving let go): it could not write its part of path, and a checkpoint needs every part."""
-    stuck = None if files.can_open_a_file() else (f"rank {rank} cannot write its part of {path}: too many open "
-                                                   f"files: {files.open_file_limit_in_words()}")
-    stuck = ranks.first_error_of_any_rank(stuck)
+    """Stops every rank, in one line naming the checkpoint kept, if any rank cannot open a file now (at its open-file
+    limit, with the descriptors kept for saving let go): it could not write its part of path, and a checkpoint needs
+    every part."""
+    why = files.cannot_open_a_file()
+    stuck = ranks.first_error_of_any_rank(why and f"rank {rank} cannot write its part of {path}: {why}")
     if stuck is not None:
         with ranks.failing_together():  # rank 0's line: a rank at its limit could not list the directory
             if rank == 0:

@@ -190,15 +190,14 @@ def open_file_limit_in_words():
     return f"this process already holds all the {soft} files that its limit allows (ulimit -n {soft}); {raise_it}"
 
 
-def can_open_a_file():
-    """Whether this process can open one more file: False at its open-file limit (EMFILE)."""
+def cannot_open_a_file():
+    """Why this process cannot open one more file now, in words (at its open-file limit: which, and what to do); None
+    if it can."""
     try:
         os.close(os.open(os.devnull, os.O_RDONLY))
     except OSError as e:
-        if e.errno != errno.EMFILE:
-            raise
-        return False
-    return True
+        return f"too many open files: {open_file_limit_in_words()}" if e.errno == errno.EMFILE else e.strerror
+    return None
 
 
 class DescriptorReserve:
