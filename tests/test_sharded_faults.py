@@ -1,7 +1,7 @@
-"""--fsdp's checkpoints, from one run's on 2 gloo processes (tests/scripts/ranks.py): the tied embedding stored once,
-and a checkpoint written before, with it twice, read as well; a slice damaged by random bytes (every reader goes back
-past it, or refuses it in one line); and one rank at its open-file limit (prlimit on its pid: the steps trained are
-saved, or where no save can be, the line names the checkpoint kept)."""
+"""--fsdp's checkpoints, from one run's on 2 gloo processes (tests/scripts/ranks.py): the end saved again as its
+run.pt alone; the tied embedding stored once, and a checkpoint written before, with it twice, read as well; a slice
+damaged by random bytes (every reader goes back past it, or refuses it in one line); and one rank at its open-file
+limit (prlimit on its pid: the steps trained are saved, or where no save can be, the line names the checkpoint kept)."""
 import os
 import resource
 import shutil
@@ -51,7 +51,7 @@ def trained(tmp_path_factory):
 def test_the_end_is_saved_whole_before_its_evaluations_then_its_run_file_alone(trained):
     """The end of a run is saved before its final evaluations (a preemption may come during them), and again once
     they are done, so that a resume does not do them again: that wrote the weights and optimizer state twice. Now the
-    second save writes run.pt alone, the slices and their checksums kept: a resume finds the run finished."""
+    second save writes run.pt alone, the slices and their checksums kept: it holds the evaluations, and reads whole."""
     args, log_dir = trained
     end = log_dir / "ckpt_000006.dcp"
     output = (log_dir.parent / "run.out").read_text()
