@@ -145,15 +145,16 @@ def test_damaged_slices_are_skipped_on_resume_as_every_rank_finds_them(trained, 
 
 
 def test_a_damaged_slice_ends_each_command_that_reads_it_in_one_line(trained, tmp_path, capsys):
-    """--sample and --resume of the damaged checkpoint refuse it in one line naming the file; --export-hf and
-    --eval-only of the log directory go back to the checkpoint before, with a warning."""
+    """--sample, and --resume of it with --eval-only or --export-hf, refuse the damaged checkpoint in one line naming
+    the file; --export-hf and --eval-only of the log directory go back to the checkpoint before, with a warning."""
     args, log_dir = copy_of(trained, tmp_path)
     damaged = log_dir / "ckpt_000006.dcp"
     scribble(damaged / "__0_0.distcp")
     expect_usage_error(["--sample", damaged, "--device", "cpu"], capsys, f"--sample {damaged}: cannot load it",
                        "__0_0.distcp")
-    expect_usage_error(args + ["--eval-only", "--resume", damaged, "--log-dir", log_dir], capsys,
-                       f"--resume {damaged}: cannot load it", "__0_0.distcp")
+    for command in (args + ["--eval-only"], ["--export-hf", tmp_path / "hf"]):
+        expect_usage_error(command + ["--resume", damaged, "--log-dir", log_dir], capsys,
+                           f"--resume {damaged}: cannot load it", "__0_0.distcp")
     for command, chosen in ((["--export-hf", tmp_path / "hf"], f"exported {log_dir / 'ckpt_000004.dcp'} to "),
                             (args + ["--eval-only"], f"evaluating {log_dir / 'ckpt_000004.dcp'} (step 4)")):
         code, out, err = run_main(command + ["--log-dir", log_dir], capsys)
