@@ -4,7 +4,7 @@ each, chained: the two-node run trains as DDP does and writes each slice once; t
 checkpoint bitwise and is stopped by SIGTERM; that checkpoint resumes as FSDP on 4 processes, on 2 nodes of one
 process (sharded over both), and as DDP on 1. The modern recipe (ShardedMuon on the 2-D mesh) against DDP, with a rank
 killed outright. Launchers of different sizes (2, 1 and 1; 1 and 2) stopped at once in one line. The mesh: its size,
-its refusals; and the memory benchmark's HSDP column."""
+what each rank holds on 2 x 1 and 1 x 2, its refusals; and the memory benchmark's HSDP column."""
 import os
 import shutil
 import signal
@@ -21,6 +21,7 @@ from helpers import (
     SCRIPT,
     TINY,
     expect_usage_error,
+    last_json,
     load_ckpt,
     needs_muon,
     read_log,
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
 
 SIGNAL_AT_STEP = os.path.join(REPO, "tests", "scripts", "signal_at_step.py")
+MESH_SLICES = os.path.join(REPO, "tests", "scripts", "mesh_slices.py")
 # 8 steps of 1024 tokens: on 4 processes, 2 accumulation steps of 4 x 32 each (8 on 1 process); a checkpoint every 4
 STEPS = ["--max-steps", "8", "--checkpoint-every", "4", "--total-batch-size", "1024", "--warmup-steps", "2"]
 HSDP_LINE = "HSDP: 2 replicas x 2 shards"
@@ -256,6 +258,15 @@ def test_nodes_of_different_sizes_stop_every_rank_at_once_in_one_line(shards, tm
     assert "Traceback" not in "".join(ours) and "HSDP" not in "".join(ours), outputs
     for fragment in fragments + ["pass --fsdp-shards with one value on every node", "--nproc_per_node"]:
         assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_the_mesh_splits_each_tensor_over_its_shard_group_and_copies_it_over_the_replicas(tmp_path):
+    """On 2 processes, --fsdp-shards 1 is HSDP 2 x 1: a mesh of "replicate" 2 by "shard" 1, and each rank holds every
+    row of each weight; --fsdp-shards 2 is FSDP's one group of 2, each rank half the rows. A mesh built (shards,
+    replicas) would split each tensor over the replicas instead: on 4 nodes of 8, over half a node, copied 8 times."""
+    found = last_json(run_script(["1", "2"], cwd=tmp_path, nproc=2, timeout=120, script=MESH_SLICES))
+    assert found == {"1": [{"mesh": {"replicate": 2, "shard": 1}, "rows": [0, 256]}] * 2,  # the MLP's 4 x 64 rows
+                     "2": [{"mesh": {"shard": 2}, "rows": [0, 128]}, {"mesh": {"shard": 2}, "rows": [128, 256]}]}
 
 
 def mesh(monkeypatch, world_size, flags=(), local_world_size=None):
