@@ -3,7 +3,8 @@ processes as 2 "nodes" of 2: two torchrun launchers (--nnodes=2), and one launch
 each, chained: the two-node run trains as DDP does and writes each slice once; the single launcher resumes its
 checkpoint bitwise and is stopped by SIGTERM; that checkpoint resumes as FSDP on 4 processes, on 2 nodes of one
 process (sharded over both), and as DDP on 1. The modern recipe (ShardedMuon on the 2-D mesh) against DDP, with a rank
-killed outright. Launchers of different sizes (2, 1 and 1; 1 and 2) stopped at once in one line. The mesh: its size,
+killed outright. Launchers of different sizes (2, 1 and 1; 1 and 2), or whose directories hold different files, stopped
+at once in one line. The mesh: its size,
 what each rank holds on 2 x 1 and 1 x 2, its refusals; and the memory benchmark's HSDP column against a hand count."""
 import os
 import shutil
@@ -52,8 +53,8 @@ def shards(tmp_path_factory):
 
 def nodes(sizes, args, cwd, out_path, timeout=240):
     """train_gpt2.py under one torchrun launcher per "node" on this machine, sizes[i] processes on node i
-    (--nnodes=len(sizes), meeting at 127.0.0.1): their exit codes, and node 0's output (rank 0's lines) in out_path,
-    node i's in out_path.node{i}."""
+    (--nnodes=len(sizes), meeting at 127.0.0.1), in cwd (or cwd[i], a node's own directory): their exit codes, and
+    node 0's output (rank 0's lines) in out_path, node i's in out_path.node{i}."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -62,7 +63,8 @@ def nodes(sizes, args, cwd, out_path, timeout=240):
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(sizes)}", f"--nproc_per_node={size}",
                    f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, *args]
         with open(out_path if node == 0 else f"{out_path}.node{node}", "w") as out:
-            launchers.append(start_command([str(word) for word in command], cwd, script_env(), stdout=out,
+            where = cwd[node] if isinstance(cwd, list) else cwd
+            launchers.append(start_command([str(word) for word in command], where, script_env(), stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True))
     try:
         return [launcher.wait(timeout) for launcher in launchers]
@@ -248,12 +250,34 @@ def test_nodes_of_different_sizes_stop_every_rank_at_once_in_one_line(shards, tm
                   tmp_path / "out")
     elapsed = time.monotonic() - started
     outputs = node_outputs(tmp_path / "out", len(sizes))
-    assert all(code != 0 for code in codes) and elapsed < 200, (codes, elapsed, outputs)
+    assert all(code != 0 for code in codes) and elapsed < 120, (codes, elapsed, outputs)
     ours = [out.split("torch/distributed/elastic")[0] for out in outputs]  # torchrun's own report follows
     lines = [line for out in ours for line in out.splitlines() if line.startswith("error: ")]
     assert len(lines) >= len(sizes) and len(set(lines)) == 1, outputs
     assert "Traceback" not in "".join(ours) and "HSDP" not in "".join(ours), outputs
     for fragment in fragments + ["pass --fsdp-shards with one value on every node", "--nproc_per_node"]:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_nodes_that_hold_different_files_stop_every_rank_at_once_in_one_line(shards, tmp_path):
+    """The presets depend on what a node's disk holds: without --data, a node whose directory has edu_fineweb10B/
+    trains on it with the file's settings, and one without it tiny Shakespeare with SHAKESPEARE's. Two launchers of
+    one process each (DDP) in such directories: each rank ends at once with the same line, naming settings they
+    decided apart, what made each rank's, and what to do."""
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(shards, node_dirs[0] / "edu_fineweb10B")
+    node_dirs[1].mkdir()
+    started = time.monotonic()
+    codes = nodes([1, 1], TINY + ["--log-dir", tmp_path / "log"], node_dirs, tmp_path / "out")
+    elapsed = time.monotonic() - started
+    outputs = node_outputs(tmp_path / "out", 2)
+    assert codes[0] != 0 and codes[1] != 0 and elapsed < 120, (codes, elapsed, outputs)
+    lines = [line for out in outputs for line in out.split("torch/distributed/elastic")[0].splitlines()
+             if line.startswith("error: ")]
+    assert len(lines) == 2 and len(set(lines)) == 1 and "Traceback" not in outputs[0].split("torch/distributed")[0]
+    for fragment in ["--data edu_fineweb10B on rank 0 (the file's default), ", " on rank 1 (preset SHAKESPEARE (",
+                     "--max-steps 19073 on rank 0", "or start every node alike (the same --nproc_per_node, GPUs and "
+                     "--data)"]:
         assert fragment in lines[0], (fragment, lines[0])
 
 
