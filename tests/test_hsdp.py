@@ -4,8 +4,8 @@ each, chained: the two-node run trains as DDP does and writes each slice once; t
 checkpoint bitwise and is stopped by SIGTERM; that checkpoint resumes as FSDP on 4 processes, on 2 nodes of one
 process (sharded over both), and as DDP on 1. The modern recipe (ShardedMuon on the 2-D mesh) against DDP, with a rank
 killed outright. Launchers of different sizes (2, 1 and 1; 1 and 2), or whose directories hold different files, stopped
-at once in one line. The mesh: its size,
-what each rank holds on 2 x 1 and 1 x 2, its refusals; and the memory benchmark's HSDP column against a hand count."""
+at once in one line. The mesh: its size, what each rank holds on 2 x 1 and 1 x 2, its refusals; and the memory
+benchmark's HSDP column against a hand count."""
 import os
 import shutil
 import signal
