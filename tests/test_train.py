@@ -352,6 +352,24 @@ def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
     assert train_records(records)[0]["lr"] == pytest.approx(2e-3)  # the preset's max_lr
 
 
+def test_a_script_runs_through_a_symlink_in_another_directory(tmp_path):
+    """`ln -s .../train_gpt2.py ~/bin/train.py; python ~/bin/train.py` looked for tiny Shakespeare beside the link
+    (~/bin/input.txt), and a linked benchmark for train_gpt2.py and machinery/ beside it: a script finds the
+    repository from the file a link points to, as Python finds its imports. (test_structure.py checks that every
+    script does.)"""
+    links = tmp_path / "bin"
+    links.mkdir()
+    (links / "train.py").symlink_to(os.path.join(REPO, "train_gpt2.py"))
+    (links / "ladder.py").symlink_to(os.path.join(REPO, "benchmarks", "speed_ladder.py"))
+    tiny = ["--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", "--batch-size", "1",
+            "--total-batch-size", "8", "--val-tokens", "8", "--num-samples", "0", "--device", "cpu"]
+    trained = run_script(tiny + ["--max-steps", "1"], cwd=tmp_path, script=links / "train.py")
+    assert trained.returncode == 0, trained.stderr
+    assert f"data: {REPO}/input.txt, 304,222 training tokens" in trained.stdout, trained.stdout
+    helped = run_script(["--help"], cwd=tmp_path, script=links / "ladder.py")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped.stderr[-2000:]
+
+
 def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypatch):
     """With no shards, --model gpt2-medium still means GPT-2 medium, and fine-tuning OpenAI's GPT-2 (--init-from)
     gets a gentle learning rate instead of the from-scratch one."""
