@@ -559,6 +559,8 @@ def test_the_end_is_saved_before_its_evaluations_and_a_signal_stops_them(shards,
             proc.kill()
     assert proc.wait(30) == 0, open(out).read()[-3000:]
     printed = open(out).read()
+    saved, validated = printed.index(f"saved {checkpoint_path(log_dir, 3)} "), printed.index("step     3 | val loss")
+    assert saved < validated  # before the evaluations: SIGKILL at the end of the grace period loses nothing
     assert "stopped by signal at step 3 (the last: only its final evaluation is left), checkpoint saved" in printed
     assert "--- sample" not in printed and "Traceback" not in printed, printed[-3000:]
     assert checkpoint_names(log_dir) == ["ckpt_000003.pt"]
