@@ -169,6 +169,12 @@ def test_end_to_end_run_writes_log(shards, tmp_path, capsys):
         assert set(r) >= {"step", "val_loss"} and math.isfinite(r["val_loss"])
     assert abs(val[0]["val_loss"] - math.log(VOCAB)) < 0.05
     assert f"step     3/4 | loss {train[3]['train_loss']:.6f}" in out
+    # the end, saved before its evaluations and again with them: said so, not "saved" twice
+    lines, end = out.splitlines(), checkpoint_path(log_dir, 4)
+    evaluated = lines.index(next(line for line in lines if line.startswith("step     4 | val loss")))
+    saves = [(i, line.split(" (")[0]) for i, line in enumerate(lines) if line.startswith(f"saved {end}")]
+    assert [(i < evaluated, said) for i, said in saves] == [
+        (True, f"saved {end}"), (False, f"saved {end} again, with its step's evaluations")], lines
     # the logged first loss is the mean over the whole global batch (2 micro-batches) of the initial model
     torch.manual_seed(1337)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(32, VOCAB, 2, 4, 64))
