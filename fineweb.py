@@ -504,8 +504,8 @@ def open_manifest(args, config, stop):
     return manifest
 
 def carried_tokens(args, manifest):
-    """The partial shard that the manifest's "next" resumes with, read from its carry file (none: no tokens); a
-    UsageError for a position that no run leaves: past the last input file, or a carry damaged or not of the tokens
+    """The partial shard that the manifest's "next" resumes with, from its carry file (empty where it names none); a
+    UsageError for a place that no run leaves: past the last input file, or a carry damaged or not the tokens
     counted. Resumed, it would write wrong shards, or mark the set complete with inputs unread."""
     state, path = manifest["next"], os.path.join(args.output, MANIFEST)
     afresh = f"delete {args.output} to start it afresh, or choose another --output"

@@ -185,8 +185,8 @@ def start_record(run):
 
 
 def finish(run, stopped_by_signal):
-    """Says how the run ended and what to do next: what is saved as the checkpoint in --log-dir says, not as the run
-    meant to save it."""
+    """Says how the run ended and what to do next. What it calls saved is what --log-dir's latest checkpoint holds,
+    the step the run ended at, not what the run meant to save."""
     cfg = run.cfg
     if not run.master:
         return
