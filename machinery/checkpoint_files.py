@@ -126,9 +126,15 @@ def no_room_for_checkpoint(log_dir, size, keep):
 def write_checkpoint(log_dir, step, save, size, keep):
     """Writes log_dir/ckpt_<step>.pt whole or not at all, with save(file); size: about how many bytes it takes."""
     path = checkpoint_path(log_dir, step)
-    t0 = time.perf_counter()
+    t0, again = time.perf_counter(), saved_again(path)
     files.write_atomically(path, save, path + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
-    print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+    print(f"saved {path}{again} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def saved_again(path):
+    """What the line of a save adds where path is there already: its step was saved before its evaluations
+    (Run.after_step), and is saved again with them."""
+    return " again, with its step's evaluations" if os.path.exists(path) else ""
 
 
 def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
@@ -136,7 +142,7 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
     it, every rank writing its own part (torch.distributed.checkpoint, which rank 0 ends with the index of all parts),
     then rank 0 renames it. Every rank calls it, save being collective; size: about how many bytes all ranks write."""
     path = checkpoint_path(log_dir, step, sharded=True)
-    temp, t0 = path + ".tmp", time.perf_counter()
+    temp, t0, again = path + ".tmp", time.perf_counter(), saved_again(path)
     if_no_room = functools.partial(no_room_for_checkpoint, log_dir, size, keep)
     with ranks.failing_together():  # also the barrier after which every rank looks for the directory
         if master:
@@ -183,7 +189,7 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, master):
         if os.path.exists(replaced):
             files.remove(replaced)
         written = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-        print(f"saved {path} ({written / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+        print(f"saved {path}{again} ({written / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
 
 
 def prune_checkpoints(log_dir, keep):

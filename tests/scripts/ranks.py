@@ -8,9 +8,10 @@ LOCAL_WORLD_SIZE and GROUP_RANK, as torchrun's launchers with --nnodes give them
 
     python tests/scripts/ranks.py N SCRIPT [ARGS...]
 
-Each rank runs SCRIPT as __main__, with its directory first on sys.path as `python SCRIPT` has it. As torchrun does,
-once a rank fails the others are stopped (after a grace of a few seconds, so that each can say its own error line);
-this process exits with the first non-zero exit code of a rank, or 0. The ranks die with it (a test's timeout)."""
+Each rank runs SCRIPT as __main__, with its directory (a link's target's) first on sys.path as `python SCRIPT` has
+it. As torchrun does, once a rank fails the others are stopped (after a grace of a few seconds, so that each can say
+its own error line); this process exits with the first non-zero exit code of a rank, or 0. The ranks die with it (a
+test's timeout)."""
 import ctypes
 import os
 import runpy
@@ -35,7 +36,7 @@ def run_rank(rank, sizes, port, script, args):
                       LOCAL_WORLD_SIZE=str(sizes[node]), GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
