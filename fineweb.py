@@ -503,6 +503,29 @@ def open_manifest(args, config, stop):
     save_manifest(args, manifest)
     return manifest
 
+def carried_tokens(args, manifest):
+    """The partial shard that the manifest's "next" resumes with, from its carry file (empty where it names none); a
+    UsageError for a place that no run leaves: past the last input file, or a carry damaged or not the tokens
+    counted. Resumed, it would write wrong shards, or mark the set complete with inputs unread."""
+    state, path = manifest["next"], os.path.join(args.output, MANIFEST)
+    afresh = f"delete {args.output} to start it afresh, or choose another --output"
+    if state["file"] > len(manifest["sources"]):
+        raise UsageError(f"{path}: it resumes at input file {state['file'] + 1} of {len(manifest['sources'])}, past "
+                         f"the last: it is damaged; {afresh}")
+    if not state["carry"]:
+        return np.empty(0, dtype=np.uint16)
+    counted = state["tokens"] - manifest["shards"] * args.shard_size  # the tokens past the whole shards
+    carry_path = os.path.join(args.output, state["carry"])
+    said = f"{carry_path}: the partial shard that {path} resumes with"
+    try:
+        carry = np.load(carry_path)
+    except (OSError, ValueError, EOFError) as e:
+        raise UsageError(f"{said} cannot be read ({getattr(e, 'strerror', None) or e}); {afresh}") from None
+    tokens = isinstance(carry, np.ndarray) and carry.dtype == np.uint16 and carry.shape == (counted,)
+    if not tokens or not 0 < counted < args.shard_size:
+        raise UsageError(f"{said} is not the {counted:,} tokens (uint16) that it counts: it is damaged; {afresh}")
+    return carry
+
 class ShardWriter:
     """The token stream cut into shards, and the manifest's record of where it stands: a resumed run goes on from
     there and writes the same bytes."""
@@ -511,11 +534,9 @@ class ShardWriter:
         self.args, self.manifest = args, manifest
         self.state = manifest["next"]
         self.shard = np.empty(args.shard_size, dtype=np.uint16)
-        self.fill = 0
-        if self.state["carry"]:
-            carry = np.load(os.path.join(args.output, self.state["carry"]))
-            self.shard[:len(carry)] = carry
-            self.fill = len(carry)
+        carry = carried_tokens(args, manifest)
+        self.shard[:len(carry)] = carry
+        self.fill = len(carry)
         self.tokens = self.tokens_at_start = self.state["tokens"]
         self.documents = self.state["documents"]
 
@@ -676,8 +697,8 @@ def prepare(args):
         print(f"{args.output} is already complete: {state['documents']:,} documents, {state['tokens']:,} tokens "
               f"in {manifest['shards']} shards; nothing to do")
         return
+    writer = ShardWriter(args, manifest)  # first: it refuses a damaged position before any file goes
     remove_leftovers(args, manifest)
-    writer = ShardWriter(args, manifest)
     hub, tokens = not args.input, writer.tokens
     print(f"{'resuming' if tokens else 'preparing'} {len(sources)} {'hub' if hub else 'local'} files "
           f"({sum(s['size'] for s in sources) / 1e9:.2f} GB) -> {args.output}, {args.shard_size:,} tokens per shard, "

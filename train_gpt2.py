@@ -39,7 +39,7 @@ from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
 from variations import modern, speedups
 from variations.losses import chunked_cross_entropy, cross_entropy
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))  # this file's own directory, not a link's: input.txt lies there
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
 
 # -----------------------------------------------------------------------------

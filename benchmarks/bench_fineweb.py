@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 import fineweb  # noqa: E402
 from machinery.tokenizer import EOT, gpt2_tokenizer  # noqa: E402

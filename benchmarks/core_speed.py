@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 import train_gpt2  # noqa: E402
 from evaluation import core_score  # noqa: E402

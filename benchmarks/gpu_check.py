@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
 LADDER_STEPS = ["--warmup-steps", "2", "--timed-steps", "5"]  # the first step compiles; 5 timed: a median
 

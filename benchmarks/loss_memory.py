@@ -23,7 +23,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 from machinery.tokenizer import GPT2_VOCAB  # noqa: E402
 from variations import losses  # noqa: E402

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from speed_ladder import read_steps, write_random_shards  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 import train_gpt2  # noqa: E402
 from machinery import fsdp  # noqa: E402
 

@@ -20,7 +20,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 import train_gpt2  # noqa: E402
 from machinery import microbatch  # noqa: E402
 from machinery.errors import UsageError  # noqa: E402

@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 import train_gpt2  # noqa: E402
 from machinery import microbatch, tokenizer  # noqa: E402

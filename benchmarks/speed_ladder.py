@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 from machinery.run_log import flops_per_token, peak_flops  # noqa: E402
 from machinery.tokenizer import GPT2_VOCAB  # noqa: E402

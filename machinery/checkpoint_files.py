@@ -135,9 +135,15 @@ def no_room_for_checkpoint(log_dir, size, keep):
 def write_checkpoint(log_dir, step, save, size, keep):
     """Writes log_dir/ckpt_<step>.pt whole or not at all, with save(file); size: about how many bytes it takes."""
     path = checkpoint_path(log_dir, step)
-    t0 = time.perf_counter()
+    t0, again = time.perf_counter(), saved_again(path)
     files.write_atomically(path, save, path + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
-    print(f"saved {path} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+    print(f"saved {path}{again} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def saved_again(path):
+    """What the line of a save adds where path is there already: its step was saved before its evaluations
+    (Run.after_step), and is saved again with them."""
+    return " again, with its step's evaluations" if os.path.exists(path) else ""
 
 
 def write_run_file(log_dir, step, save, size, keep):
@@ -146,7 +152,8 @@ def write_run_file(log_dir, step, save, size, keep):
     path = checkpoint_path(log_dir, step, sharded=True)
     run_file, t0 = os.path.join(path, "run.pt"), time.perf_counter()
     files.write_atomically(run_file, save, run_file + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
-    print(f"saved {path} (its run.pt again, its slices as written: {time.perf_counter() - t0:.1f} s)")
+    print(f"saved {path}{saved_again(path)} (its run.pt alone, its slices as written: "
+          f"{time.perf_counter() - t0:.1f} s)")
 
 
 def write_sharded_checkpoint(log_dir, step, save, size, keep, rank):
@@ -155,7 +162,7 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, rank):
     then rank 0 renames it; a save that fails leaves nothing. Every rank calls it, save being collective; size: about
     how many bytes all ranks write."""
     path = checkpoint_path(log_dir, step, sharded=True)
-    temp, t0 = path + ".tmp", time.perf_counter()
+    temp, t0, again = path + ".tmp", time.perf_counter(), saved_again(path)
     if_no_room = functools.partial(no_room_for_checkpoint, log_dir, size, keep)
     try:
         make_shared_directory(temp, log_dir, path, if_no_room, rank)
@@ -168,7 +175,7 @@ def write_sharded_checkpoint(log_dir, step, save, size, keep, rank):
             shutil.rmtree(temp, ignore_errors=True)
     if rank == 0:
         written = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-        print(f"saved {path} ({written / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+        print(f"saved {path}{again} ({written / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
 
 
 def make_shared_directory(temp, log_dir, path, if_no_room, rank):

@@ -2,7 +2,7 @@
 --fsdp: the weights, gradients and optimizer state sharded over the processes with PyTorch's FSDP2, instead of copied
 to each by DDP (train_gpt2.py's default), for models too large for one GPU. On several nodes it shards within each
 node and replicates across them (HSDP: a 2-D mesh of replicas x shards), so that the slow links between nodes carry
-only the gradients' all-reduce. What it holds:
+only the gradients' all-reduce; where each node has one process, it shards over all of them. What it holds:
 
 - the refusals: what FSDP cannot run with; and the mesh: how many processes each tensor is split over (--fsdp-shards);
 - shard_model: which modules become groups of their own, and in which precision their weights are gathered;
@@ -32,13 +32,17 @@ except ImportError:  # --fsdp --recipe modern is refused then (modern.check_sett
 
 
 def check_settings(cfg, env):
-    """Refuses, in one line, what --fsdp cannot run with (nothing without --fsdp); returns the line that says the
-    mesh under HSDP, for the run's first lines."""
+    """Refuses, in one line, what --fsdp cannot run with (nothing without --fsdp); returns the line that names the
+    mesh for the run's first lines: under HSDP, and where nodes of one process shard over all of them (None for FSDP
+    on one node)."""
     if cfg.fsdp_shards is not None and not cfg.fsdp:
         raise UsageError(f"--fsdp-shards {cfg.fsdp_shards} splits --fsdp's tensors, and --fsdp is off; pass --fsdp "
                          f"too, or drop --fsdp-shards")
     if not cfg.fsdp:
         return None
+    if cfg.fsdp_shards < 0:
+        raise UsageError(f"--fsdp-shards must be zero or more, not {cfg.fsdp_shards}; pass a divisor of the "
+                         f"{env.world_size} process(es), or 0 to shard over all of them")
     if not dist.is_available():
         raise UsageError(f"--fsdp needs torch.distributed, and this build of PyTorch ({torch.__version__}) has none; "
                          f"install one that has (pytorch.org), or drop --fsdp")
@@ -48,29 +52,47 @@ def check_settings(cfg, env):
     if cfg.compile_mode == "reduce-overhead":
         raise UsageError("--compile-mode reduce-overhead cannot run with --fsdp: its CUDA graphs cannot hold FSDP's "
                          "gathers and reductions; pick another --compile-mode, or drop --fsdp")
+    per_node = processes_per_node(env.world_size)  # refused where it is no number, whether or not the mesh reads it
     replicas, shards = mesh_shape(cfg, env)
-    if replicas == 1:
-        return None
-    why = "--fsdp-shards" if cfg.fsdp_shards is not None else "the processes of a node, torchrun's LOCAL_WORLD_SIZE"
-    return (f"HSDP: {replicas} replicas x {shards} shards (each tensor split over {shards} processes: {why}; "
-            f"--fsdp-shards 0 splits it over all {env.world_size})")
+    if shards == 1 and replicas > 1:
+        return (f"HSDP: {replicas} replicas x 1 shard (--fsdp-shards 1): each process holds whole copies of the "
+                f"weights, gradients and optimizer state, as under DDP; --fsdp-shards 0 splits them over all "
+                f"{env.world_size}")
+    if replicas > 1:
+        return (f"HSDP: {replicas} replicas x {shards} shards (each tensor split over {shards} processes: "
+                f"{shard_group_in_words(cfg, env)}; --fsdp-shards 0 splits it over all {env.world_size})")
+    if shards > 1 and per_node == 1:
+        return (f"FSDP: each tensor split over all {shards} processes ({shard_group_in_words(cfg, env)}; "
+                f"--fsdp-shards 1 would keep whole copies on each, as DDP does)")
+    return None
+
+
+def default_shards(world_size):
+    """--fsdp's shard group where --fsdp-shards is not given, and what makes it, in words: a node's processes
+    (torchrun's LOCAL_WORLD_SIZE), so that only the gradients' all-reduce crosses the slower links between nodes; or
+    all of them (0) where a node has one process, as one GPU per node is: a group of one would shard nothing, and
+    each rank would hold DDP's whole copies, which --fsdp is passed to avoid."""
+    per_node = processes_per_node(world_size)
+    if per_node == 1 and world_size > 1:
+        return 0, "a node of one process, torchrun's LOCAL_WORLD_SIZE=1, shards nothing alone"
+    return per_node, f"a node's {per_node} processes, torchrun's LOCAL_WORLD_SIZE={per_node}"
+
+
+def shard_group_in_words(cfg, env):
+    """What made --fsdp's shard group of cfg.fsdp_shards: the flag, or the default (default_shards) it equals."""
+    shards, why = default_shards(env.world_size)
+    return why if cfg.fsdp_shards == shards else f"--fsdp-shards {cfg.fsdp_shards}"
 
 
 def mesh_shape(cfg, env):
-    """(replicas, shards) of --fsdp's processes: each tensor split over a group of shards processes (--fsdp-shards;
-    by default a node's, torchrun's LOCAL_WORLD_SIZE; 0: all of them), and each group a replica of the others.
-    Refuses, in one line, a group size that does not divide the processes."""
-    shards = cfg.fsdp_shards
-    if shards is None:
-        shards = processes_per_node(env.world_size)
-        if env.world_size % shards:
-            raise UsageError(f"torchrun's LOCAL_WORLD_SIZE={shards} does not divide the {env.world_size} process(es), "
-                             f"so --fsdp cannot shard within each node; pass --fsdp-shards with a divisor of "
-                             f"{env.world_size}, or 0 to shard over all of them")
-    if shards < 0 or (shards and env.world_size % shards):
-        raise UsageError(f"--fsdp-shards {shards} does not divide the {env.world_size} process(es) into groups; pass a "
-                         f"divisor of {env.world_size}, or 0 to shard over all of them")
-    shards = shards or env.world_size
+    """(replicas, shards) of --fsdp's processes: each tensor split over a group of shards processes (--fsdp-shards,
+    its default filled in by settings.resolve: default_shards; 0: all of them), and each group a replica of the
+    others. Refuses, in one line, a group size that does not divide the processes."""
+    shards = cfg.fsdp_shards or env.world_size
+    if env.world_size % shards:
+        raise UsageError(f"--fsdp's shard groups of {shards} ({shard_group_in_words(cfg, env)}) do not divide the "
+                         f"{env.world_size} process(es); pass --fsdp-shards with a divisor of {env.world_size}, or 0 "
+                         f"to shard over all of them")
     return env.world_size // shards, shards
 
 
@@ -79,7 +101,7 @@ def processes_per_node(world_size):
     value = os.environ.get("LOCAL_WORLD_SIZE", str(world_size))
     if not (value.isascii() and value.isdigit() and int(value) > 0):
         raise UsageError(f"LOCAL_WORLD_SIZE={value!r} in the environment is not a positive whole number; torchrun "
-                         f"sets it for each process it starts: unset it, or pass --fsdp-shards")
+                         f"sets it for each process it starts: unset it")
     return int(value)
 
 

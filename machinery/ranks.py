@@ -98,14 +98,30 @@ def any_rank(flag, device):
 
 
 @contextlib.contextmanager
-def failing_together():
+def failing_together(decided=None, apart=None):
     """A UsageError raised inside on any rank stops every rank with it: raised on one rank alone, as by work only rank 0
-    does, it would leave the others waiting in their next collective. Every rank must enter; it is also a barrier."""
+    does, it would leave the others waiting in their next collective. Every rank must enter; it is also a barrier.
+    decided: what this rank decided inside, called on the way out; apart(every rank's) says in one line where they
+    differ (None where they agree), which then stops every rank instead, as it explains any error it led to."""
     error = None
     try:
         yield
     except UsageError as e:
         error = str(e)
-    error = first_error_of_any_rank(error)
+    gathered = every_rank((error, decided() if decided else None))
+    error = apart([mine for _, mine in gathered]) if apart else None
+    error = error or next((e for e, _ in gathered if e is not None), None)
     if error is not None:
         raise UsageError(error)
+
+
+def in_words(ranks):
+    """Ranks, in words: "rank 2", "ranks 0-1", "ranks 0, 2-3"."""
+    spans = []
+    for rank in sorted(ranks):
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(
+        str(first) if first == last else f"{first}-{last}" for first, last in spans)

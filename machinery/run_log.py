@@ -185,13 +185,17 @@ def start_record(run):
 
 
 def finish(run, stopped_by_signal):
-    """Says how the run ended and what to do next."""
+    """Says how the run ended and what to do next. What it calls saved is what --log-dir's latest checkpoint holds,
+    the step the run ended at, not what the run meant to save."""
     cfg = run.cfg
     if not run.master:
         return
     last = checkpoint_files.latest_checkpoint(cfg.log_dir)
-    skipped = "" if run.nonfinite_since is None else f" ({skipped_in_words(run.nonfinite_since, run.step - 1)})"
-    if stopped_by_signal and last is None:
+    saved = last is not None and checkpoint_files.checkpoint_step(last) == run.step
+    skipped = ""
+    if saved and run.nonfinite_since is not None:
+        skipped = f" ({skipped_in_words(run.nonfinite_since, run.step - 1)})"
+    if stopped_by_signal and not saved:
         print("stopped by signal before the first step: nothing to save")
     elif stopped_by_signal:
         left = " (the last: only its final evaluation is left)" if run.step == cfg.max_steps else ""

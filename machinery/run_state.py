@@ -81,10 +81,12 @@ class Run:
         directory readied and the run's first lines said; from here on a stop signal ends the run with a checkpoint,
         and the launch's clock runs."""
         self.micro_batch, said = microbatch.largest_that_fits(self, gradient_sync, trained_with)
+        # before every rank waits for rank 0 to move an old run aside: a signal then stops the run at its first step,
+        # or at once where it comes in rank 0's wait for a reader (move_old_run_aside), never with a traceback
+        self.stop_signal = None if self.cfg.eval_only else checkpoints.catch_stop_signals()
         run_log.start(self, said, self.recipe.named)
         self.first_step, self.saved_step = self.step, self.resumed_from and self.step
         self.saved_evaluated = self.evaluated  # the resumed checkpoint's, as restore set it
-        self.stop_signal = None if self.cfg.eval_only else checkpoints.catch_stop_signals()
         self.descriptors = checkpoints.ready_to_save(self.cfg)
         self.launch_start = time.perf_counter()
 

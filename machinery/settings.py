@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from machinery import hf_format, shard_files
+from machinery import fsdp, hf_format, ranks, shard_files
 from machinery.errors import UsageError
 from machinery.tokenizer import GPT2_VOCAB
 
@@ -620,9 +620,19 @@ def resolve(draft, env, recipes, checks, resumed=None):
     check. Also the lines for rank 0 to print first: what made each value that is not the file's. It prints and
     writes nothing. checks: the refusals of the modules that import this one (fsdp.py's, speedups.py's, run_log.py's),
     each check(cfg, env), so that a setting that cannot run here is refused before anything is read or downloaded; one
-    may return a line to say too (fsdp.py's mesh)."""
+    may return a line to say too (fsdp.py's mesh). Each rank resolves its own, from what its node has (its files,
+    devices and processes): all of them compare theirs before any collective reads them, and where they differ, every
+    rank ends with one line that says how (decided_apart), not waiting for the others in collectives of its own."""
+    with ranks.failing_together(decided=lambda: decided(draft), apart=decided_apart):
+        cfg, lines = resolved_here(draft, env, recipes, checks, resumed)
+    return cfg, lines
+
+
+def resolved_here(draft, env, recipes, checks, resumed):
+    """resolve's settings and lines, as this rank decides them."""
     if draft.eval_only and resumed is not None:  # the model as it was trained, whatever the flags' recipe
         take_model_settings(draft, *resumed)
+    apply_processes(draft, env)
     fit_seq_len(draft)
     if not (draft.shards_found or draft.eval_only or "batch_size" in draft.given) and draft.seq_len > 0:
         draft.set("batch_size", max(1, draft.total_batch_size // (draft.seq_len * env.world_size)),
@@ -636,3 +646,36 @@ def resolve(draft, env, recipes, checks, resumed=None):
     check_recipe(cfg, draft.given, recipes)  # once the shapes are whole: --model's, --init-from's, the checkpoint's
     lines += [line for line in (check(cfg, env) for check in checks) if line]
     return cfg, lines
+
+
+def apply_processes(draft, env):
+    """What the processes decide: --fsdp's shard group where --fsdp-shards is not given (fsdp.default_shards: a
+    node's processes, or all of them where a node has one). Each rank sees only its own node's, so it is applied
+    inside resolve, whose ranks then compare what they decided."""
+    if draft.fsdp and draft.flags.fsdp_shards is None:
+        draft.stand_in("fsdp_shards", *fsdp.default_shards(env.world_size))
+
+
+def decided(draft):
+    """What this rank decided of every setting: {setting: (its value in words, what made it)}."""
+    return {field.name: (str(shown(getattr(draft, field.name))), draft.source(field.name))
+            for field in dataclasses.fields(draft.flags)}
+
+
+def decided_apart(every_rank):
+    """The line that names the settings the ranks decided apart (every_rank: each one's decided), each rank's value
+    and what made it, and what to do; None where they agree."""
+    apart = [key for key in every_rank[0] if len({mine[key][0] for mine in every_rank}) > 1]
+    if not apart:
+        return None
+    said = []
+    for key in apart[:3]:
+        holders = {}
+        for rank, mine in enumerate(every_rank):
+            holders.setdefault(mine[key], []).append(rank)
+        said.append(f"{flag(key)} " + ", ".join(f"{value} on {ranks.in_words(which)} ({why})"
+                                                for (value, why), which in holders.items()))
+    more = f" (and {len(apart) - 3} more)" if len(apart) > 3 else ""
+    return (f"the ranks decided their settings apart, each from what its own node has (its files, devices and "
+            f"processes): {'; '.join(said)}{more}; pass {', '.join(flag(key) for key in apart[:3])} with one value "
+            f"on every node, or start every node alike (the same --nproc_per_node, GPUs and --data)")

@@ -8,7 +8,7 @@ import os
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where gpt2.tiktoken is
+HERE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the repository, where gpt2.tiktoken is
 
 GPT2_VOCAB = 50257  # tokens of the GPT-2 tokenizer
 EOT = 50256  # <|endoftext|>, which separates documents

@@ -351,7 +351,7 @@ def become(request, fds, base_path, default_threads):
     else:
         kind, target = "script", argv[1]
         sys.argv = argv[1:]
-        first = os.path.dirname(os.path.abspath(target))
+        first = os.path.dirname(os.path.realpath(target))  # as python sets it: a link's target's directory
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *base_path]
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))

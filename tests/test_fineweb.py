@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -702,20 +703,32 @@ def test_the_trainer_refuses_shards_still_being_made_and_trains_once_they_are(tm
     assert code == 0 and "done: step 1" in out, err
 
 
-def made_shards(tmp_path):
-    """The shards and manifest that fineweb.py makes of 20,000 tokens: three shards, of 10,000, 10,000 and 1."""
-    (tmp_path / "a.txt").write_text("The first book. " * 5_000)
-    args = ["--input", tmp_path / "a.txt", "--output", tmp_path / "sh", "--shard-size", 10_000, "--workers", 1]
-    assert run_fineweb(*args).returncode == 0
+@pytest.fixture(scope="module")
+def made_once(tmp_path_factory):
+    """A directory holding a.txt and sh/, the shards and manifest that fineweb.py makes of it: 20,002 tokens in three
+    shards, of 10,000, 10,000 and 2. Made once, as its worker processes take seconds to start; made_shards copies it."""
+    directory = tmp_path_factory.mktemp("made")
+    (directory / "a.txt").write_text("The first book. " * 5_000)
+    result = run_fineweb("--input", directory / "a.txt", "--output", directory / "sh", "--shard-size", 10_000,
+                         "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+def made_shards(tmp_path, made_once):
+    """A copy of made_once's shards and manifest in tmp_path/sh, and the arguments of the fineweb.py that makes them
+    there (from made_once's a.txt, which the manifest names)."""
+    shutil.copytree(made_once / "sh", tmp_path / "sh", ignore=shutil.ignore_patterns(".lock"))
+    args = ["--input", made_once / "a.txt", "--output", tmp_path / "sh", "--shard-size", 10_000, "--workers", 1]
     return tmp_path / "sh", args
 
 
-def test_a_damaged_manifest_is_refused_by_the_trainer_as_by_fineweb(tmp_path, capsys):
+def test_a_damaged_manifest_is_refused_by_the_trainer_as_by_fineweb(tmp_path, capsys, made_once):
     """An unfinished preparation's manifest that is also damaged (no "next", cut short, a "done" that is no boolean,
     nested too deep to parse) was trained on with no word, where fineweb.py refused it: both read it with the same
     code, and refuse it in one line. An older fineweb.py's unfinished manifest, which listed its shards (thousands,
     for FineWeb), put the whole list in the trainer's line: their number is enough."""
-    output, prepare = made_shards(tmp_path)
+    output, prepare = made_shards(tmp_path, made_once)
     path, log_dir = output / "manifest.json", tmp_path / "log"
     manifest = json.loads(path.read_text())
     train = TINY_TRAINING + ["--data", output, "--log-dir", log_dir]
@@ -738,10 +751,53 @@ def test_a_damaged_manifest_is_refused_by_the_trainer_as_by_fineweb(tmp_path, ca
     assert code == 0 and "done: step 1" in out, err
 
 
-def test_eval_only_evaluates_shards_still_being_made(tmp_path, capsys):
+def test_a_damaged_position_to_resume_from_is_refused_and_nothing_is_lost(tmp_path, made_once):
+    """fineweb.py resumes from its manifest's "next": the input file it stands at, and the carry file, the partial
+    shard that a hub run carries from one input file to the next. A damaged carry crashed with numpy's traceback
+    ("we only support format version ..."); a "next" past the last input file had it write its last shard and mark
+    the set complete, as if every input were read. Each is refused in one line that names the file and what to do,
+    every file left as it was; the same state, whole, resumes to the shards of a run never stopped."""
+    output, args = made_shards(tmp_path, made_once)
+    whole = shards_in(output)
+    manifest_path, carry, last = output / "manifest.json", output / ".carry_000001.npy", "sh_train_000002.npy"
+    # as a run leaves it that is killed once it has read its only input file: the last shard's tokens carried over
+    carry.write_bytes(whole[last])
+    os.remove(output / last)
+    manifest = json.loads(manifest_path.read_text())
+    manifest["done"], manifest["shards"] = False, len(whole) - 1
+    manifest["next"].update(file=1, unit=0, skip=0, carry=carry.name)
+    stopped = json.dumps(manifest)
+    superseded = output / ".carry_000000.npy"  # as a kill after the manifest named the next carry leaves it
+    superseded.write_bytes(whole[last])
+    bad_version = whole[last][:6] + b"\x00\x00" + whole[last][8:]
+    carried = np.load(io.BytesIO(whole[last]))
+    said = f"{carry}: the partial shard that {manifest_path} resumes with"
+    for manifest_text, carry_bytes, words in [
+            (stopped, bad_version, f"{said} cannot be read (we only support format version"),
+            (stopped, whole[last][:-2], f"{said} cannot be read"),  # cut short
+            (stopped, None, f"{said} cannot be read (No such file or directory)"),
+            (stopped, npy_bytes(carried[:-1]), f"{said} is not the {len(carried):,} tokens (uint16) that it counts"),
+            (stopped, npy_bytes(carried.astype(np.int32)), f"{said} is not the {len(carried):,} tokens (uint16)"),
+            (stopped.replace('"file": 1', '"file": 2'), whole[last],
+             f"{manifest_path}: it resumes at input file 3 of 1, past the last")]:
+        manifest_path.write_text(manifest_text)
+        carry.unlink(missing_ok=True)
+        if carry_bytes is not None:
+            carry.write_bytes(carry_bytes)
+        before = {name: (output / name).read_bytes() for name in os.listdir(output) if name != ".lock"}
+        assert_error(run_fineweb(*args), words, f"delete {output} to start it afresh, or choose another --output")
+        assert {name: (output / name).read_bytes() for name in os.listdir(output) if name != ".lock"} == before
+    manifest_path.write_text(stopped)
+    carry.write_bytes(whole[last])
+    result = run_fineweb(*args)
+    assert result.returncode == 0 and "done:" in result.stdout, result.stderr
+    assert shards_in(output) == whole and not carry.exists() and not superseded.exists()
+
+
+def test_eval_only_evaluates_shards_still_being_made(tmp_path, capsys, made_once):
     """An evaluation reads the val shard alone, the first that fineweb.py makes: --eval-only on an unfinished
     preparation evaluates, where a training on it is refused."""
-    output, _ = made_shards(tmp_path)
+    output, _ = made_shards(tmp_path, made_once)
     manifest = json.loads((output / "manifest.json").read_text())
     (output / "manifest.json").write_text(json.dumps(dict(manifest, done=False)))  # as a killed fineweb.py leaves it
     train = TINY_TRAINING + ["--data", output, "--log-dir", tmp_path / "log"]

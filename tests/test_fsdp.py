@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+import safetensors.torch
 import torch
 
 import train_gpt2
@@ -149,6 +150,30 @@ def test_a_ddp_checkpoint_is_not_trained_on_with_fsdp(runs, tmp_path, capsys):
     shutil.copytree(dirs["ddp"], log_dir)
     expect_usage_error(args + ["--fsdp", "--log-dir", log_dir, "--max-steps", "30"], capsys,
                        "was written without --fsdp", "--no-resume")
+
+
+@pytest.mark.parametrize("runs", ["gpt2"], indirect=True)  # the vote is the same code for either recipe
+def test_weights_not_finite_in_one_ranks_slice_alone_are_never_saved(runs, tmp_path, capsys):
+    """Under --fsdp each rank holds a slice of the weights, so only all the ranks together know whether every weight
+    is finite. A NaN in rank 1's rows alone (of an export that --init-from reads) makes every step non-finite; at the
+    end no rank saves, and both end with the same "not finite" line."""
+    _, dirs, args = runs
+    export, log_dir = tmp_path / "hf", tmp_path / "log"
+    code, _, err = run_main(["--export-hf", export, "--log-dir", dirs["fsdp"]], capsys)
+    assert code == 0, err
+    weights = safetensors.torch.load_file(export / "model.safetensors")
+    # row 200 of the first MLP's 256 (Hugging Face stores it transposed): rank 1 holds rows 128 to 255, and a block's
+    # weights are split again after each forward pass (the root's, such as the position table, stay whole until the
+    # backward pass: then every rank would see the NaN)
+    weights["transformer.h.0.mlp.c_fc.weight"][0, 200] = float("nan")
+    safetensors.torch.save_file(weights, export / "model.safetensors", metadata={"format": "pt"})
+    result = run_script(args + ["--fsdp", "--init-from", export, "--max-steps", "2", "--log-dir", log_dir],
+                        cwd=tmp_path, nproc=2)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if line] == [
+        "error: the run is not saved at step 2: its weights are not finite (the steps since 0 were non-finite, their "
+        "updates skipped). Lower the learning rate (--max-lr) and start again"] * 2
+    assert checkpoint_files.checkpoint_paths(log_dir) == []
 
 
 @pytest.mark.parametrize("flags, fragments", [

@@ -1,24 +1,28 @@
 """--fsdp on several nodes (HSDP): each tensor split within a node, each node a replica, on the CPU with gloo. 4
 processes as 2 "nodes" of 2: two torchrun launchers (--nnodes=2), and one launcher with --fsdp-shards 2. One run of
 each, chained: the two-node run trains as DDP does and writes each slice once; the single launcher resumes its
-checkpoint bitwise and is stopped by SIGTERM; that checkpoint resumes as FSDP on 4 and on 2 processes and as DDP on
-1. The modern recipe (ShardedMuon on the 2-D mesh) against DDP, with a rank killed outright. The mesh's size, its
-refusals, and the memory benchmark's HSDP column."""
+checkpoint bitwise and is stopped by SIGTERM; that checkpoint resumes as FSDP on 4 processes, on 2 nodes of one
+process (sharded over both), and as DDP on 1. The modern recipe (ShardedMuon on the 2-D mesh) against DDP, with a rank
+killed outright. Launchers of different sizes (2, 1 and 1; 1 and 2), or whose directories hold different files, stopped
+at once in one line. The mesh: its size, what each rank holds on 2 x 1 and 1 x 2, its refusals; and the memory
+benchmark's HSDP column against a hand count."""
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-from types import SimpleNamespace
+import time
 
 import pytest
 
+import train_gpt2
 from helpers import (
     REPO,
     SCRIPT,
     TINY,
     expect_usage_error,
+    last_json,
     load_ckpt,
     needs_muon,
     read_log,
@@ -30,12 +34,13 @@ from helpers import (
     val_records,
     write_shards,
 )
-from machinery import errors, files, fsdp, sharded_checkpoints
+from machinery import errors, files, fsdp, settings, sharded_checkpoints
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
 
 SIGNAL_AT_STEP = os.path.join(REPO, "tests", "scripts", "signal_at_step.py")
+MESH_SLICES = os.path.join(REPO, "tests", "scripts", "mesh_slices.py")
 # 8 steps of 1024 tokens: on 4 processes, 2 accumulation steps of 4 x 32 each (8 on 1 process); a checkpoint every 4
 STEPS = ["--max-steps", "8", "--checkpoint-every", "4", "--total-batch-size", "1024", "--warmup-steps", "2"]
 HSDP_LINE = "HSDP: 2 replicas x 2 shards"
@@ -46,18 +51,20 @@ def shards(tmp_path_factory):
     return write_shards(tmp_path_factory.mktemp("shards"), train_lengths=(9000, 8000), val_length=2000)
 
 
-def two_nodes(args, cwd, out_path, timeout=240):
-    """train_gpt2.py under two torchrun launchers on this machine, each a "node" of 2 processes (--nnodes=2,
-    --node_rank 0 and 1, meeting at 127.0.0.1): their exit codes, and node 0's output (rank 0's lines) in out_path."""
+def nodes(sizes, args, cwd, out_path, timeout=240):
+    """train_gpt2.py under one torchrun launcher per "node" on this machine, sizes[i] processes on node i
+    (--nnodes=len(sizes), meeting at 127.0.0.1), in cwd (or cwd[i], a node's own directory): their exit codes, and
+    node 0's output (rank 0's lines) in out_path, node i's in out_path.node{i}."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launchers = []
-    for node in (0, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+    for node, size in enumerate(sizes):
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(sizes)}", f"--nproc_per_node={size}",
                    f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, *args]
-        with open(out_path if node == 0 else f"{out_path}.node1", "w") as out:
-            launchers.append(start_command([str(word) for word in command], cwd, script_env(), stdout=out,
+        with open(out_path if node == 0 else f"{out_path}.node{node}", "w") as out:
+            where = cwd[node] if isinstance(cwd, list) else cwd
+            launchers.append(start_command([str(word) for word in command], where, script_env(), stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True))
     try:
         return [launcher.wait(timeout) for launcher in launchers]
@@ -65,6 +72,11 @@ def two_nodes(args, cwd, out_path, timeout=240):
         for launcher in launchers:
             if launcher.poll() is None:
                 os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def node_outputs(out_path, count):
+    """What each node's launcher printed (nodes' out_path), node 0's first."""
+    return [open(out_path if node == 0 else f"{out_path}.node{node}").read() for node in range(count)]
 
 
 def copy_checkpoint(source_dir, step, log_dir):
@@ -85,8 +97,8 @@ def runs(shards, tmp_path_factory):
     result = run_script(args + ["--log-dir", root / "ddp"], cwd=root, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
     done["ddp"] = root / "ddp", result.stdout
-    codes = two_nodes(args + ["--fsdp", "--log-dir", root / "nodes"], root, root / "nodes.out")
-    assert codes == [0, 0], (root / "nodes.out").read_text()[-3000:] + (root / "nodes.out.node1").read_text()[-3000:]
+    codes = nodes([2, 2], args + ["--fsdp", "--log-dir", root / "nodes"], root, root / "nodes.out")
+    assert codes == [0, 0], "".join(out[-3000:] for out in node_outputs(root / "nodes.out", 2))
     done["nodes"] = root / "nodes", (root / "nodes.out").read_text()
     copy_checkpoint(root / "nodes", 4, root / "one_launcher")
     hsdp = ["--fsdp", "--fsdp-shards", "2", "--log-dir", root / "one_launcher"]
@@ -108,7 +120,7 @@ def test_hsdp_on_two_nodes_trains_as_ddp_does_and_writes_each_slice_once(runs):
     (0 and 1): the second replica's hold the same slices."""
     _, _, done = runs
     (nodes, out), (ddp, _) = done["nodes"], done["ddp"]
-    mesh_line = f"{HSDP_LINE} (each tensor split over 2 processes: the processes of a node, torchrun's LOCAL_WORLD_SIZE"
+    mesh_line = f"{HSDP_LINE} (each tensor split over 2 processes: a node's 2 processes, torchrun's LOCAL_WORLD_SIZE=2;"
     assert out.index(mesh_line) < out.index("training from scratch")  # the run's first lines (torchrun's may precede)
     hsdp_records, ddp_records = train_records(read_log(nodes)), train_records(read_log(ddp))
     assert sorted(hsdp_records) == list(range(8))
@@ -133,7 +145,7 @@ def test_hsdp_resumes_bitwise_on_the_same_layout_then_stops_on_sigterm(runs):
     after that step, with a checkpoint of step 6."""
     _, _, done = runs
     (one_launcher, out), (nodes, _) = done["one_launcher"], done["nodes"]
-    assert out.splitlines()[0].startswith(f"{HSDP_LINE} (each tensor split over 2 processes: --fsdp-shards;")
+    assert out.splitlines()[0].startswith(f"{HSDP_LINE} (each tensor split over 2 processes: --fsdp-shards 2;")
     assert "resuming from the checkpoint of step 4" in out
     resumed, whole = train_records(read_log(one_launcher)), train_records(read_log(nodes))
     assert sorted(resumed) == [4, 5]
@@ -145,41 +157,48 @@ def test_hsdp_resumes_bitwise_on_the_same_layout_then_stops_on_sigterm(runs):
                                                                     "__2_0.distcp", "__3_0.distcp", "run.pt"]
 
 
-@pytest.mark.parametrize("layout, nproc, flags", [
+@pytest.mark.parametrize("layout, processes, flags", [
     ("fsdp_4", 4, ["--fsdp", "--fsdp-shards", "0"]),  # every rank one shard group, as FSDP on one node
-    ("fsdp_2", 2, ["--fsdp"]),  # one node: the default is FSDP
+    ("nodes_of_one", "1,1", ["--fsdp"]),  # 2 nodes of one process (tests/scripts/ranks.py's): FSDP over both
     ("ddp_1", 1, []),
 ])
-def test_the_sigterm_checkpoint_resumes_on_another_layout(runs, tmp_path, capsys, layout, nproc, flags):
-    """HSDP 2 x 2's checkpoint of step 6 (the SIGTERM's) trains on as FSDP on 4 processes, on 2, and as DDP on one
-    (no --fsdp): the weights and the optimizer state split anew by name, the data position kept. Steps 6 and 7 are
-    DDP's on 4 processes within float32's reduction order, and the final checkpoint's data position is DDP's. On 2,
-    a later checkpoint cut short is skipped."""
+def test_the_sigterm_checkpoint_resumes_on_another_layout(runs, tmp_path, capsys, layout, processes, flags):
+    """HSDP 2 x 2's checkpoint of step 6 (the SIGTERM's) trains on as FSDP on 4 processes, on 2 nodes of one process
+    each, and as DDP on one (no --fsdp): the weights and the optimizer state split anew by name, the data position
+    kept. Steps 6 and 7 are DDP's on 4 processes within float32's reduction order, and the final checkpoint's data
+    position is DDP's. Nodes of one process (one GPU each) shard over both, as the run's first line says, each rank
+    writing its half (a shard group of one would have held whole copies, written by rank 0 alone); there a later
+    checkpoint cut short is skipped."""
     _, args, done = runs
     log_dir = tmp_path / layout
     copy_checkpoint(done["one_launcher"][0], 6, log_dir)
     damaged = log_dir / "ckpt_000007.dcp"
-    if layout == "fsdp_2":
+    if layout == "nodes_of_one":
         shutil.copytree(log_dir / "ckpt_000006.dcp", damaged)
         os.truncate(damaged / "__1_0.distcp", 1000)
     argv = args + flags + ["--log-dir", log_dir]
-    if nproc == 1:
+    if processes == 1:
         code, out, err = run_main(argv, capsys)
         assert code == 0, err
     else:
-        result = run_script(argv, cwd=tmp_path, nproc=nproc)
+        result = run_script(argv, cwd=tmp_path, nproc=processes)
         assert result.returncode == 0, result.stderr[-3000:]
         out = result.stdout
-    assert "resuming from the checkpoint of step 6" in out and HSDP_LINE not in out
+    if layout == "nodes_of_one":
+        assert "FSDP: each tensor split over all 2 processes (a node of one process, torchrun's LOCAL_WORLD_SIZE=1, " \
+               "shards nothing alone; --fsdp-shards 1 would keep whole copies on each, as DDP does)" in out
+        slices = [os.path.getsize(log_dir / "ckpt_000008.dcp" / f"__{rank}_0.distcp") for rank in (0, 1)]
+        assert min(slices) > 0.4 * sum(slices), slices
+    assert "resuming from the checkpoint of step 6" in out and "HSDP" not in out
     assert (f"warning: skipping unreadable checkpoint {damaged} (__1_0.distcp is cut short" in out) == \
-        (layout == "fsdp_2")
+        (layout == "nodes_of_one")
     ddp_dir = done["ddp"][0]
     resumed, ddp = train_records(read_log(log_dir)), train_records(read_log(ddp_dir))
     assert sorted(resumed) == [6, 7]
     assert_losses_close(resumed, ddp, [6, 7])
     assert val_records(read_log(log_dir))[8]["val_loss"] == pytest.approx(
         val_records(read_log(ddp_dir))[8]["val_loss"], abs=1e-5)
-    final = log_dir / ("ckpt_000008.pt" if nproc == 1 else "ckpt_000008.dcp/run.pt")
+    final = log_dir / ("ckpt_000008.pt" if processes == 1 else "ckpt_000008.dcp/run.pt")
     assert load_ckpt(final)["stream"] == load_ckpt(ddp_dir / "ckpt_000008.pt")["stream"]
 
 
@@ -216,42 +235,120 @@ def test_the_modern_recipe_under_hsdp_and_a_rank_killed_outright(shards, tmp_pat
     assert_losses_close(resumed, ddp, [7], tolerance=1e-3)
 
 
-def mesh(monkeypatch, world_size, fsdp_shards=None, local_world_size=None):
-    """fsdp.mesh_shape of --fsdp-shards on world_size processes, local_world_size of them a node (None: unset)."""
+@pytest.mark.parametrize("sizes, fragments", [
+    ([2, 1, 1], ["--fsdp-shards 2 on ranks 0-1 (", "LOCAL_WORLD_SIZE=2", "0 on ranks 2-3 (", "LOCAL_WORLD_SIZE=1"]),
+    ([1, 2], ["--fsdp-shards 0 on rank 0 (", "LOCAL_WORLD_SIZE=1", "2 on ranks 1-2 (", "LOCAL_WORLD_SIZE=2"]),
+])
+def test_nodes_of_different_sizes_stop_every_rank_at_once_in_one_line(shards, tmp_path, sizes, fragments):
+    """--fsdp shards within a node by default, so torchrun launchers of 2, 1 and 1 processes (or 1 then 2) each
+    decided a mesh of their own, and waited for the others in different collectives, for the process group's hour
+    (or died of a gloo traceback). Every rank now compares its settings with the others' before any collective reads
+    them: each ends within seconds with the same line, naming each node's processes and what to pass."""
+    started = time.monotonic()
+    batch = ["--batch-size", "2", "--total-batch-size", "768"]  # 2 x 32 tokens on 3 or 4 processes
+    codes = nodes(sizes, TINY + ["--data", shards, *batch, "--fsdp", "--log-dir", tmp_path / "log"], tmp_path,
+                  tmp_path / "out")
+    elapsed = time.monotonic() - started
+    outputs = node_outputs(tmp_path / "out", len(sizes))
+    assert all(code != 0 for code in codes) and elapsed < 120, (codes, elapsed, outputs)
+    ours = [out.split("torch/distributed/elastic")[0] for out in outputs]  # torchrun's own report follows
+    lines = [line for out in ours for line in out.splitlines() if line.startswith("error: ")]
+    assert len(lines) >= len(sizes) and len(set(lines)) == 1, outputs
+    assert "Traceback" not in "".join(ours) and "HSDP" not in "".join(ours), outputs
+    for fragment in fragments + ["pass --fsdp-shards with one value on every node", "--nproc_per_node"]:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_nodes_that_hold_different_files_stop_every_rank_at_once_in_one_line(shards, tmp_path):
+    """The presets depend on what a node's disk holds: without --data, a node whose directory has edu_fineweb10B/
+    trains on it with the file's settings, and one without it tiny Shakespeare with SHAKESPEARE's. Two launchers of
+    one process each (DDP) in such directories: each rank ends at once with the same line, naming settings they
+    decided apart, what made each rank's, and what to do."""
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(shards, node_dirs[0] / "edu_fineweb10B")
+    node_dirs[1].mkdir()
+    started = time.monotonic()
+    codes = nodes([1, 1], TINY + ["--log-dir", tmp_path / "log"], node_dirs, tmp_path / "out")
+    elapsed = time.monotonic() - started
+    outputs = node_outputs(tmp_path / "out", 2)
+    assert codes[0] != 0 and codes[1] != 0 and elapsed < 120, (codes, elapsed, outputs)
+    lines = [line for out in outputs for line in out.split("torch/distributed/elastic")[0].splitlines()
+             if line.startswith("error: ")]
+    assert len(lines) == 2 and len(set(lines)) == 1 and "Traceback" not in outputs[0].split("torch/distributed")[0]
+    for fragment in ["--data edu_fineweb10B on rank 0 (the file's default), ", " on rank 1 (preset SHAKESPEARE (",
+                     "--max-steps 19073 on rank 0", "or start every node alike (the same --nproc_per_node, GPUs and "
+                     "--data)"]:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_the_mesh_splits_each_tensor_over_its_shard_group_and_copies_it_over_the_replicas(tmp_path):
+    """On 2 processes, --fsdp-shards 1 is HSDP 2 x 1: a mesh of "replicate" 2 by "shard" 1, and each rank holds every
+    row of each weight; --fsdp-shards 2 is FSDP's one group of 2, each rank half the rows. A mesh built (shards,
+    replicas) would split each tensor over the replicas instead: on 4 nodes of 8, over half a node, copied 8 times."""
+    found = last_json(run_script(["1", "2"], cwd=tmp_path, nproc=2, timeout=120, script=MESH_SLICES))
+    assert found == {"1": [{"mesh": {"replicate": 2, "shard": 1}, "rows": [0, 256]}] * 2,  # the MLP's 4 x 64 rows
+                     "2": [{"mesh": {"shard": 2}, "rows": [0, 128]}, {"mesh": {"shard": 2}, "rows": [128, 256]}]}
+
+
+def mesh(monkeypatch, world_size, flags=(), local_world_size=None):
+    """fsdp.mesh_shape of --fsdp and flags as settings.resolve resolves them on world_size processes, local_world_size
+    of them a node (None: unset), and the mesh's line among the run's first lines (None if there is none)."""
     if local_world_size is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
-    return fsdp.mesh_shape(SimpleNamespace(fsdp_shards=fsdp_shards), SimpleNamespace(world_size=world_size))
+    env = train_gpt2.Env(0, 0, world_size, "cpu", "cpu")
+    draft = train_gpt2.layered_config(*train_gpt2.parse_args([
+        *TINY, "--data", "unread", "--batch-size", "1", "--total-batch-size", "4096", "--fsdp", *map(str, flags)]), env)
+    cfg, lines = settings.resolve(draft, env, train_gpt2.RECIPES, (fsdp.check_settings,))
+    return fsdp.mesh_shape(cfg, env), next((line for line in lines if line.startswith(("HSDP", "FSDP"))), None)
 
 
 def test_the_mesh_shards_within_a_node_unless_told_otherwise(monkeypatch):
     """(replicas, shards): a node's processes (torchrun's LOCAL_WORLD_SIZE) by default, --fsdp-shards N's groups,
-    0's all of them; one node, or none under torchrun, is FSDP's one group."""
-    assert mesh(monkeypatch, 32, local_world_size=8) == (4, 8)
-    assert mesh(monkeypatch, 8, local_world_size=8) == (1, 8)
-    assert mesh(monkeypatch, 1) == (1, 1)
-    assert mesh(monkeypatch, 32, fsdp_shards=16, local_world_size=8) == (2, 16)
-    assert mesh(monkeypatch, 32, fsdp_shards=0, local_world_size=8) == (1, 32)
-    assert mesh(monkeypatch, 4, fsdp_shards=1) == (4, 1)  # every process a whole replica, as DDP
-    with pytest.raises(errors.UsageError, match=r"^--fsdp-shards 3 does not divide the 32 process\(es\)"):
-        mesh(monkeypatch, 32, fsdp_shards=3, local_world_size=8)
-    with pytest.raises(errors.UsageError, match=r"^torchrun's LOCAL_WORLD_SIZE=3 does not divide the 32 process"):
+    0's all of them; one node, or none under torchrun, is FSDP's one group. Nodes of one process (one GPU each) shard
+    over all the processes, unless --fsdp-shards 1 asks for whole copies; the run's first line says which."""
+    assert mesh(monkeypatch, 32, local_world_size=8) == ((4, 8), "HSDP: 4 replicas x 8 shards (each tensor split over "
+                                                         "8 processes: a node's 8 processes, torchrun's "
+                                                         "LOCAL_WORLD_SIZE=8; --fsdp-shards 0 splits it over all 32)")
+    assert mesh(monkeypatch, 8, local_world_size=8) == ((1, 8), None)
+    assert mesh(monkeypatch, 1) == ((1, 1), None)
+    assert mesh(monkeypatch, 32, ["--fsdp-shards", 16], 8)[0] == (2, 16)
+    assert mesh(monkeypatch, 32, ["--fsdp-shards", 0], 8) == ((1, 32), None)
+    assert mesh(monkeypatch, 4, ["--fsdp-shards", 1]) == ((4, 1), "HSDP: 4 replicas x 1 shard (--fsdp-shards 1): each "
+                                                         "process holds whole copies of the weights, gradients and "
+                                                         "optimizer state, as under DDP; --fsdp-shards 0 splits them "
+                                                         "over all 4")
+    assert mesh(monkeypatch, 4, local_world_size=1) == ((1, 4), "FSDP: each tensor split over all 4 processes (a node "
+                                                        "of one process, torchrun's LOCAL_WORLD_SIZE=1, shards nothing "
+                                                        "alone; --fsdp-shards 1 would keep whole copies on each, as "
+                                                        "DDP does)")
+    assert mesh(monkeypatch, 4, ["--fsdp-shards", 1], 1)[0] == (4, 1)
+    with pytest.raises(errors.UsageError, match=r"^--fsdp's shard groups of 3 \(--fsdp-shards 3\) do not divide the 32 "
+                                                  r"process\(es\); pass --fsdp-shards with a divisor of 32"):
+        mesh(monkeypatch, 32, ["--fsdp-shards", 3], 8)
+    with pytest.raises(errors.UsageError, match=r"^--fsdp's shard groups of 3 \(a node's 3 processes, torchrun's "
+                                                  r"LOCAL_WORLD_SIZE=3\) do not divide the 32 process"):
         mesh(monkeypatch, 32, local_world_size=3)
+    with pytest.raises(errors.UsageError, match=r"^--fsdp-shards must be zero or more, not -2; pass a divisor of "):
+        mesh(monkeypatch, 4, ["--fsdp-shards", -2])  # without its check: a mesh of (-2, -2)
 
 
 @pytest.mark.parametrize("flags, environment, fragments", [
-    (["--fsdp", "--fsdp-shards", "2"], {}, ["--fsdp-shards 2 does not divide the 1 process(es) into groups",
-                                            "or 0 to shard over all of them"]),
+    (["--fsdp", "--fsdp-shards", "2"], {}, ["--fsdp's shard groups of 2 (--fsdp-shards 2) do not divide the 1 "
+                                            "process(es)", "or 0 to shard over all of them"]),
+    (["--fsdp", "--fsdp-shards", "-1"], {}, ["--fsdp-shards must be zero or more, not -1"]),  # else (-1, -1) on one
     (["--fsdp-shards", "1"], {}, ["--fsdp-shards 1 splits --fsdp's tensors, and --fsdp is off"]),
+    (["--fsdp-shards", "0"], {}, ["--fsdp-shards 0 splits --fsdp's tensors, and --fsdp is off"]),  # 0, not falsy
     (["--fsdp"], {"LOCAL_WORLD_SIZE": "two"}, ["LOCAL_WORLD_SIZE='two' in the environment is not a positive whole",
-                                               "pass --fsdp-shards"]),
+                                               "unset it"]),
+    (["--fsdp", "--fsdp-shards", "2"], {"LOCAL_WORLD_SIZE": "0"}, ["LOCAL_WORLD_SIZE='0' in the environment"]),
 ])
 def test_a_mesh_that_cannot_be_is_refused_in_one_line(shards, tmp_path, capsys, monkeypatch, flags, environment,
                                                       fragments):
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path, *flags], capsys, *fragments)
+    expect_usage_error(TINY + ["--data", shards, "--log-dir", tmp_path, "--max-steps", "1", *flags], capsys, *fragments)
 
 
 def test_the_memory_benchmark_gives_hsdps_memory_beside_fsdps_and_ddps(capsys):
@@ -268,9 +365,26 @@ def test_the_memory_benchmark_gives_hsdps_memory_beside_fsdps_and_ddps(capsys):
     weights = [float(gib) * 2**30 for gib in table["weights (fp32)"]]
     assert weights[0] == pytest.approx(4 * n, rel=1e-3) and weights[1] == pytest.approx(4 * n / 32, rel=2e-2)
     assert weights[2] == pytest.approx(4 * n / 8, rel=1e-2)
-    eight = {key: row[1] for key, row in memory.memory_rows(memory.parse_args(
-        ["--world-size", "8", "--batch-size", "4", "--accumulation-steps", "4"]))[1].items()}
     _, rows = memory.memory_rows(memory.parse_args(["--world-size", "32", "--shards", "8", "--batch-size", "4",
                                                     "--accumulation-steps", "4"]))
-    assert {key: row[2] for key, row in rows.items()} == eight
+    assert {key: row[2] for key, row in rows.items()} == hsdp_by_hand(n_layer=48, C=1600, V=50304, B=4, T=1024,
+                                                                       shards=8)
     assert rows["activations"][1] == rows["activations"][2] and rows["total"][1] < rows["total"][2] < rows["total"][0]
+
+
+def hsdp_by_hand(n_layer, C, V, B, T, shards):
+    """The bytes per rank of GPT-2's recipe under HSDP with more than one accumulation step, counted by hand as
+    docs/fsdp.md's table lays them out, for sizes whose rows every shard count divides: each of a group's shards ranks
+    holds 1/shards of the fp32 weights, gradients and AdamW's two moments; the root (the tied embedding, the position
+    table and the final norm, T positions of them) gathered in fp32 and two blocks in bf16; every gradient whole in
+    fp32 between micro-steps; autocast's bf16 copy of the root; 36*C bytes per token per layer and 6*C outside them;
+    the bf16 logits."""
+    blocks, rest = n_layer * (12 * C * C + 13 * C), V * C + T * C + 2 * C
+    n = blocks + rest
+    rows = {"weights": 4 * n // shards, "gradients": 4 * n // shards, "optimizer": 8 * n // shards,
+            "ddp_buckets": None, "fsdp_gathered": 4 * rest + 2 * 2 * blocks // n_layer, "fsdp_accumulation": 4 * n,
+            "bf16_copies": 2 * rest}
+    rows["model_state"] = sum(value or 0 for value in rows.values())
+    rows.update(activations=(36 * n_layer + 6) * C * B * T, logits=2 * B * T * V)
+    rows["total"] = rows["model_state"] + rows["activations"] + rows["logits"]
+    return rows

@@ -337,34 +337,69 @@ def test_no_resume_moves_the_old_log_dir_aside(shards, tmp_path, capsys, monkeyp
     assert sorted(os.listdir(second_aside)) == ["ckpt_000001.pt", "log.jsonl"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda signum: signum.name)
-def test_a_signal_as_a_fresh_start_moves_the_old_run_aside_leaves_it_whole(shards, tmp_path, capsys, signum):
-    """--no-resume waits for a reader loading a checkpoint (--eval-only of the latest) before moving it aside. Ctrl-C
-    then had moved ckpt_000002.pt aside and left ckpt_000004.pt and log.jsonl, with a KeyboardInterrupt traceback (and
-    SIGTERM, no line): a plain rerun resumed the half left behind. Each file is waited for before any is moved, so a
-    signal in the wait moves none, and says so in one line."""
+def fresh_start_waiting_for_a_reader(shards, tmp_path, capsys, nproc):
+    """A finished run in tmp_path/log, its latest checkpoint held as --eval-only holds it as it loads it, and
+    --no-resume started on it in nproc ranks, waiting for that reader: (its args, its process, the reader, {rank: pid},
+    {name: bytes} of the old run's files)."""
     log_dir = tmp_path / "log"
     args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "2", "--max-steps", "4"]
     assert run_main(args, capsys)[0] == 0
     before = {name: (log_dir / name).read_bytes() for name in ("ckpt_000002.pt", "ckpt_000004.pt", "log.jsonl")}
-    reader = checkpoint_files.CheckpointReadLock(checkpoint_path(log_dir, 4))  # as --eval-only holds it as it loads it
-    process = start_script(args + ["--no-resume"], tmp_path, tmp_path / "out.txt")
+    reader = checkpoint_files.CheckpointReadLock(checkpoint_path(log_dir, 4))
+    with open(tmp_path / "out.txt", "w") as out:
+        process = start_command(script_command(args + ["--no-resume"], nproc), tmp_path, script_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
+    wait_for_output(process, tmp_path / "out.txt", "waiting for a process that is loading")
+    pids = {0: process.pid} if nproc == 1 else ranks_of(process.pid, log_dir)
+    assert sorted(pids) == list(range(nproc)), pids
+    return args, process, reader, pids, before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda signum: signum.name)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1rank", "2ranks"])
+def test_a_signal_as_a_fresh_start_moves_the_old_run_aside_leaves_it_whole(shards, tmp_path, capsys, signum, nproc):
+    """--no-resume waits for a reader loading a checkpoint (--eval-only of the latest) before moving it aside. Ctrl-C
+    then had moved ckpt_000002.pt aside and left ckpt_000004.pt and log.jsonl, with a KeyboardInterrupt traceback (and
+    SIGTERM, no line): a plain rerun resumed the half left behind. Each file is waited for before any is moved, so a
+    signal in the wait moves none, and says so in one line. Under torchrun, a rank other than 0 waited with Python's
+    own handlers: Ctrl-C gave it a KeyboardInterrupt traceback, and rank 0 another as that rank left, and no line."""
+    log_dir = tmp_path / "log"
+    _, process, reader, pids, before = fresh_start_waiting_for_a_reader(shards, tmp_path, capsys, nproc)
     try:
-        while "waiting for a process that is loading" not in (tmp_path / "out.txt").read_text():
-            assert process.poll() is None, (tmp_path / "out.txt").read_text()
-            time.sleep(0.01)
-        process.send_signal(signum)
-        assert process.wait(60) == 2
+        for pid in pids.values():  # as a terminal's Ctrl-C reaches every worker
+            os.kill(pid, signum)
+        assert process.wait(60) == 2, (tmp_path / "out.txt").read_text()
     finally:
         reader.release()
         process.kill()
     out = (tmp_path / "out.txt").read_text()
-    assert "Traceback" not in out
-    assert [line for line in out.splitlines() if line.startswith("error: ")] == [
+    assert "Traceback" not in out, out
+    assert [line for line in out.splitlines() if line.startswith("error: ")] == nproc * [
         f"error: starting fresh: stopped by {signal.Signals(signum).name} before the old run's files were moved aside; "
-        f"they stay in {log_dir}, as they were"]
+        f"they stay in {log_dir}, as they were"], out
     assert {name: (log_dir / name).read_bytes() for name in os.listdir(log_dir) if name != ".lock"} == before
     assert sorted(os.listdir(tmp_path)) == ["data", "log", "out.txt"]  # no directory aside
+
+
+def test_a_signal_to_another_rank_as_rank_0_moves_the_old_run_aside_stops_the_run_at_its_first_step(shards, tmp_path,
+                                                                                                      capsys):
+    """A signal that reaches rank 1 alone while rank 0 waits to move the old run aside is kept, not lost (the run
+    trained on to --max-steps) nor a traceback: rank 0 moves the old run whole, and both ranks stop after the first
+    step, saved, as a signal during training stops them."""
+    _, process, reader, pids, before = fresh_start_waiting_for_a_reader(shards, tmp_path, capsys, nproc=2)
+    try:
+        os.kill(pids[1], signal.SIGINT)
+        time.sleep(0.5)  # handled while rank 0 still waits
+        reader.release()
+        assert process.wait(60) == 0, (tmp_path / "out.txt").read_text()
+    finally:
+        reader.release()
+        process.kill()
+    out = (tmp_path / "out.txt").read_text()
+    assert "Traceback" not in out and "stopped by signal at step 1, checkpoint saved" in out, out
+    aside = re.search(r"aside to (\S+)", out).group(1)
+    assert {name: open(os.path.join(aside, name), "rb").read() for name in os.listdir(aside)} == before
+    assert checkpoint_names(tmp_path / "log") == ["ckpt_000001.pt"]
 
 
 def worker_pids(agent_pid):
@@ -515,6 +550,8 @@ def test_the_end_is_saved_before_its_evaluations_and_a_signal_stops_them(shards,
             proc.kill()
     assert proc.wait(30) == 0, open(out).read()[-3000:]
     printed = open(out).read()
+    saved, validated = printed.index(f"saved {checkpoint_path(log_dir, 3)} "), printed.index("step     3 | val loss")
+    assert saved < validated  # before the evaluations: SIGKILL at the end of the grace period loses nothing
     assert "stopped by signal at step 3 (the last: only its final evaluation is left), checkpoint saved" in printed
     assert "--- sample" not in printed and "Traceback" not in printed, printed[-3000:]
     assert checkpoint_names(log_dir) == ["ckpt_000003.pt"]

@@ -424,6 +424,19 @@ def test_torchruns_variables_set_by_hand_are_refused_in_one_line(shards, tmp_pat
     assert not (tmp_path / "log").exists() and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("port", ["0", "65536", "70000"])
+def test_a_master_port_out_of_range_is_refused_in_one_line(tmp_path, port):
+    """MASTER_PORT=70000 or 65536 ended in torch's ValueError traceback, and MASTER_PORT=0 left rank 0 waiting the
+    process group's hour, on a port of the system's choosing, for ranks that cannot know it. (A process: an in-process
+    run would hang the tests where the check is missing.)"""
+    env = dict(script_env(), **dict(MEETING, MASTER_PORT=port))
+    result = run_command(script_command(TINY + ["--data", tmp_path, "--log-dir", tmp_path / "log"]), tmp_path, env,
+                         timeout=60)
+    check_usage_error(result.returncode, result.stdout, result.stderr,
+                      f"MASTER_PORT='{port}' in the environment is not a port number (1 to 65535)",
+                      "start the run with torchrun, which sets it (--master_port), or unset WORLD_SIZE")
+
+
 def test_a_master_addr_that_does_not_resolve_is_refused_in_one_line(tmp_path):
     """Before, c10d retried it for the process group's hour, with its warnings and no line of the trainer's own."""
     env = dict(script_env(), **MEETING)

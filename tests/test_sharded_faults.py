@@ -57,7 +57,8 @@ def test_the_end_is_saved_whole_before_its_evaluations_then_its_run_file_alone(t
     output = (log_dir.parent / "run.out").read_text()
     saved = [line for line in output.splitlines() if line.startswith(f"saved {end} ")]
     assert len(saved) == 2 and "MiB in" in saved[0], saved
-    assert saved[1].startswith(f"saved {end} (its run.pt again, its slices as written: "), saved
+    assert saved[1].startswith(f"saved {end} again, with its step's evaluations (its run.pt alone, its slices as "
+                               f"written: "), saved
     ckpt = checkpoints.load(str(end))
     assert ckpt["evaluated"] and ckpt["val_step"] == 6 and checkpoints.damage(ckpt, str(end)) is None
     assert sorted(ckpt["checksums"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]

@@ -88,6 +88,17 @@ def test_cuda_defaults_to_the_chunked_loss_and_a_growing_micro_batch(tmp_path, m
     assert (cfg.loss, cfg.grow_batch_size) == (loss, grow)
 
 
+@pytest.mark.parametrize("capability", [(7, 0), (7, 5)], ids=["V100", "T4"])
+def test_a_card_without_bf16_defaults_to_fp16_and_the_full_loss(tmp_path, monkeypatch, capability):
+    """A V100 or a T4 has no bf16: the default run takes fp16, and so the full loss. The loss decided by the flag's
+    dtype (auto) rather than the one resolved made it the chunked one, and a V100's default run was refused by its own
+    defaults ("--loss chunked cannot run with --dtype fp16")."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    cfg = resolved(["--data", tmp_path], CUDA)
+    assert (cfg.dtype, cfg.loss, cfg.grow_batch_size) == ("fp16", "full", True)
+
+
 def test_elsewhere_the_full_loss_and_the_micro_batch_as_given(tmp_path):
     """A CPU runs the chunked loss at half the full one's speed (the quick start's step)."""
     cfg = resolved(["--data", tmp_path], CPU)

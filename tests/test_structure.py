@@ -93,6 +93,18 @@ def test_benchmarks_use_only_the_trainers_names_listed_here():
         assert names <= TRAINER_NAMES, f"{os.path.basename(path)} uses {sorted(names - TRAINER_NAMES)} of train_gpt2"
 
 
+def test_every_script_finds_the_repository_through_a_link_to_it():
+    """A path taken from __file__ goes through os.path.realpath: run through a link in another directory, a script
+    looked for input.txt, or for the modules it imports, beside the link (test_train.py runs one so)."""
+    paths = [os.path.join(REPO, f"{name}.py") for name in SCRIPTS]
+    paths += [path for folder in FOLDERS + ("benchmarks",) for path in glob.glob(os.path.join(REPO, folder, "*.py"))]
+    for path in paths:
+        for node in ast.walk(ast.parse(open(path).read())):
+            of_file = isinstance(node, ast.Call) and any(getattr(arg, "id", None) == "__file__" for arg in node.args)
+            if of_file:
+                assert ast.unparse(node.func) == "os.path.realpath", f"{path}: {ast.unparse(node)}"
+
+
 def modules_run(function):
     """The product's modules whose code runs while function() does (sys.setprofile sees every Python call)."""
     paths = {os.path.abspath(path): name for name, path in product_modules().items()}

@@ -169,6 +169,12 @@ def test_end_to_end_run_writes_log(shards, tmp_path, capsys):
         assert set(r) >= {"step", "val_loss"} and math.isfinite(r["val_loss"])
     assert abs(val[0]["val_loss"] - math.log(VOCAB)) < 0.05
     assert f"step     3/4 | loss {train[3]['train_loss']:.6f}" in out
+    # the end, saved before its evaluations and again with them: said so, not "saved" twice
+    lines, end = out.splitlines(), checkpoint_path(log_dir, 4)
+    evaluated = lines.index(next(line for line in lines if line.startswith("step     4 | val loss")))
+    saves = [(i, line.split(" (")[0]) for i, line in enumerate(lines) if line.startswith(f"saved {end}")]
+    assert [(i < evaluated, said) for i, said in saves] == [
+        (True, f"saved {end}"), (False, f"saved {end} again, with its step's evaluations")], lines
     # the logged first loss is the mean over the whole global batch (2 micro-batches) of the initial model
     torch.manual_seed(1337)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(32, VOCAB, 2, 4, 64))
@@ -350,6 +356,24 @@ def test_default_run_falls_back_to_shakespeare(tmp_path, capsys, monkeypatch):
     assert abs(train_records(records)[0]["train_loss"] - math.log(GPT2_VOCAB)) < 0.3
     assert "no warmup instead" in out  # one step leaves no room for the preset's 50 warmup steps
     assert train_records(records)[0]["lr"] == pytest.approx(2e-3)  # the preset's max_lr
+
+
+def test_a_script_runs_through_a_symlink_in_another_directory(tmp_path):
+    """`ln -s .../train_gpt2.py ~/bin/train.py; python ~/bin/train.py` looked for tiny Shakespeare beside the link
+    (~/bin/input.txt), and a linked benchmark for train_gpt2.py and machinery/ beside it: a script finds the
+    repository from the file a link points to, as Python finds its imports. (test_structure.py checks that every
+    script does.)"""
+    links = tmp_path / "bin"
+    links.mkdir()
+    (links / "train.py").symlink_to(os.path.join(REPO, "train_gpt2.py"))
+    (links / "ladder.py").symlink_to(os.path.join(REPO, "benchmarks", "speed_ladder.py"))
+    tiny = ["--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", "--batch-size", "1",
+            "--total-batch-size", "8", "--val-tokens", "8", "--num-samples", "0", "--device", "cpu"]
+    trained = run_script(tiny + ["--max-steps", "1"], cwd=tmp_path, script=links / "train.py")
+    assert trained.returncode == 0, trained.stderr
+    assert f"data: {REPO}/input.txt, 304,222 training tokens" in trained.stdout, trained.stdout
+    helped = run_script(["--help"], cwd=tmp_path, script=links / "ladder.py")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped.stderr[-2000:]
 
 
 def test_shakespeare_preset_gives_way_to_model_and_init_from(tmp_path, monkeypatch):
