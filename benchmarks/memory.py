@@ -3,7 +3,7 @@ The memory each GPU needs to train a GPT-2 size with DDP (the default) and with 
 and with --shards, with HSDP (--fsdp on several nodes: each tensor split over a node's GPUs): the weights, gradients
 and optimizer state computed from how each lays them out (exact, from the model's own parameters), an estimate of the
 activations, and with --measure, the peak memory and speed of real train_gpt2.py runs on this machine's GPUs beside
-them (DDP's and FSDP's).
+them (DDP's and FSDP's). Below them, the bytes of a checkpoint that each rank writes.
 
     python benchmarks/memory.py                                    # GPT-2 XL on 8 GPUs of 40 GiB at micro-batch 2
     python benchmarks/memory.py --world-size 32 --shards 8         # and on 4 nodes of 8 GPUs, HSDP beside them
@@ -227,6 +227,20 @@ def table(rows, gpu_gib, names):
     return lines
 
 
+CHECKPOINT_LABEL = "checkpoint written per rank"
+CHECKPOINT_NOTE = (
+    "Checkpoint: the fp32 weights and optimizer state that rank 0 writes of each checkpoint (the tied embedding once), "
+    "as the others write as much or none: DDP's rank 0 all of it (ckpt_<step>.pt) and the others nothing; FSDP's ranks "
+    "each their slice; HSDP's first replica its slices, the other replicas nothing. Beside them, rank 0's run.pt: some "
+    "KB.")
+
+
+def checkpoint_bytes(rows):
+    """The bytes rank 0 writes of a checkpoint, for each layout of rows (memory_rows'): its weights and optimizer
+    state, as each layout holds them in memory, since each slice is written by the rank that holds it."""
+    return [weights + optimizer for weights, optimizer in zip(rows["weights"], rows["optimizer"])]
+
+
 def header(args, params):
     blocks, rest = numel(params.blocks), numel(params.rest)
     gpt2 = args.recipe == "gpt2"
@@ -388,8 +402,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     params, rows = memory_rows(args)
-    print("\n".join(header(args, params) + [""] + table(rows, args.gpu_gib, column_names(args)) + [""] +
-                    textwrap.wrap(NOTES, 118)),
+    checkpoint = checkpoint_bytes(rows)
+    print("\n".join(header(args, params) + [""] + table(rows, args.gpu_gib, column_names(args)) +
+                    [line(CHECKPOINT_LABEL, [gib(value) for value in checkpoint]), ""] +
+                    textwrap.wrap(NOTES, 118) + textwrap.wrap(CHECKPOINT_NOTE, 118)),
           flush=True)
     measured = None
     if args.measure:
@@ -399,6 +415,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({**vars(args), "parameters": {"blocks": numel(params.blocks), "rest": numel(params.rest)},
                        "rows_bytes": {key: dict(zip(("ddp", "fsdp", "hsdp"), row)) for key, row in rows.items()},
+                       "checkpoint_bytes_per_rank": dict(zip(("ddp", "fsdp", "hsdp"), checkpoint)),
                        "measured": measured, "torch": torch.__version__}, f, indent=2)
 
 

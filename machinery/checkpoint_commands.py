@@ -11,7 +11,7 @@ import os
 import shlex
 from dataclasses import asdict
 
-from machinery import checkpoints, files, hf_format, log_directory, settings, tokenizer
+from machinery import checkpoints, files, hf_format, log_directory, ranks, settings, tokenizer
 from machinery.errors import UsageError
 
 
@@ -31,10 +31,15 @@ def model_to_sample(cfg, env, model_of):
     it kept none); rank 0 says which it is."""
     settings.require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
     settings.require(cfg, ("batch_size",), lambda v: v > 0, "positive")  # the samples made at a time
-    try:
-        ckpt = checkpoints.load(cfg.sample)
-    except ValueError as e:
-        raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({e})")
+    with ranks.failing_together():
+        try:
+            ckpt = checkpoints.load(cfg.sample)
+        except ValueError as e:
+            raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({e})")
+    damaged = checkpoints.damage(ckpt, cfg.sample, env.rank, env.world_size)
+    if damaged:
+        checkpoints.release(ckpt)
+        raise UsageError(f"--sample {cfg.sample}: cannot load it as a checkpoint ({damaged})")
     model = checkpoints.model_from_checkpoint(ckpt, cfg.sample, model_of).to(env.device)
     if env.rank == 0:
         print(f"checkpoint of step {ckpt['step']} ({checkpoints.val_loss_in_words(ckpt)}), prompt {cfg.prompt!r}")

@@ -3,10 +3,11 @@ Checkpoints and resuming: what a checkpoint holds, saving and pruning it, findin
 run from it, and the signals that end a run with one.
 
 A checkpoint is a file ckpt_<step>.pt; with --fsdp, a directory ckpt_<step>.dcp/ of each rank's slices
-(sharded_checkpoints.py) with run.pt beside them. checkpoint_files.py writes either whole or not at all. A process
-reading one holds it from choosing it until its tensors are loaded (load, release), so that the training beside never
-prunes it under its reader. The run is handed over, and the model is built by the model_of it passes (a checkpoint's
-model_config -> a new model).
+(sharded_checkpoints.py) with run.pt beside them, which holds their checksums. checkpoint_files.py writes either whole
+or not at all. A process reading one holds it from choosing it until its tensors are loaded (load, release), so that
+the training beside never prunes it under its reader, and reads it all back against its checksums before it uses any
+of its tensors (damage), the ranks sharing the work. The run is handed over, and the model is built by the model_of
+it passes (a checkpoint's model_config -> a new model).
 """
 
 import contextlib
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from machinery import checkpoint_files, files, log_directory, settings, sharded_checkpoints
 from machinery.errors import UsageError
-from machinery.ranks import failing_together
+from machinery.ranks import every_rank, failing_together, first_error_of_any_rank
 
 FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
 
@@ -72,7 +73,7 @@ def contents(run, rng_per_rank):
 
 def save(run):
     """Rank 0 writes the checkpoint of run.step, with every rank's RNG states; under FSDP, every rank writes its
-    slices of the weights and optimizer state beside it, in a directory."""
+    slices of the weights and optimizer state beside it, in a directory, unless they are there already."""
     cfg, env = run.cfg, run.env
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if env.device_type == "cuda" else None}
     rng_per_rank = [rng]
@@ -83,21 +84,57 @@ def save(run):
         dist.gather_object(rng, rng_per_rank, dst=0)
     with failing_together():  # a full disk stops every rank; and none goes on before the checkpoint is written
         ckpt = contents(run, rng_per_rank) if run.master else None  # rank 0 alone writes it
-        if cfg.fsdp:
-            sharded = sharded_checkpoints.sharded_contents(run.model, run.optimizers)
+        if not cfg.fsdp:
+            if run.master:
+                checkpoint_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
+                                                  files.tensor_bytes(ckpt), cfg.keep_checkpoints)
+        elif slices_saved(run):
+            if run.master:
+                save_run_file_again(run, ckpt)
+        else:
+            save_sharded(run, ckpt)
 
-            def save_into(directory):  # every rank writes its slices there, and rank 0 all the rest beside them
-                sharded_checkpoints.save(sharded, directory)
-                if run.master:  # through a file object: given a path, torch.save's own stream fails with no errno
-                    with open(os.path.join(directory, "run.pt"), "wb") as f:
-                        torch.save(ckpt, f)
 
-            size = files.tensor_bytes(sharded) * sharded_checkpoints.shards(run.model)  # each slice written once
-            checkpoint_files.write_sharded_checkpoint(cfg.log_dir, run.step, save_into, size, cfg.keep_checkpoints,
-                                                      run.master)
-        elif run.master:
-            checkpoint_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
-                                       files.tensor_bytes(ckpt), cfg.keep_checkpoints)
+def save_sharded(run, ckpt):
+    """Every rank writes its slices of the weights and optimizer state into the checkpoint's directory, and rank 0
+    ckpt (its run.pt) beside them, with the checksums of the slices."""
+    sharded = sharded_checkpoints.sharded_contents(run.model, run.optimizers)
+
+    def save_into(directory):
+        checksums = sharded_checkpoints.save(sharded, directory)
+        if run.master:  # through a file object: given a path, torch.save's own stream fails with no errno
+            with open(os.path.join(directory, "run.pt"), "wb") as f:
+                torch.save({**ckpt, "checksums": checksums}, f)
+
+    size = sharded_checkpoints.written_bytes(sharded, sharded_checkpoints.shards(run.model))
+    checkpoint_files.write_sharded_checkpoint(run.cfg.log_dir, run.step, save_into, size + files.tensor_bytes(ckpt),
+                                              run.cfg.keep_checkpoints, run.env.rank)  # and rank 0's run.pt
+
+
+def slices_saved(run):
+    """Whether --log-dir's checkpoint of run.step holds the run's weights and optimizer state already: this launch
+    saved it, or resumed from it, at this very step, and did its evaluations alone since (the end of a run is saved
+    before them, and again after). Every rank gets rank 0's answer."""
+    path = checkpoint_files.checkpoint_path(run.cfg.log_dir, run.step, sharded=True)
+    return every_rank(run.master and run.saved_step == run.step and os.path.isdir(path))[0]
+
+
+def save_run_file_again(run, ckpt):
+    """Rank 0 writes the run.pt of the checkpoint of run.step anew, with ckpt and the checksums of the slices beside
+    it, which stay as they were written: the weights and optimizer state are not written twice."""
+    path = checkpoint_files.checkpoint_path(run.cfg.log_dir, run.step, sharded=True)
+    kept = torch.load(os.path.join(path, "run.pt"), map_location="cpu", weights_only=True).get("checksums")
+    checkpoint_files.write_run_file(run.cfg.log_dir, run.step, lambda f: torch.save({**ckpt, "checksums": kept}, f),
+                                    files.tensor_bytes(ckpt), run.cfg.keep_checkpoints)
+
+
+def ready_to_save(cfg):
+    """What a save needs, taken at the start (Run.launch): a rank that reaches its open-file limit later could take
+    none of it. A few file descriptors kept for the save (files.DescriptorReserve), and under --fsdp,
+    torch.distributed.checkpoint imported (a second)."""
+    if cfg.fsdp:
+        sharded_checkpoints.checkpoint_modules()
+    return files.DescriptorReserve()
 
 
 def prune(run):
@@ -191,14 +228,14 @@ def val_loss_in_words(ckpt):
     return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"
 
 
-def choose_checkpoint(cfg):
-    """--resume's checkpoint and its path, or the latest readable one in --log-dir ((None, None): there is none)."""
+def choose_checkpoint(cfg, unreadable):
+    """--resume's checkpoint and its path, or the latest readable one in --log-dir but those in unreadable ((None,
+    None): there is none)."""
     if cfg.resume != "auto":
         try:
             return load(cfg.resume), cfg.resume
         except ValueError as e:
             raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
-    unreadable = []
     while True:
         paths = [path for path in checkpoint_files.checkpoint_paths(cfg.log_dir) if path not in unreadable]
         if not paths:
@@ -208,8 +245,25 @@ def choose_checkpoint(cfg):
         except checkpoint_files.CheckpointGone:
             continue  # the training beside pruned it meanwhile, or saved its step again: look again
         except ValueError as e:
-            print(f"warning: skipping unreadable checkpoint {paths[-1]} ({e})")
-            unreadable.append(paths[-1])
+            skip_unreadable(paths[-1], e, unreadable)
+
+
+def skip_unreadable(path, why, unreadable):
+    print(f"warning: skipping unreadable checkpoint {path} ({why})")
+    unreadable.append(path)
+
+
+def damage(ckpt, path, rank=0, world_size=1):
+    """What is damaged in the checkpoint at path (load's ckpt), in words, or None, on every rank: each reads its share
+    of it whole (by bytes), against the checksums written with it, so that no rank reads all of it. torch.save's
+    CRC-32 of each record of a .pt, or of --fsdp's run.pt, which holds those of the slice files beside it. All ranks
+    must call it."""
+    run_pt = os.path.join(path, "run.pt") if ckpt["sharded"] else path
+    parts = files.zip_record_checks(run_pt)
+    if ckpt["sharded"]:
+        parts += sharded_checkpoints.file_checks(path, ckpt.get("checksums"))
+    share = sorted(parts, key=lambda part: part[0], reverse=True)[rank::world_size]  # the largest spread over ranks
+    return first_error_of_any_rank(next(filter(None, (check() for _, check in share)), None))
 
 
 def how_to_resume(cfg):
@@ -222,23 +276,36 @@ def how_to_resume(cfg):
 
 def find_resume_checkpoint(cfg, rank, world_size):
     """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
-    unreadable ones, and every rank loads that same one."""
+    unreadable ones, and every rank loads that same one; they check it whole together (damage) before any of its
+    tensors is used, and fall back past a damaged one too."""
     if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
         return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
-    ckpt, chosen = None, [None]
-    with failing_together():
+    unreadable = []  # rank 0's
+    while True:
+        ckpt, chosen = None, [None]
+        with failing_together():
+            if rank == 0:
+                ckpt, chosen[0] = choose_checkpoint(cfg, unreadable)
+        if world_size > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        path = chosen[0]
+        if path is None:
+            return None, None
+        with failing_together():
+            if rank != 0:
+                try:
+                    ckpt = load(path)
+                except ValueError as e:
+                    raise UsageError(f"rank {rank} cannot read {path}, which rank 0 resumes from ({e}); --log-dir "
+                                     f"must be on a file system every node shares")
+        damaged = damage(ckpt, path, rank, world_size)
+        if damaged is None:
+            return ckpt, path
+        release(ckpt)
+        if cfg.resume != "auto":
+            raise UsageError(f"--resume {path}: cannot load it ({damaged})")
         if rank == 0:
-            ckpt, chosen[0] = choose_checkpoint(cfg)
-    if world_size > 1:
-        dist.broadcast_object_list(chosen, src=0)
-    with failing_together():
-        if rank != 0 and chosen[0] is not None:
-            try:
-                ckpt = load(chosen[0])
-            except ValueError as e:
-                raise UsageError(f"rank {rank} cannot read {chosen[0]}, which rank 0 resumes from ({e}); "
-                                 f"--log-dir must be on a file system every node shares")
-    return ckpt, chosen[0]
+            skip_unreadable(path, damaged, unreadable)
 
 
 def saved_model_config(ckpt, config_class, path):

@@ -1,15 +1,19 @@
 """
 Files: JSON read from files that may be damaged, files written whole or not at all (and what to say when a disk, a
-quota or a file-size limit stops a write), and directory locks.
+quota or a file-size limit stops a write), the open-file limit and descriptors kept for a save, checksums that files
+are read back against, and directory locks.
 """
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
 import shutil
 import socket
+import zipfile
+import zlib
 
 from machinery.errors import UsageError
 
@@ -17,6 +21,10 @@ try:
     import fcntl
 except ImportError:  # Windows: two runs in one directory are not caught there
     fcntl = None
+try:
+    import resource  # here, not where it is used: a process at its open-file limit can import nothing
+except ImportError:  # Windows: an open-file limit is not named
+    resource = None
 
 
 # -----------------------------------------------------------------------------
@@ -159,12 +167,97 @@ def tensor_bytes(obj):
             todo.extend(obj)
     return sum(storages.values())
 
+
 def remove(path):
     """Deletes a file, or a directory and all in it."""
     if os.path.isdir(path):
         shutil.rmtree(path)
     else:
         os.remove(path)
+
+
+# -----------------------------------------------------------------------------
+# The open-file limit (ulimit -n), and descriptors kept for a save
+
+
+def open_file_limit_in_words():
+    """What a process that can open no more files (EMFILE) holds, and how to raise its limit, in words."""
+    if resource is None:
+        return "this process holds as many files as it may"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raise_it = (f"raise it (`ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}` in the shell that "
+                f"starts the run)" if soft < hard else "ask an administrator to raise its hard limit")
+    return f"this process already holds all the {soft} files that its limit allows (ulimit -n {soft}); {raise_it}"
+
+
+def cannot_open_a_file():
+    """Why this process cannot open one more file now, in words (at its open-file limit: which, and what to do); None
+    if it can."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        return f"too many open files: {open_file_limit_in_words()}" if e.errno == errno.EMFILE else e.strerror
+    return None
+
+
+class DescriptorReserve:
+    """A few file descriptors held from the start, their numbers low, and let go while inside released(): a process
+    that reached its open-file limit since (ulimit -n) can still write its checkpoint. A limit below the numbers they
+    had leaves nothing to let go, as no reserve can help there."""
+
+    def __init__(self, count=8):
+        self.count, self.fds = count, []
+        self.reopen()
+
+    def reopen(self):
+        with contextlib.suppress(OSError):  # as many as there is room for again
+            while len(self.fds) < self.count:
+                self.fds.append(os.open(os.devnull, os.O_RDONLY))
+
+    def close(self):
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    @contextlib.contextmanager
+    def released(self):
+        self.close()
+        try:
+            yield
+        finally:
+            self.reopen()
+
+
+# -----------------------------------------------------------------------------
+# Checksums: files read back whole, against what was written
+
+CHUNK = 2**20  # read in pieces that stay in the CPU's cache between the read and the CRC
+
+
+def size_and_crc32(path):
+    """(bytes, CRC-32) of the file at path, read whole in chunks."""
+    crc, size, chunk = 0, 0, bytearray(CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while read := f.readinto(chunk):
+            crc, size = zlib.crc32(memoryview(chunk)[:read], crc), size + read
+    return size, crc
+
+
+def zip_record_checks(path):
+    """[(bytes, check)] for each record of the zip file at path (torch.save's format): check() says why the record does
+    not read back as it was written (its header, its length, its CRC-32), in words, or None. torch.load checks none
+    of them: a damaged tensor loads as it is."""
+    def check(name):
+        try:
+            with zipfile.ZipFile(path) as archive, archive.open(name) as record:
+                while record.read(CHUNK):
+                    pass
+        except (zipfile.BadZipFile, EOFError, OSError) as e:
+            return f"{os.path.basename(path)}'s record {name} is damaged ({e})"
+        return None
+
+    with zipfile.ZipFile(path) as archive:
+        return [(info.file_size, functools.partial(check, info.filename)) for info in archive.infolist()]
 
 
 # -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from machinery import checkpoints, microbatch, ranks, run_log, settings
+from machinery import checkpoints, files, microbatch, ranks, run_log, settings
 from machinery.checkpoint_files import checkpoint_path, latest_checkpoint
 from machinery.errors import DataError, UsageError
 
@@ -56,6 +56,7 @@ class Run:
     saved_step: Optional[int] = None  # the step of the latest checkpoint this launch wrote or resumed from
     saved_evaluated: bool = False  # whether that checkpoint holds its step's evaluations
     stop_signal: Optional[list] = None  # the stop signals caught (checkpoints.catch_stop_signals)
+    descriptors: Optional[files.DescriptorReserve] = None  # kept for saving (checkpoints.ready_to_save)
     stopped: bool = False  # every rank voted to stop on a signal
     launch_start: Optional[float] = None  # when this launch began to train (time.perf_counter())
     step_start: Optional[float] = None  # when the step being taken began
@@ -86,6 +87,7 @@ class Run:
         run_log.start(self, said, self.recipe.named)
         self.first_step, self.saved_step = self.step, self.resumed_from and self.step
         self.saved_evaluated = self.evaluated  # the resumed checkpoint's, as restore set it
+        self.descriptors = checkpoints.ready_to_save(self.cfg)
         self.launch_start = time.perf_counter()
 
     # -------------------------------------------------------------------------
@@ -175,7 +177,7 @@ class Run:
         if result.finite:
             self.nonfinite_since = None
             if self.saved_step == self.step:  # the newest checkpoint's weights trained to a finite loss
-                checkpoints.prune(self)
+                self.prune()
         elif self.nonfinite_since is None:
             self.nonfinite_since = self.step
         left = None
@@ -217,8 +219,13 @@ class Run:
     # Checkpoints
 
     def save(self):
-        checkpoints.save(self)
+        with self.descriptors.released():  # for the files it writes, also at the open-file limit
+            checkpoints.save(self)
         self.saved_step, self.saved_evaluated = self.step, self.evaluated
+
+    def prune(self):
+        with self.descriptors.released():
+            checkpoints.prune(self)
 
     def unsaved(self):
         """Whether the run moved on since its latest checkpoint (this launch's, or the one it resumed from): a step,
@@ -250,13 +257,15 @@ class Run:
     def save_where_it_stops(self):
         """Saves where the run stops (save_if_moved); after a finite step, prunes past --keep-checkpoints."""
         if self.save_if_moved() and self.nonfinite_since is None:
-            checkpoints.prune(self)
+            self.prune()
 
     @contextlib.contextmanager
     def running(self):
         """While the run trains or evaluates: its W&B run open (--wandb-project), and its errors ended in one line,
-        every rank's: a shard gone bad (after saving the run), running out of memory, a rank that died."""
-        with run_log.wandb(self), ranks.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
+        every rank's: a shard gone bad (after saving the run), running out of memory, a rank that died. The
+        descriptors kept for saving are let go after."""
+        with contextlib.closing(self.descriptors), run_log.wandb(self), \
+                ranks.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
                 microbatch.out_of_memory_in_one_line(self.cfg, self), self.saved_if_data_fails():
             yield
 

@@ -10,12 +10,7 @@ import re
 import numpy as np
 
 from machinery.errors import BadFile, DataError, UsageError
-from machinery.files import files_in, lock_holder, parse_json
-
-try:
-    import resource  # here, not where it is used: a process at its open-file limit can import nothing
-except ImportError:  # Windows: an open-file limit is not named
-    resource = None
+from machinery.files import files_in, lock_holder, open_file_limit_in_words, parse_json
 
 # a shard's split is a whole word of its name (x_val_000000.npy, x_train.bin), so that "interval_train" is no val shard
 SPLIT_WORD = re.compile(r"(?:^|[_.-])(train|val)(?=[_.-]|$)")
@@ -65,12 +60,8 @@ def open_shard(path):
 
 def unopenable(path, error):
     """Why the shard at path could not be opened (error: open's), and what to do about it, in words."""
-    if error.errno == errno.EMFILE and resource:  # not the shard's fault: the process holds as many files as it may
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        raise_it = (f"raise it (`ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}` in the shell that "
-                    f"starts the run)" if soft < hard else "ask an administrator to raise its hard limit")
-        return (f"{path}: cannot open this shard: too many open files, this process already holds all the {soft} "
-                f"that its limit allows (ulimit -n {soft}), the shard is fine; {raise_it}")
+    if error.errno == errno.EMFILE:  # not the shard's fault: the process holds as many files as it may
+        return f"{path}: cannot open this shard: too many open files (the shard is fine): {open_file_limit_in_words()}"
     return f"{path}: cannot open this shard ({error.strerror}); {unopenable_fix(path, error)}"
 
 

@@ -1,11 +1,15 @@
 """
 Sharded checkpoints, as --fsdp writes them: a directory of the slices of the weights and optimizer state, each written
 once, with torch.distributed.checkpoint by parameter name (checkpoints.py writes the rest of the checkpoint beside
-them), checked whole before they are read, and read on any number of ranks and any mesh, with or without --fsdp.
+them, with the checksums of these files), checked whole before they are read, and read on any number of ranks and any
+mesh, with or without --fsdp. A tied weight (GPT-2's embedding and head) is stored once, as torch.save stores it.
 """
 
+import functools
 import os
 import warnings
+
+from machinery import files, ranks
 
 # torch.distributed's checkpoint modules take over a second to import, which every launch of the trainer would pay:
 # only sharded checkpoints need them, so the functions here import them (checkpoint_modules)
@@ -24,15 +28,64 @@ def is_sharded(model):
 
 
 
+def tied_names(model):
+    """{name: the name it is tied to} of each parameter that is another's (the GPT-2 recipe's head, its embedding)."""
+    first, tied = {}, {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            tied[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return tied
+
+
 def sharded_contents(model, optimizers=None):
     """FSDP's weights and optimizer state: each rank's own slices, as DTensors named by parameter (not by position),
     which torch.distributed.checkpoint writes and reads on any number of ranks, splitting them anew for that number.
-    A model that is not sharded gets its whole tensors, which it loads such a checkpoint into."""
+    A model that is not sharded gets its whole tensors, which it loads such a checkpoint into. A tied weight is in it
+    once, by its first name: torch.distributed.checkpoint would write it once for each."""
     _, dcp_state = checkpoint_modules()
-    contents = {"model": dcp_state.get_model_state_dict(model)}
+    weights = dcp_state.get_model_state_dict(model)
+    for name in tied_names(model):
+        weights.pop(name, None)
+    contents = {"model": weights}
     if optimizers is not None:
         contents["optimizers"] = dcp_state.get_optimizer_state_dict(model, optimizers)
     return contents
+
+
+INDEX_BYTES = 280  # about what an entry adds to the index, .metadata (torch 2.13: 270 to 290)
+
+
+@functools.cache
+def entry_bytes():
+    """The bytes that writing an entry adds to its own: each is in torch.save's format (a zip archive, some 1.5 KB
+    of it around the data), with its line in the index."""
+    import io
+
+    import torch
+
+    archive = io.BytesIO()
+    torch.save(torch.empty(0), archive)
+    return len(archive.getvalue()) + INDEX_BYTES
+
+
+def written_bytes(contents, shards):
+    """About the bytes that all ranks write of contents (sharded_contents), as torch.distributed.checkpoint writes
+    them: each entry on its own (two that share a storage twice), the slices of the DTensors by the shards ranks of
+    one replica, the rest once."""
+    slices, rest, todo = 0, 0, [contents]
+    while todo:
+        entry = todo.pop()
+        if isinstance(entry, dict):
+            todo.extend(entry.values())
+        elif isinstance(entry, list) and any(isinstance(item, dict) for item in entry):  # the optimizers' groups
+            todo.extend(entry)
+        elif hasattr(entry, "to_local"):  # a DTensor: this rank's slice, as large as any other's or larger
+            slices += entry.to_local().nbytes + entry_bytes()
+        else:  # a tensor, or a value (a learning rate, the names of a group's parameters)
+            rest += getattr(entry, "nbytes", 0) + entry_bytes()
+    return slices * shards + rest
 
 
 def os_error_in(error):
@@ -57,14 +110,38 @@ def keeping_errno(write):
     return wrapped
 
 
+def recording_files(writer, written):
+    """torch.distributed.checkpoint's writer, adding to written the name of each file it writes: those of its slices,
+    and the index if this rank ends the checkpoint (rank 0)."""
+    write_data, finish = writer.write_data, writer.finish
+
+    def write_data_recorded(*args, **kwargs):
+        future = write_data(*args, **kwargs)  # of the write results, each naming the file of a slice
+        written.extend(sorted({result.storage_data.relative_path for result in future.wait()}))
+        return future
+
+    def finish_recorded(*args, **kwargs):
+        finish(*args, **kwargs)
+        written.append(".metadata")
+
+    writer.write_data, writer.finish = keeping_errno(write_data_recorded), keeping_errno(finish_recorded)
+    return writer
+
+
 def save(contents, directory):
     """Every rank of the first replica writes its slices of contents (sharded_contents) into directory, each slice
-    once: the other replicas of HSDP hold the same ones. Rank 0 ends with the index."""
+    once: the other replicas of HSDP hold the same ones. Rank 0 ends with the index. Returns {file: (bytes, CRC-32)}
+    of every file written, on every rank: each rank reads back its own files, all at once, for the readers to check
+    them against (damage)."""
     dcp, _ = checkpoint_modules()
-    writer = dcp.FileSystemWriter(directory)
-    writer.write_data, writer.finish = keeping_errno(writer.write_data), keeping_errno(writer.finish)
+    written = []
+    writer = recording_files(dcp.FileSystemWriter(directory), written)
     # a slice that several ranks hold goes to the lowest of them: HSDP's first replica, not spread over all ranks
     dcp.save(contents, storage_writer=writer, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    checksums = {}
+    for each_rank in ranks.every_rank({name: files.size_and_crc32(os.path.join(directory, name)) for name in written}):
+        checksums.update(each_rank)
+    return checksums
 
 
 def shards(model):
@@ -104,11 +181,32 @@ def read(contents, path):
         dcp.load(contents, checkpoint_id=path)
 
 
+def file_checks(path, checksums):
+    """[(bytes, check)] for the files of the sharded checkpoint at path: check() says what is damaged in one, read
+    whole against the bytes and CRC-32 it was written with (checksums, save's), or None. A checkpoint written before
+    the checksums were gives none: its files' sizes alone are checked (check_complete)."""
+    def check(name, size, crc):
+        try:
+            now = files.size_and_crc32(os.path.join(path, name))
+        except OSError as e:
+            return f"{name} cannot be read ({e.strerror})"
+        if now[0] != size:
+            return f"{name} is damaged: {now[0]:,} bytes, where {size:,} were written"
+        if now[1] != crc:
+            return f"{name} is damaged: its bytes are not those written (CRC-32 {now[1]:08x}, not {crc:08x})"
+        return None
+
+    return [(size, functools.partial(check, name, size, crc)) for name, (size, crc) in (checksums or {}).items()]
+
+
 def load_weights(model, path):
-    """A sharded checkpoint's weights into the model, sharded (on any mesh) or whole."""
+    """A sharded checkpoint's weights into the model, sharded (on any mesh) or whole; a tied weight from its first
+    name, in a checkpoint older than that from its first name too."""
     _, dcp_state = checkpoint_modules()
     contents = sharded_contents(model)
     read(contents, path)
+    for name, first in tied_names(model).items():
+        contents["model"][name] = contents["model"][first]
     dcp_state.set_model_state_dict(model, contents["model"])
 
 

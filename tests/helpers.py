@@ -214,6 +214,13 @@ def printed_samples(out):
     return [(int(i), int(n), int(step), text) for i, n, step, text in blocks]
 
 
+def scribble(path, size=200_000):
+    """Random bytes over the middle of the file at path, its size unchanged: what a failing disk or copy leaves."""
+    with open(path, "r+b") as f:
+        f.seek((os.path.getsize(path) - size) // 2)
+        f.write(os.urandom(size))
+
+
 def load_ckpt(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -277,6 +284,21 @@ def wait_for_output(proc, path, text, timeout=120):
             proc.kill()
             pytest.fail(f"no {text!r} within {timeout} s")
         time.sleep(0.005)
+
+
+def ranks_of(launcher_pid, log_dir):
+    """{rank: pid} of the ranks that tests/scripts/ranks.py forked: rank 0 is the one holding log_dir's lock open."""
+    lock, ranks = os.path.realpath(os.path.join(log_dir, ".lock")), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                    continue
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        ranks[0 if lock in fds else 1] = int(pid)
+    return ranks
 
 
 def process_stat(pid):

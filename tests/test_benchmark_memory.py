@@ -122,6 +122,20 @@ def test_prints_the_table_for_gpt2_xl_on_eight_gpus(capsys, tmp_path):
     assert saved["measured"] is None
 
 
+def test_the_checkpoint_each_rank_writes_is_its_weights_and_optimizer_state(capsys, tmp_path):
+    """GPT-2 124M's 12 bytes a parameter, counted by hand (fp32 weights and AdamW's two moments, the tied embedding
+    once): all of them from DDP's rank 0, an eighth from each of FSDP's 8 ranks, a half from each rank of HSDP 4 x 2's
+    first replica."""
+    code, out, err = run_memory(["--model", "gpt2", "--shards", "2", "--json", tmp_path / "memory.json"], capsys)
+    assert code == 0 and err == "", err
+    lines = out.splitlines()
+    table = {line[:44].strip(): line[44:].split() for line in lines[lines.index("") + 1:] if line[:44].strip()}
+    n = sum(gpt2_by_hand(12, 768))
+    assert table["checkpoint written per rank"] == [f"{12 * n / shards / 2**30:.2f}" for shards in (1, 8, 2)]
+    saved = json.loads((tmp_path / "memory.json").read_text())["checkpoint_bytes_per_rank"]
+    assert saved == {"ddp": 12 * n, "fsdp": 12 * n // 8, "hsdp": 12 * n // 2}
+
+
 def test_the_trainer_runs_are_torchrun_commands_with_the_same_batch():
     args = memory.parse_args(["--model", "gpt2", "--world-size", "2", "--batch-size", "4", "--accumulation-steps", "3",
                               "--recipe", "modern"])

@@ -150,11 +150,11 @@ def test_saving_a_step_again_waits_for_the_reader_of_its_old_checkpoint(tmp_path
                 f.write(content)
         return save
 
-    checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(b"old"), size=3, keep=2, master=True)
+    checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(b"old"), size=3, keep=2, rank=0)
     held = checkpoint_files.CheckpointReadLock(str(tmp_path / "ckpt_000010.dcp"))
     t0 = time.perf_counter()  # before the timer starts: its 0.5 s are all within what is measured
     threading.Timer(0.5, held.release).start()
-    checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(b"new"), size=3, keep=2, master=True)
+    checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(b"new"), size=3, keep=2, rank=0)
     assert time.perf_counter() - t0 >= 0.5
     assert "waiting for a process that is loading" in capsys.readouterr().out
     assert os.listdir(tmp_path) == ["ckpt_000010.dcp"]

@@ -23,7 +23,7 @@ from helpers import (
     val_records,
     write_shards,
 )
-from machinery import checkpoint_files, errors, fsdp, log_directory, settings
+from machinery import checkpoint_files, errors, fsdp, log_directory, settings, sharded_checkpoints
 
 # 20 steps of 512 tokens: 2 accumulation steps of 4 x 32 in each of 2 processes, so that FSDP's reduce is skipped on
 # the first micro-step of each; a checkpoint every 10 steps; 12 validation sequences, in batches of 4: 2 for rank 0
@@ -73,6 +73,10 @@ def test_fsdp_trains_as_ddp_does(runs):
                                                        str(dirs["fsdp"] / "ckpt_000020.dcp")]
     files = os.listdir(dirs["fsdp"] / "ckpt_000020.dcp")
     assert {"run.pt", ".metadata"} <= set(files) and len([f for f in files if f.endswith(".distcp")]) == 2
+    # GPT-2's head is its embedding, stored once as torch.save stores it; the modern recipe's is a weight of its own
+    dcp, _ = sharded_checkpoints.checkpoint_modules()
+    index = dcp.FileSystemReader(dirs["fsdp"] / "ckpt_000020.dcp").read_metadata().state_dict_metadata
+    assert "model.transformer.wte.weight" in index and ("model.lm_head.weight" in index) == (recipe == "modern")
 
 
 def resume_from_step_10(dirs, name, args, nproc, tmp_path, extra=()):
@@ -236,7 +240,7 @@ def test_a_sharded_checkpoint_saved_again_at_its_step_replaces_the_old(tmp_path,
         return save
 
     for content in (b"first", b"second"):
-        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, master=True)
+        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, rank=0)
     assert os.listdir(tmp_path) == ["ckpt_000010.dcp"]
     assert (tmp_path / "ckpt_000010.dcp" / "run.pt").read_bytes() == b"second"
     assert "saved" in capsys.readouterr().out
@@ -248,5 +252,5 @@ def test_a_rank_that_cannot_see_the_checkpoint_directory_stops_the_run(tmp_path)
     saved = []
     with pytest.raises(errors.UsageError, match="does not see the checkpoint directory .*ckpt_000010.dcp.tmp that "
                                                   "rank 0 made; put --log-dir on a file system that every node shares"):
-        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, master=False)
+        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, rank=1)
     assert saved == [] and os.listdir(tmp_path) == []

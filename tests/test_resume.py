@@ -33,10 +33,12 @@ from helpers import (
     logged_train_steps,
     needs_muon,
     printed_samples,
+    ranks_of,
     read_log,
     run_main,
     run_script,
     run_script_on_tmpfs,
+    scribble,
     script_command,
     script_env,
     start_command,
@@ -156,21 +158,6 @@ def tokens_consumed(stream_state, shard_lengths, seed):
     return stream_state["epoch"] * sum(shard_lengths) + before + stream_state["offset"]
 
 
-def ranks_of(launcher_pid, log_dir):
-    """{rank: pid} of the ranks that tests/scripts/ranks.py forked: rank 0 is the one holding log_dir's lock open."""
-    lock, ranks = os.path.realpath(os.path.join(log_dir, ".lock")), {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher_pid:
-                    continue
-            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
-        ranks[0 if lock in fds else 1] = int(pid)
-    return ranks
-
-
 def test_a_shard_that_one_rank_alone_cannot_read_stops_both_ranks_saved(shards, tmp_path):
     """A read that fails on one rank alone (its node's I/O error, or its open-file limit) hung the job: that rank
     saved alone, and the collective it began never met the other rank, already in the step's all-reduce. The ranks
@@ -225,7 +212,14 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path, signum)
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
 
 
-def test_damaged_latest_checkpoint_falls_back_to_the_previous(shards, tmp_path, capsys):
+def cut_in_half(path):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("damage", [cut_in_half, scribble])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(shards, tmp_path, capsys, damage):
+    """A checkpoint cut short, or with random bytes over its middle: torch.load read those as weights, checking none of
+    the CRC-32s that torch.save writes; they are read back first now."""
     log_dir = tmp_path / "log"
     args = TINY + ["--data", shards, "--max-steps", "6", "--checkpoint-every", "2", "--warmup-steps", "2",
                    "--max-lr", "1e-2", "--log-dir", log_dir]
@@ -234,9 +228,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(shards, tmp_path, 
     first = train_records(read_log(log_dir))
     assert checkpoint_names(log_dir) == ["ckpt_000004.pt", "ckpt_000006.pt"]
     latest = checkpoint_path(log_dir, 6)
-    size = os.path.getsize(latest)
-    with open(latest, "r+b") as f:
-        f.truncate(size // 2)
+    damage(latest)
     code, out, err = run_main(args, capsys)
     assert code == 0, err
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
