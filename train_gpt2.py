@@ -777,7 +777,8 @@ def start(flags, given):
     the run set up, then trained to the end. The run lives in this frame alone, which is gone once main tears the
     process group down: a DDP model still alive then would keep gloo's threads running at exit, which can abort it."""
     env = set_up_distributed(flags.device, flags.fsdp)
-    draft = layered_config(flags, given, env)  # where the run is: its log directory and checkpoint
+    with ranks.failing_together():  # a node whose files refuse the settings stops every rank, not itself alone
+        draft = layered_config(flags, given, env)  # where the run is: its log directory and checkpoint
     with checkpoints.holding_log_dir(draft, env):
         run = set_up(draft, env)
         if run is not None:

@@ -388,3 +388,22 @@ def hsdp_by_hand(n_layer, C, V, B, T, shards):
     rows.update(activations=(36 * n_layer + 6) * C * B * T, logits=2 * B * T * V)
     rows["total"] = rows["model_state"] + rows["activations"] + rows["logits"]
     return rows
+
+
+def test_a_node_whose_files_refuse_the_settings_stops_every_rank_in_its_line(tmp_path):
+    """--init-from exp, a relative path: on node 0 an export's config.json, on node 1 a damaged one. Node 1 refuses
+    it as the presets are layered, before any collective; node 0 must not wait for it in the next one (gloo's
+    "Connection closed by peer", or NCCL's hang), but end with node 1's line."""
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for node_dir, config in zip(node_dirs, ['{"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, '
+                                            '"n_positions": 32, "vocab_size": 128}', "{"]):
+        (node_dir / "exp").mkdir(parents=True)
+        (node_dir / "exp" / "config.json").write_text(config)
+        (node_dir / "exp" / "model.safetensors").write_bytes(b"")
+    codes = nodes([1, 1], TINY + ["--init-from", "exp", "--log-dir", tmp_path / "log"], node_dirs, tmp_path / "out")
+    outputs = node_outputs(tmp_path / "out", 2)
+    ours = [out.split("torch/distributed/elastic")[0] for out in outputs]
+    lines = [line for out in ours for line in out.splitlines() if line.startswith("error: ")]
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    assert len(lines) == 2 and len(set(lines)) == 1 and "Traceback" not in "".join(ours), outputs
+    assert "exp/config.json: not the config.json of a model of train_gpt2.py's recipes" in lines[0], lines
