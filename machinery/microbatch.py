@@ -266,13 +266,44 @@ def smaller_step(cfg, env):
 
 def step_shape(run):
     """What a training step's memory depends on, as JSON reads it back: a record in RECORD holds for runs of the
-    same shape."""
+    same shape (same_step)."""
     cfg, env = run.cfg, run.env
     shape = {"model": dataclasses.asdict(run.model.config), "seq_len": cfg.seq_len, "dtype": cfg.dtype,
              "compile": cfg.compile, "compile_mode": cfg.compile_mode, "fused_adamw": cfg.fused_adamw,
              "fsdp": cfg.fsdp, "device": env.device_type, "world_size": env.world_size,
-             "speedups": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("memory")}}
+             "speedups": {f.name: getattr(cfg, f.name) for f in memory_settings(cfg)}}
     return json.loads(json.dumps(shape))
+
+
+def memory_settings(cfg):
+    """The speed-ups' settings that change a step's memory (declared with memory=True)."""
+    return [f for f in dataclasses.fields(cfg) if f.metadata.get("memory")]
+
+
+def step_defaults(run):
+    """The defaults of step_shape's settings that a record older than them may not name: the model's, the speed-ups'.
+    Such a record was written by a run that had them at these values."""
+    return {"model": {f.name: f.default for f in dataclasses.fields(run.model.config)},
+            "speedups": {f.name: f.default for f in memory_settings(run.cfg)}}
+
+
+NOT_NAMED = object()  # a setting that a record does not name and that has no default: no value equals it
+
+
+def same_step(recorded, shape, defaults):
+    """Whether a record's step shape (recorded) is shape, on the settings shape names: one the record does not name
+    (added since) at its default, one it names that is gone (a7f4ffe's --sdpa-backend, --grow-batch-size,
+    --recompute-pointwise) at any value. A record that holds wrongly costs a smaller micro-batch, said in a line;
+    one ignored wrongly, the same out-of-memory error mid-run."""
+    if not isinstance(recorded, dict):
+        return False
+    for key, value in shape.items():
+        if isinstance(value, dict):
+            if not same_step(recorded.get(key, {}), value, defaults.get(key, {})):
+                return False
+        elif (recorded[key] if key in recorded else defaults.get(key, NOT_NAMED)) != value:
+            return False
+    return True
 
 
 def read_records(log_dir):
@@ -301,9 +332,9 @@ def possible(record):
 def recorded_on_this_rank(run):
     """The record of the smallest micro-batch that ran out of memory in a run of this step shape, on as much memory
     as this rank's or more (to the 0.1 GiB its words give), in this rank's view of the log directory; or None."""
-    shape, memory = step_shape(run), memory_of(run.env.device)[0]
+    shape, defaults, memory = step_shape(run), step_defaults(run), memory_of(run.env.device)[0]
     held = [r for r in read_records(run.cfg.log_dir)
-            if r.get("shape") == shape and round(memory / GIB, 1) <= round(r["memory"] / GIB, 1)]
+            if same_step(r.get("shape"), shape, defaults) and round(memory / GIB, 1) <= round(r["memory"] / GIB, 1)]
     return min(held, key=lambda r: r["micro_batch"], default=None)
 
 

@@ -314,6 +314,39 @@ def test_a_record_holds_for_the_speed_ups_it_was_made_with_alone(ran_out_at_1, t
         assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [micro_batch]
 
 
+# out_of_memory.json as a7f4ffe (the code before machinery/ and variations/) wrote it, when micro-batch 8 of WIDE's
+# model ran out of memory in step 0 under an address-space limit; its speed-ups name three settings since gone
+A7F4FFE_RECORD = {
+    "micro_batch": 8, "step": 0, "memory": 1730768896, "memory_words": "1.6 GiB of address space (ulimit -v)",
+    "shape": {"model": {"block_size": 32, "vocab_size": 50257, "n_layer": 2, "n_head": 4, "n_embd": 64, "attn": "sdpa",
+                        "recipe": "gpt2", "loss": "full", "logit_softcap": 15.0},
+              "seq_len": 32, "dtype": "fp32", "compile": False, "compile_mode": "default", "fused_adamw": True,
+              "fsdp": False, "device": "cpu", "world_size": 1,
+              "speedups": {"sdpa_backend": "auto", "grow_batch_size": False, "recompute_pointwise": False,
+                           "coordinate_descent": False, "fp8_head": False}}}
+
+
+def test_a_record_written_before_the_move_holds(ran_out_at_1, tmp_path, capsys):
+    """A7F4FFE_RECORD, as if of a machine with more memory than this one: its run was told "it chooses a micro-batch
+    below 8", and the same command takes 4. Before, the three settings it names that are gone (--sdpa-backend,
+    --grow-batch-size, --recompute-pointwise) matched no run, and 8 was tried again. It holds with --recompute-pointwise
+    on too (which kept less: 8 runs out without it as well), and so does a record that names no speed-ups at all (as
+    before a81035a), a run at their defaults."""
+    args, _, _ = ran_out_at_1
+    recomputed, older = copy.deepcopy(A7F4FFE_RECORD), copy.deepcopy(A7F4FFE_RECORD)
+    recomputed["shape"]["speedups"]["recompute_pointwise"] = True
+    del older["shape"]["speedups"]
+    for name, record in (("a7f4ffe", A7F4FFE_RECORD), ("recomputed", recomputed), ("older", older)):
+        log = tmp_path / name
+        log.mkdir()
+        (log / microbatch.RECORD).write_text(json.dumps([dict(record, memory=2**62)], indent=1))
+        code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "8"], capsys)
+        assert code == 0, err
+        assert re.search(r"^micro-batch at most 4: 8 ran out of memory in 1\.6 GiB of address space \(ulimit -v\) at "
+                         r"step 0, after it was chosen", out, re.M), (name, out)
+        assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [4], name
+
+
 ROOM_MEASURED = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
