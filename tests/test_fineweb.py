@@ -6,6 +6,8 @@ import json
 import math
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -945,6 +947,22 @@ def test_shakespeare_shards_for_the_trainer(tmp_path):
     log = [json.loads(line) for line in (log_dir / "log.jsonl").read_text().splitlines()]
     assert any("val_loss" in entry for entry in log) and any("train_loss" in entry for entry in log)
 
+
+def test_a_small_input_is_cut_in_tenths_and_its_size_reads_in_its_unit(tmp_path):
+    """With the hub's 100M tokens a shard, 4 MB of one's own text made 1 validation shard and no train shard, and its
+    size read "(0.00 GB)". Without --shard-size, a local input's shards are a tenth of its text, about (3.3 bytes a
+    token): tiny Shakespeare in a directory and a short file make 1 val + 10 train shards, the reference tokenizer's
+    stream cut at the size printed, and the size reads 1.1 MB."""
+    (tmp_path / "books").mkdir()
+    shutil.copy(os.path.join(REPO, "input.txt"), tmp_path / "books" / "a.txt")
+    (tmp_path / "b.txt").write_text("Exeunt.")
+    result = run_fineweb("--input", tmp_path / "books", tmp_path / "b.txt", "--output", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    size = int(re.search(r"\(1\.1 MB\) -> \S+, ([\d,]+) tokens per shard \(a tenth of the text: --shard-size sets it\)",
+                         result.stdout).group(1).replace(",", ""))
+    assert "(1 val + 10 train)" in result.stdout and "warning" not in result.stdout
+    docs = [(tmp_path / "books" / "a.txt").read_text(encoding="utf-8"), "Exeunt."]
+    assert shards_in(tmp_path / "out") == expected_shards(docs, size, "out")
 
 def test_the_default_prefix_never_names_a_split(tmp_path):
     """Shards are named after the output directory: `--output shakespeare_train` made shakespeare_train_val_000000.npy,
