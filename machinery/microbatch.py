@@ -5,8 +5,11 @@ room kept for the optimizers' state that the first step allocates; B is halved (
 every rank's try fits. The ranks try with no gradient reduced, then vote, so that one rank's out-of-memory error never
 leaves the others waiting in a collective. The accumulation steps rise to match: the optimizer step takes the same
 --total-batch-size tokens (train_gpt2.TokenStream cuts any micro-batch out of the same stream), on the same schedule.
-On a CPU the tries run in the heap mode the run keeps (keep_freed_memory): freed memory kept in the heap
-(faster), or given back to the system under an address-space limit (address_space_limited).
+On a CPU, where a step larger than the machine's memory gets the process killed with no error to catch, the memory
+model (step_memory.py) chooses first: the largest micro-batch whose estimated step fits in what the machine can give
+(within_cpu_memory). The tries then run in the heap mode the run keeps (keep_freed_memory): freed memory kept in the
+heap (faster) where there is room for it, or given back to the system, as under an address-space limit
+(address_space_limited).
 
 With --grow-batch-size (on by default on CUDA), a B that fits at once goes up instead, to the next divisor of the batch
 at least twice as large, while a try of it fits on every rank: fewer accumulation steps.
