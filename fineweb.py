@@ -671,7 +671,7 @@ def prepare(args):
     check_tiktoken()
     chosen = args.shard_size is None
     if chosen:
-        args.shard_size = shard_size_for(input_bytes(args.input) if args.input else None)
+        args.shard_size, chosen = default_shard_size(args)
     stop = threading.Event()
     manifest = open_manifest(args, shard_config(args), stop)
     sources, state = manifest["sources"], manifest["next"]
@@ -682,8 +682,7 @@ def prepare(args):
     remove_leftovers(args, manifest)
     writer = ShardWriter(args, manifest)
     hub, tokens = not args.input, writer.tokens
-    size = f"{args.shard_size:,} tokens per shard" + (" (a tenth of the text: --shard-size sets it)"
-                                                      if chosen and args.shard_size < DEFAULT_SHARD_SIZE else "")
+    size = f"{args.shard_size:,} tokens per shard" + (" (for a small input: --shard-size sets it)" if chosen else "")
     print(f"{'resuming' if tokens else 'preparing'} {len(sources)} {'hub' if hub else 'local'} files "
           f"({in_bytes(sum(s['size'] for s in sources))}) -> {args.output}, {size}, {args.workers} workers"
           + (f", {tokens:,} tokens already done" if tokens else ""))
@@ -712,14 +711,23 @@ def prepare(args):
 # -----------------------------------------------------------------------------
 
 DEFAULT_SHARD_SIZE = 10**8  # tokens: build-nanogpt's FineWeb shards
+SMALLEST_SHARD_SIZE = 10_000  # tokens: fewer would validate on too little text to say anything
 BYTES_PER_TOKEN = 3.3  # of English text in GPT-2's tokens (tiny Shakespeare's: 1,115,394 bytes, 338,025 tokens)
 
-def shard_size_for(text_bytes):
-    """--shard-size's default: 100M tokens, or for local text of text_bytes, a tenth of its tokens (about), if less,
-    so that a small input makes 1 validation shard and about 9 train shards, not a validation shard alone."""
-    if text_bytes is None:
-        return DEFAULT_SHARD_SIZE
-    return max(1, min(DEFAULT_SHARD_SIZE, int(text_bytes / BYTES_PER_TOKEN / 10)))
+def default_shard_size(args):
+    """--shard-size where it is not given, and whether a small input chose it: that of the shards a preparation in
+    --output is making or made (the same command carries on, whatever its inputs became), else 100M tokens, or for
+    local text a tenth of its tokens (about) if that is less, but not under SMALLEST_SHARD_SIZE. So a small input makes
+    1 validation shard and about 9 train shards, not a validation shard alone."""
+    try:
+        manifest = read_manifest(args.output)
+    except BadFile:  # open_manifest says what is wrong with it
+        manifest = None
+    made = manifest and manifest["next"]["tokens"] and manifest["config"].get("--shard-size")
+    if isinstance(made, int) and made > 0:
+        return made, False
+    tenth = int(input_bytes(args.input) / BYTES_PER_TOKEN / 10) if args.input else DEFAULT_SHARD_SIZE
+    return max(SMALLEST_SHARD_SIZE, min(DEFAULT_SHARD_SIZE, tenth)), tenth < DEFAULT_SHARD_SIZE
 
 def input_bytes(paths):
     """The bytes of the local input files that local_sources reads (0 for a path that is none: it says why)."""
