@@ -690,6 +690,9 @@ def finish(args, writer, start):
 
 def prepare(args):
     check_tiktoken()
+    chosen = args.shard_size is None
+    if chosen:
+        args.shard_size, chosen = default_shard_size(args)
     stop = threading.Event()
     manifest = open_manifest(args, shard_config(args), stop)
     sources, state = manifest["sources"], manifest["next"]
@@ -700,9 +703,10 @@ def prepare(args):
     writer = ShardWriter(args, manifest)  # first: it refuses a damaged position before any file goes
     remove_leftovers(args, manifest)
     hub, tokens = not args.input, writer.tokens
+    size = f"{args.shard_size:,} tokens per shard" + (" (for a small input: --shard-size sets it)" if chosen else "")
     print(f"{'resuming' if tokens else 'preparing'} {len(sources)} {'hub' if hub else 'local'} files "
-          f"({sum(s['size'] for s in sources) / 1e9:.2f} GB) -> {args.output}, {args.shard_size:,} tokens per shard, "
-          f"{args.workers} workers" + (f", {tokens:,} tokens already done" if tokens else ""))
+          f"({in_bytes(sum(s['size'] for s in sources))}) -> {args.output}, {size}, {args.workers} workers"
+          + (f", {tokens:,} tokens already done" if tokens else ""))
     pool = start_workers(args.workers)
     downloads = None
     if hub:
@@ -727,6 +731,37 @@ def prepare(args):
 
 # -----------------------------------------------------------------------------
 
+DEFAULT_SHARD_SIZE = 10**8  # tokens: build-nanogpt's FineWeb shards
+SMALLEST_SHARD_SIZE = 10_000  # tokens: fewer would validate on too little text to say anything
+BYTES_PER_TOKEN = 3.3  # of English text in GPT-2's tokens (tiny Shakespeare's: 1,115,394 bytes, 338,025 tokens)
+
+def default_shard_size(args):
+    """--shard-size where it is not given, and whether a small input chose it: that of the shards a preparation in
+    --output is making or made (the same command carries on, whatever its inputs became), else 100M tokens, or for
+    local text a tenth of its tokens (about) if that is less, but not under SMALLEST_SHARD_SIZE. So a small input makes
+    1 validation shard and about 9 train shards, not a validation shard alone."""
+    try:
+        manifest = read_manifest(args.output)
+    except BadFile:  # open_manifest says what is wrong with it
+        manifest = None
+    made = manifest and manifest["next"]["tokens"] and manifest["config"].get("--shard-size")
+    if isinstance(made, int) and made > 0:
+        return made, False
+    tenth = int(input_bytes(args.input) / BYTES_PER_TOKEN / 10) if args.input else DEFAULT_SHARD_SIZE
+    return max(SMALLEST_SHARD_SIZE, min(DEFAULT_SHARD_SIZE, tenth)), tenth < DEFAULT_SHARD_SIZE
+
+def input_bytes(paths):
+    """The bytes of the local input files that local_sources reads (0 for a path that is none: it says why)."""
+    files = [os.path.join(path, name) for path in paths if os.path.isdir(path) for name in files_under(path)[0]]
+    return sum(os.path.getsize(path) for path in files + [p for p in paths if os.path.isfile(p)])
+
+def in_bytes(size):
+    """A size in bytes, in words: 812 bytes, 1.1 MB, 27.4 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
 def usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS has no affinity
 
@@ -745,7 +780,8 @@ def parse_args(argv=None):
     parser.add_argument("--output", help="shard directory (default: edu_fineweb10B for the hub dataset)")
     parser.add_argument("--prefix", help="shard name prefix (default: edufineweb for the hub, else the --output name "
                                          "less any word train or val)")
-    parser.add_argument("--shard-size", type=int, default=10**8, help="tokens per shard (default: 100M)")
+    parser.add_argument("--shard-size", type=int, help="tokens per shard (default: 100M; with --input, a tenth of "
+                                                       "the text's tokens, about, if that is less)")
     parser.add_argument("--max-tokens", type=int, help="stop after this many tokens, for trials")
     parser.add_argument("--workers", type=int, default=usable_cores(), help="tokenizer processes (default: all cores)")
     parser.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")

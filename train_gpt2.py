@@ -60,6 +60,7 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
     data: str = setting("edu_fineweb10B", "a directory of *train* and *val* shards (.npy or .bin), or a text file")
     log_dir: str = setting("log", "where log.jsonl and checkpoints go")
     model: str = setting("gpt2", "size preset for --n-layer/--n-head/--n-embd", list(MODEL_SIZES))
+    preset: str = setting("auto", "shakespeare: the quick start's SHAKESPEARE on any --data", ["auto", "shakespeare"])
     # model (model=True: GPTConfig's, kept in checkpoints and exports)
     block_size: int = setting(1024, "longest context the model can take (the rows of its position table)", model=True)
     vocab_size: int = setting(PADDED_VOCAB, "embedding rows: GPT-2's 50257 tokens padded to a multiple of 128",
@@ -129,11 +130,10 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
 
 GPTConfig = settings.model_config_class(TrainConfig)  # the model's settings: those above marked model=True
 
-# Presets: what a kind of run changes in the settings above, unless a flag gives the setting. The run's first lines
-# name each setting a preset changed from the file's value. modern.py's PRESETS are the modern recipe's.
-# A model that learns tiny Shakespeare in a few minutes on a laptop CPU: the default when no shards are there. Its
-# vocab is not padded: padding speeds up GPU matmuls, not a CPU's. The 50257-wide output layer costs most of a step,
-# so depth is cheap (docs/LOG.md has the search); 900 steps are 3 passes, ending where the val text follows.
+# Presets: what a kind of run changes in the settings above, unless a flag gives it; the first lines name each
+# (modern.py's PRESETS are the modern recipe's). A model that learns tiny Shakespeare in minutes on a laptop CPU, with
+# no shards, or on any data with --preset shakespeare. Its vocab is unpadded (padding speeds up GPU matmuls, not a
+# CPU's); the output layer costs most of a step, so depth is cheap (docs/LOG.md); 900 steps are 3 passes.
 SHAKESPEARE = dict(
     data=os.path.join(HERE, "input.txt"), n_layer=8, n_head=4, n_embd=128, block_size=256, vocab_size=GPT2_VOCAB,
     batch_size=8, seq_len=128, total_batch_size=1024, max_steps=900, warmup_steps=50, max_lr=2e-3, eval_every=150,

@@ -23,7 +23,6 @@ compiles). Each run ends with its final checkpoint, in a temporary directory rem
 import argparse
 import functools
 import json
-import math
 import os
 import shutil
 import signal
@@ -31,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from typing import NamedTuple
 
 import torch
 
@@ -40,6 +38,14 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from speed_ladder import read_steps, write_random_shards  # noqa: E402
 
+from machinery.step_memory import (  # noqa: E402
+    SAVED_PER_TOKEN,
+    activation_bytes,
+    logits_bytes,
+    model_state,
+    numel,
+    parameters_of,
+)
 from train_gpt2 import MODEL_SIZES, PADDED_VOCAB, GPTConfig, model_of  # noqa: E402
 
 TRAINER = os.path.join(REPO, "train_gpt2.py")
@@ -64,69 +70,10 @@ LABELS = {
 }
 
 
-class Parameters(NamedTuple):
-    """The shapes of the model's parameters: those of its transformer blocks, and the rest (the embedding, the
-    position table, the final norm and the head: the root of FSDP's sharding)."""
-    n_layer: int
-    blocks: list
-    rest: list
-
-
 def count_parameters(model, recipe):
     with torch.device("meta"):  # shapes without storage: GPT-2 XL's 1.5B parameters take no memory and no time
         gpt = model_of(GPTConfig(block_size=BLOCK_SIZE, vocab_size=PADDED_VOCAB, recipe=recipe, **MODEL_SIZES[model]))
-    in_blocks = {id(p) for p in gpt.transformer.h.parameters()}
-    params = list(gpt.parameters())  # a tied weight (gpt2's embedding and head) once
-    return Parameters(len(gpt.transformer.h), [tuple(p.shape) for p in params if id(p) in in_blocks],
-                      [tuple(p.shape) for p in params if id(p) not in in_blocks])
-
-
-def numel(shapes):
-    return sum(math.prod(shape) for shape in shapes)
-
-
-def shard_numel(shapes, world):
-    """Rank 0's share, the largest: FSDP2 splits each tensor's rows (dim 0) into world chunks of ceil(rows / world)."""
-    return sum(-(-shape[0] // world) * math.prod(shape[1:]) for shape in shapes)
-
-
-def optimizer_bytes(blocks, rest, recipe):
-    """The state of the optimizers for so many block parameters and others: AdamW's two fp32 moments for every
-    parameter (gpt2); the modern recipe's Muon keeps one fp32 momentum per block matrix, and its Adam two moments for
-    the embedding and the (untied) head."""
-    return 4 * blocks + 8 * rest if recipe == "modern" else 8 * (blocks + rest)
-
-
-def model_state(params, world, recipe, accumulation):
-    """Bytes per rank of everything but the activations: {row: (DDP, FSDP)}, None where the row is not the layout's."""
-    n, blocks, rest = numel(params.blocks + params.rest), numel(params.blocks), numel(params.rest)
-    shard = shard_numel(params.blocks + params.rest, world)
-    rows = {
-        "weights": (4 * n, 4 * shard),  # fp32 master weights: whole on every DDP rank, a 1/world slice under FSDP
-        "gradients": (4 * n, 4 * shard),
-        "optimizer": (optimizer_bytes(blocks, rest, recipe),
-                      optimizer_bytes(shard_numel(params.blocks, world), shard_numel(params.rest, world), recipe)),
-        # a copy of the gradients (train_gpt2 makes DDP without gradient_as_bucket_view); a single process gets no DDP
-        "ddp_buckets": (4 * n if world > 1 else 0, None),
-        # the root gathered in fp32 and kept from forward to backward (reshard_after_forward=False), and about two
-        # blocks in bf16: the one computing and the one prefetched
-        "fsdp_gathered": (None, 4 * rest + 2 * 2 * blocks // params.n_layer),
-        # the micro-steps before the last reduce nothing: each rank keeps every parameter's whole gradient, in fp32
-        # (the reduce dtype); DDP's no_sync adds them up in its gradients above
-        "fsdp_accumulation": (None, 4 * n if accumulation > 1 else 0),
-        # autocast's bf16 copy of each fp32 weight a matmul reads, kept for the backward: under FSDP the root's alone,
-        # the blocks' being gathered in bf16
-        "bf16_copies": (2 * n, 2 * rest),
-    }
-    rows["model_state"] = tuple(sum(row[i] or 0 for row in rows.values()) for i in (0, 1))
-    return rows
-
-
-# The bytes per token that the compiled bf16 step's forward pass keeps for its backward, as saved_per_token counts
-# them (torch 2.13): in units of the width C, per layer and outside the layers (the embedding's output, the final
-# norm's input), and in units of the vocabulary V (the bf16 logits). Korthikanti et al. 2022 count 34*C per layer for
-# GPT-2's block with flash attention.
-SAVED_PER_TOKEN = {"gpt2": (36, 6, 2), "modern": (42, 6, 2)}
+    return parameters_of(gpt)
 
 
 def keep_unless_weight(saved, weight_shapes, tensor):
@@ -137,11 +84,12 @@ def keep_unless_weight(saved, weight_shapes, tensor):
     return tensor
 
 
-def saved_per_token(recipe, n_embd=128, n_head=2, batch_size=3, seq_len=40):
+def saved_per_token(recipe, compiled=True, n_embd=128, n_head=2, batch_size=3, seq_len=40):
     """SAVED_PER_TOKEN[recipe], counted: the tensors that the compiled bf16 step's forward pass saves for its backward
     (autograd's saved-tensor hooks see what AOTAutograd saves), at one layer and at two, on the CPU. The backend
     aot_eager_decomp_partition runs the partitioner that decides them as inductor's does, without generating code.
-    A weight's bf16 copy (autocast's) is counted apart, by its shape: the sizes here are chosen to match no other."""
+    A weight's bf16 copy (autocast's) is counted apart, by its shape: the sizes here are chosen to match no other.
+    Not compiled: SAVED_PER_TOKEN_EAGER[recipe], the eager fp32 step's, a CPU's."""
     per_model = []
     for n_layer in (1, 2):
         torch.manual_seed(0)
@@ -151,33 +99,17 @@ def saved_per_token(recipe, n_embd=128, n_head=2, batch_size=3, seq_len=40):
                          for shape in (tuple(t.shape), tuple(t.shape)[::-1])}
         saved = {}  # each storage once
         tokens = torch.randint(0, PADDED_VOCAB - 47, (batch_size, seq_len))
-        compiled = torch.compile(model, dynamic=False, backend="aot_eager_decomp_partition")
+        step = torch.compile(model, dynamic=False, backend="aot_eager_decomp_partition") if compiled else model
         with torch.autograd.graph.saved_tensors_hooks(functools.partial(keep_unless_weight, saved, weight_shapes),
                                                       lambda t: t):
-            with torch.autocast("cpu", torch.bfloat16):
-                _, loss = compiled(tokens, tokens)
+            with torch.autocast("cpu", torch.bfloat16, enabled=compiled):
+                _, loss = step(tokens, tokens)
         loss.backward()
-        logits = sum(t.untyped_storage().nbytes() for t in saved.values() if t.dim() == 2 and t.size(1) == PADDED_VOCAB)
+        logits = sum(t.untyped_storage().nbytes() for t in saved.values() if t.shape[-1:] == (PADDED_VOCAB,))
         rest = sum(t.untyped_storage().nbytes() for t in saved.values()) - logits
         per_model.append((rest / (batch_size * seq_len * n_embd), logits / (batch_size * seq_len * PADDED_VOCAB)))
     (one, logits), (two, _) = per_model
     return two - one, 2 * one - two, logits
-
-
-def activation_bytes(recipe, n_layer, n_embd, batch_size, seq_len):
-    """What the forward pass keeps for the backward, but the logits: SAVED_PER_TOKEN's bytes, the same for DDP and
-    FSDP."""
-    per_layer, outside, _ = SAVED_PER_TOKEN[recipe]
-    return (per_layer * n_layer + outside) * n_embd * batch_size * seq_len
-
-
-def logits_bytes(recipe, batch_size, seq_len):
-    """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (SAVED_PER_TOKEN). GPT-2's compiled loss writes their
-    gradient over them (losses.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
-    F.cross_entropy's backward, whose gradient sits beside them where the step is one compiled graph (DDP's layout);
-    under FSDP, whose groups compile as graphs of their own, none was measured (docs/LOG.md, 2026-11-25)."""
-    saved = SAVED_PER_TOKEN[recipe][2] * batch_size * seq_len * PADDED_VOCAB
-    return (2 * saved if recipe == "modern" else saved), saved
 
 
 def memory_rows(args):
@@ -191,7 +123,7 @@ def memory_rows(args):
         rows = {key: (*row, group[key][1]) for key, row in rows.items()}
     size = MODEL_SIZES[args.model]
     activations = activation_bytes(args.recipe, size["n_layer"], size["n_embd"], args.batch_size, args.seq_len)
-    ddp_logits, sharded_logits = logits_bytes(args.recipe, args.batch_size, args.seq_len)
+    ddp_logits, sharded_logits = logits_bytes(args.recipe, args.batch_size, args.seq_len, PADDED_VOCAB)
     columns = len(rows["weights"])
     rows["activations"] = (activations,) * columns
     rows["logits"] = (ddp_logits,) + (sharded_logits,) * (columns - 1)

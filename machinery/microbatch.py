@@ -5,8 +5,11 @@ room kept for the optimizers' state that the first step allocates; B is halved (
 every rank's try fits. The ranks try with no gradient reduced, then vote, so that one rank's out-of-memory error never
 leaves the others waiting in a collective. The accumulation steps rise to match: the optimizer step takes the same
 --total-batch-size tokens (train_gpt2.TokenStream cuts any micro-batch out of the same stream), on the same schedule.
-On a CPU the tries run in the heap mode the run keeps (keep_freed_memory): freed memory kept in the heap
-(faster), or given back to the system under an address-space limit (address_space_limited).
+On a CPU, where a step larger than the machine's memory gets the process killed with no error to catch, the memory
+model (step_memory.py) chooses first: the largest micro-batch whose estimated step fits in what the machine can give
+(within_cpu_memory). The tries then run in the heap mode the run keeps (keep_freed_memory): freed memory kept in the
+heap (faster) where there is room for it, or given back to the system, as under an address-space limit
+(address_space_limited).
 
 With --grow-batch-size (on by default on CUDA), a B that fits at once goes up instead, to the next divisor of the batch
 at least twice as large, while a try of it fits on every rank: fewer accumulation steps.
@@ -32,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from machinery import checkpoint_files, files, ranks
+from machinery import checkpoint_files, files, ranks, step_memory
 from machinery.errors import UsageError
 
 GIB = 2**30
@@ -187,6 +190,8 @@ def search(run, gradient_sync):
     # an evaluation's forward passes need less than the training steps that RECORD is of
     record = None if cfg.eval_only else recorded_on_some_rank(run)
     batch_size, said = below_recorded(cfg, record, sequences_per_step)
+    if env.device_type == "cpu" and not cfg.eval_only:  # an evaluation's forward passes hold far less
+        batch_size, said = within_cpu_memory(run, batch_size, sequences_per_step, said)
     if cfg.fsdp and env.world_size > 1:  # its forward pass gathers weights from every rank: a rank that stopped in it
         # would leave the others waiting, so the micro-batch given is trained as it is
         return batch_size, said + [f"micro-batch {batch_size}, as given: under --fsdp on several processes it is not "
@@ -261,18 +266,192 @@ def smaller_step(cfg, env):
 
 
 # -----------------------------------------------------------------------------
+# A CPU's step, estimated before any try: there the kernel's out-of-memory killer ends a process that takes more memory
+# than the machine has, with no error to catch (only an address-space limit makes the allocator refuse)
+
+HEAP_KEPT = 2.5  # freed memory kept in the heap took up to 2.2 times the step's own (docs/LOG.md, 2026-11-29)
+
+
+def memory_available(env):
+    """The memory this process can still take, in bytes, and in words: the least of the machine's (MemAvailable), its
+    cgroup's (memory.max, v1's memory.limit_in_bytes) and its address space's (ulimit -v), the first two shared with
+    the other processes of this node (torchrun's LOCAL_WORLD_SIZE); (None, None) where none can be read."""
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # all of them, without torchrun
+    on_rank = f" on rank {env.rank}" if env.world_size > 1 else ""
+    each = f" for each of {share} processes" if share > 1 else ""
+    found = [(room // share, f"{gib(room // share)} available{each} ({what}){on_rank}") for room, what in
+             (machine_room(), cgroup_room()) if room is not None]
+    if address_space_limited():
+        with open("/proc/self/statm") as f:  # its first field: the pages of address space in use
+            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        room = max(0, resource.getrlimit(resource.RLIMIT_AS)[0] - used)
+        found.append((room, f"{gib(room)} of address space left (ulimit -v){on_rank}"))
+    return min(found, default=(None, None))
+
+
+def gib(size):
+    return f"{size / GIB:.2f} GiB"
+
+
+def machine_room():
+    """MemAvailable of /proc/meminfo in bytes, and where it comes from; (None, None) where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None, None
+    return kib << 10, "MemAvailable in /proc/meminfo"
+
+
+CGROUPS = (("0::", "/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),  # v2
+           (":memory:", "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+            "total_inactive_file"))  # v1
+
+
+def cgroup_room():
+    """The least memory left under the limits of this process's cgroups (its own and those above it, v2's or v1's):
+    the limit less what the cgroup uses but its page cache, which it can give back; and the file of that limit.
+    (None, None) where no limit is set, or none can be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = f.read().splitlines()
+    except OSError:
+        return None, None
+    rooms = []
+    for marker, mount, limit_name, usage_name, cache_name in CGROUPS:
+        path = next((line.split(marker, 1)[1] for line in own if marker in line), None)
+        while path is not None:
+            directory = os.path.join(mount, path.lstrip("/"))
+            limit, usage = (read_number(os.path.join(directory, name)) for name in (limit_name, usage_name))
+            if limit is not None and usage is not None and limit < 2**60:  # v1's "no limit" is near 2**63
+                cache = read_stat(os.path.join(directory, "memory.stat"), cache_name)
+                rooms.append((max(0, limit - usage + cache), os.path.join(directory, limit_name)))
+            path = None if path in ("/", "") else os.path.dirname(path)
+    return min(rooms, default=(None, None))
+
+
+def read_number(path):
+    """The number a cgroup file holds, or None: no such file, or "max" (no limit)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def read_stat(path, name):
+    """The value of name in a cgroup's memory.stat, or 0."""
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) for line in f if line.split()[:1] == [name]), 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def cpu_step(run, batch_size, seq_len=None):
+    """What a training step of batch_size sequences (of seq_len tokens, the run's if None) adds to this process's
+    memory: the memory model's eager step (step_memory.eager_step_bytes)."""
+    cfg = run.cfg if seq_len is None else dataclasses.replace(run.cfg, seq_len=seq_len)
+    held = any(optimizer.state for optimizer in run.optimizers)  # a resumed run's, in memory already
+    return step_memory.eager_step_bytes(step_memory.parameters_of(run.model), cfg, run.env.world_size, batch_size,
+                                        held)
+
+
+def heap_for(step, room):
+    """Whether freed memory is kept in the heap (faster) for a step of step bytes in room: True where HEAP_KEPT times
+    it fits, and no address-space limit counts the heap's free blocks; False where only the step fits; None if not."""
+    if HEAP_KEPT * step <= room and not address_space_limited():
+        return True
+    return False if step <= room else None
+
+
+def within_cpu_memory(run, batch_size, sequences_per_step, said):
+    """The largest micro-batch up to batch_size, halved as the tries halve it, whose step fits in the memory this CPU
+    can give (memory_available), the least of every rank's, and said with the line that says why if it is less; the
+    heap's way set for it (heap_for). Raises UsageError on every rank, naming the flags that fit, where not even one
+    sequence's step fits on some rank. Where the machine says nothing of its memory, batch_size."""
+    room, where = memory_available(run.env)
+    fits, why = batch_size, None
+    while room is not None and heap_for(cpu_step(run, fits), room) is None and fits > 1:
+        larger, fits = fits, next_smaller(fits, sequences_per_step)
+        why = (f"micro-batch {fits} on this CPU: a step of {larger} needs about {gib(cpu_step(run, larger))} more "
+               f"(the memory model), and {where}; --batch-size {fits} starts there")
+    refusal = None
+    if room is not None and heap_for(cpu_step(run, fits), room) is None:
+        refusal = nothing_fits_this_cpu(run, where, room)
+    refusal = ranks.first_error_of_any_rank(refusal)
+    if refusal is not None:
+        raise UsageError(refusal)
+    batch_size, why = min(ranks.every_rank((fits, why)), key=lambda fit: fit[0])  # the rank's line with the least
+    if room is None:
+        return batch_size, said
+    step = cpu_step(run, batch_size)
+    keep = heap_for(step, room)
+    keep_freed_memory(keep)
+    said = said + ([why] if why else [])
+    if not keep and not address_space_limited():
+        said = said + [f"freed memory is given back to the system (slower): kept in the heap, it can take "
+                       f"{HEAP_KEPT:g} times the step's {gib(step)}, more than the {where}"]
+    return batch_size, said
+
+
+def nothing_fits_this_cpu(run, where, room):
+    """The refusal where not even one sequence's step fits in room (where, in words): the estimate, the memory, and the
+    flags that fit."""
+    cfg = run.cfg
+    shorter = next((seq_len for seq_len in (cfg.seq_len >> k for k in range(1, 16)) if seq_len >= 1 and
+                    heap_for(cpu_step(run, 1, seq_len), room) is not None), None)
+    fit = f"--seq-len {shorter} fits (about {gib(cpu_step(run, 1, shorter))}); or " if shorter else ""
+    return (f"out of memory: a training step of this {cfg.n_layer}-layer, width-{cfg.n_embd} model needs about "
+            f"{gib(cpu_step(run, 1))} more at micro-batch 1 of {cfg.seq_len} tokens (the memory model, "
+            f"docs/memory.md), and {where}; {fit}train a smaller model: --preset shakespeare (the quick start's), "
+            f"or --model, --n-layer, --n-embd")
+
+
+# -----------------------------------------------------------------------------
 # Out-of-memory errors past the micro-batch's choice, and their record in the log directory
 
 
 def step_shape(run):
     """What a training step's memory depends on, as JSON reads it back: a record in RECORD holds for runs of the
-    same shape."""
+    same shape (same_step)."""
     cfg, env = run.cfg, run.env
     shape = {"model": dataclasses.asdict(run.model.config), "seq_len": cfg.seq_len, "dtype": cfg.dtype,
              "compile": cfg.compile, "compile_mode": cfg.compile_mode, "fused_adamw": cfg.fused_adamw,
              "fsdp": cfg.fsdp, "device": env.device_type, "world_size": env.world_size,
-             "speedups": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("memory")}}
+             "speedups": {f.name: getattr(cfg, f.name) for f in memory_settings(cfg)}}
     return json.loads(json.dumps(shape))
+
+
+def memory_settings(cfg):
+    """The speed-ups' settings that change a step's memory (declared with memory=True)."""
+    return [f for f in dataclasses.fields(cfg) if f.metadata.get("memory")]
+
+
+def step_defaults(run):
+    """The defaults of step_shape's settings that a record older than them may not name: the model's, the speed-ups'.
+    Such a record was written by a run that had them at these values."""
+    return {"model": {f.name: f.default for f in dataclasses.fields(run.model.config)},
+            "speedups": {f.name: f.default for f in memory_settings(run.cfg)}}
+
+
+NOT_NAMED = object()  # a setting that a record does not name and that has no default: no value equals it
+
+
+def same_step(recorded, shape, defaults):
+    """Whether a record's step shape (recorded) is shape, on the settings shape names: one the record does not name
+    (added since) at its default, one it names that is gone (a7f4ffe's --sdpa-backend, --grow-batch-size,
+    --recompute-pointwise) at any value. A record that holds wrongly costs a smaller micro-batch, said in a line;
+    one ignored wrongly, the same out-of-memory error mid-run."""
+    if not isinstance(recorded, dict):
+        return False
+    for key, value in shape.items():
+        if isinstance(value, dict):
+            if not same_step(recorded.get(key, {}), value, defaults.get(key, {})):
+                return False
+        elif (recorded[key] if key in recorded else defaults.get(key, NOT_NAMED)) != value:
+            return False
+    return True
 
 
 def read_records(log_dir):
@@ -301,9 +480,9 @@ def possible(record):
 def recorded_on_this_rank(run):
     """The record of the smallest micro-batch that ran out of memory in a run of this step shape, on as much memory
     as this rank's or more (to the 0.1 GiB its words give), in this rank's view of the log directory; or None."""
-    shape, memory = step_shape(run), memory_of(run.env.device)[0]
+    shape, defaults, memory = step_shape(run), step_defaults(run), memory_of(run.env.device)[0]
     held = [r for r in read_records(run.cfg.log_dir)
-            if r.get("shape") == shape and round(memory / GIB, 1) <= round(r["memory"] / GIB, 1)]
+            if same_step(r.get("shape"), shape, defaults) and round(memory / GIB, 1) <= round(r["memory"] / GIB, 1)]
     return min(held, key=lambda r: r["micro_batch"], default=None)
 
 

@@ -178,8 +178,10 @@ def presets_for(draft, shards_found, recipes, model_sizes, presets):
     recipe_name = pretrained[1].get("recipe", draft.recipe) if pretrained else draft.recipe
     recipe, where = recipes[recipe_name].presets, f"in {defined_in(recipes[recipe_name])}"
     chosen = []
-    if not shards_found:
-        chosen.append((f"SHAKESPEARE ({TOP})", presets["SHAKESPEARE"]))
+    if small_model(draft, shards_found):  # on tiny Shakespeare, or with --preset shakespeare on the shards found
+        shakespeare = {key: value for key, value in presets["SHAKESPEARE"].items() if key != "data" or not shards_found}
+        asked = "--preset shakespeare, " if draft.preset == "shakespeare" else ""
+        chosen.append((f"SHAKESPEARE ({asked}{TOP})", shakespeare))
         if pretrained:
             chosen.append((f"SHAKESPEARE_FINETUNE ({TOP})", presets["SHAKESPEARE_FINETUNE"]))
         if "shakespeare" in recipe:
@@ -194,6 +196,11 @@ def presets_for(draft, shards_found, recipes, model_sizes, presets):
     fixed = {key: value for key, value in pretrained[1].items() if key not in not_read_by(recipe_name, recipes)}
     check_fixed(draft, fixed, model_sizes)
     return recipe_name, chosen, (pretrained[0], fixed)
+
+
+def small_model(draft, shards_found):
+    """Whether the run takes the quick start's presets: --preset shakespeare, or no shards in --data."""
+    return draft.preset == "shakespeare" or not shards_found
 
 
 def check_fixed(draft, fixed, model_sizes):
@@ -278,7 +285,8 @@ def presets_help(presets, recipes):
 
     lines = ["presets: what a kind of run changes in the defaults above. A flag overrides any preset, and a run's "
              "first", "lines name every setting a preset changed, with its default.",
-             "  SHAKESPEARE, when --data (not given) does not exist: python train_gpt2.py with no FineWeb shards",
+             "  SHAKESPEARE, when --data (not given) does not exist (python train_gpt2.py with no FineWeb shards), and",
+             "  all of it but --data with --preset shakespeare, on any --data",
              *as_flags(presets["SHAKESPEARE"]),
              "  SHAKESPEARE_FINETUNE, over it with --init-from (fine-tuning OpenAI's GPT-2 on tiny Shakespeare)",
              *as_flags(presets["SHAKESPEARE_FINETUNE"]),
@@ -374,23 +382,40 @@ def apply_presets(draft, chosen, fixed, model_sizes, unread):
         draft.set(key, value, f"preset {name}")
 
 
-def say_changes(changes, fixed, width=120):
-    """The lines that name each change (Named) under what made it, a setting never split over two; fixed: whether
-    --init-from's weights fix some, which no flag overrides."""
+def in_lines(head, items, separator, width=120):
+    """head, then the items with separator between them, in lines of at most width, an item never split."""
+    lines = [head]
+    for i, item in enumerate(items):
+        if len(lines[-1]) + len(item) + len(separator) + 1 > width:
+            lines.append("   ")
+        lines[-1] += f" {item}{separator if i < len(items) - 1 else ''}"
+    return lines
+
+
+def say_changes(changes, fixed):
+    """The lines that name each change (Named) under what made it; fixed: whether --init-from's weights fix some,
+    which no flag overrides."""
     lines = []
     for why in dict.fromkeys(change.why for change in changes):
-        lines.append(f"{why} sets:")
-        for change in changes:
-            if change.why != why:
-                continue
-            item = f"{flag(change.key)} {shown(change.value)} (default: {change.default})"
-            if len(lines[-1]) + len(item) + 2 > width:
-                lines.append("   ")
-            lines[-1] += f" {item},"
-        lines[-1] = lines[-1].removesuffix(",")
+        lines += in_lines(f"{why} sets:", [f"{flag(change.key)} {shown(change.value)} (default: {change.default})"
+                                           for change in changes if change.why == why], ",")
     if lines:
         lines.append(f"    (a flag overrides any of these{' but what --init-from fixes' if fixed else ''})")
     return lines
+
+
+def as_typed(key, value):
+    """A setting as its flag is typed: --max-steps 50, --compile, --no-compile, --no-resume."""
+    if isinstance(value, bool):
+        return flag(key) if value else f"--no-{flag(key)[2:]}"
+    return "--no-resume" if (key, value) == ("resume", "none") else f"{flag(key)} {shown(value)}"
+
+
+def say_given(draft):
+    """The line (or lines) that name the flags given, as they would be typed: the settings the other lines leave out."""
+    flags = draft.flags
+    given = [as_typed(f.name, getattr(flags, f.name)) for f in in_order(type(flags)) if f.name in draft.given]
+    return in_lines("flags given:", given, "") if given else []
 
 
 # -----------------------------------------------------------------------------
@@ -634,9 +659,10 @@ def resolved_here(draft, env, recipes, checks, resumed):
         take_model_settings(draft, *resumed)
     apply_processes(draft, env)
     fit_seq_len(draft)
-    if not (draft.shards_found or draft.eval_only or "batch_size" in draft.given) and draft.seq_len > 0:
+    if small_model(draft, draft.shards_found) and not (draft.eval_only or "batch_size" in draft.given) \
+            and draft.seq_len > 0:
         draft.set("batch_size", max(1, draft.total_batch_size // (draft.seq_len * env.world_size)),
-                  "one micro-batch a step without shards (--total-batch-size / --seq-len / processes)")
+                  "one micro-batch a step of the small model (--total-batch-size / --seq-len / processes)")
     later = [] if draft.eval_only else fit_warmup(draft, None if resumed is None else resumed[0])
     unread = training_only(draft.flags, recipes) if draft.eval_only else ()
     changes = [change for change in draft.named() if change.key not in unread]
@@ -644,7 +670,7 @@ def resolved_here(draft, env, recipes, checks, resumed):
     cfg = draft.done()
     check_config(cfg, env.world_size)
     check_recipe(cfg, draft.given, recipes)  # once the shapes are whole: --model's, --init-from's, the checkpoint's
-    lines += [line for line in (check(cfg, env) for check in checks) if line]
+    lines += [line for line in (check(cfg, env) for check in checks) if line] + say_given(draft)
     return cfg, lines
 
 

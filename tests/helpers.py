@@ -76,6 +76,11 @@ def resolved(flags, env=None, trainer=train_gpt2):
     return trainer.resolve_config(trainer.layered_config(*trainer.parse_args([str(f) for f in flags]), env), env)
 
 
+def past_flags(out):
+    """A run's printed lines but the flags given (settings.say_given's, continuations too): those that follow them."""
+    return [line for line in out.splitlines() if not line.startswith(("flags given: ", "    "))]
+
+
 def run_main(argv, capsys, main=None):
     """main(argv), train_gpt2.main unless given, in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import REPO, TINY, check_usage_error, needs_muon, run_main, run_script
+from machinery import step_memory
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
@@ -84,9 +85,12 @@ def test_accumulation_adds_the_unsharded_gradients_to_fsdp_only():
 @pytest.mark.parametrize("recipe", ["gpt2", pytest.param("modern", marks=needs_muon)])
 def test_the_activations_are_what_the_compiled_step_saves(recipe):
     """SAVED_PER_TOKEN, the activation estimate's bytes per token, against a count of what the compiled bf16 step
-    saves for its backward (saved_per_token: AOTAutograd's partitioner, as inductor's, on a small model)."""
+    saves for its backward (saved_per_token: AOTAutograd's partitioner, as inductor's, on a small model); and
+    SAVED_PER_TOKEN_EAGER, the CPU's estimate's, against what the eager fp32 step saves."""
     per_layer, outside, logits = memory.saved_per_token(recipe)
     assert (per_layer, outside, logits) == pytest.approx(memory.SAVED_PER_TOKEN[recipe], abs=0.5)
+    assert memory.saved_per_token(recipe, compiled=False) == pytest.approx(step_memory.SAVED_PER_TOKEN_EAGER[recipe],
+                                                                           abs=0.5)
 
 
 def test_the_estimate_of_the_default_step_is_within_5_percent_of_its_measured_peaks():

@@ -1002,6 +1002,25 @@ def test_shakespeare_shards_for_the_trainer(tmp_path):
     assert any("val_loss" in entry for entry in log) and any("train_loss" in entry for entry in log)
 
 
+def test_a_small_input_is_cut_in_tenths_and_its_size_reads_in_its_unit(tmp_path):
+    """With the hub's 100M tokens a shard, 4 MB of one's own text made 1 validation shard and no train shard, and its
+    size read "(0.00 GB)". Without --shard-size, a local input's shards are a tenth of its text, about (3.3 bytes a
+    token): 400 kB of tiny Shakespeare in a directory and a short file make shards of 12,121 tokens, the reference
+    tokenizer's stream cut there (10 shards of its 119,464 tokens), and the size reads 400.0 kB. A file added to the
+    input then is named, as the same command carries on with the shards' own size, not the new input's."""
+    (tmp_path / "books").mkdir()
+    docs = [open(os.path.join(REPO, "input.txt"), encoding="utf-8").read()[:400_000], "Exeunt."]
+    (tmp_path / "books" / "a.txt").write_text(docs[0], encoding="utf-8")
+    (tmp_path / "b.txt").write_text(docs[1])
+    args = ["--input", tmp_path / "books", tmp_path / "b.txt", "--output", tmp_path / "out", "--workers", 1]
+    result = run_fineweb(*args)
+    assert result.returncode == 0, result.stderr
+    assert "(400.0 kB) -> " in result.stdout and "12,121 tokens per shard (for a small input: --shard-size sets it)" \
+        in result.stdout and "(1 val + 9 train)" in result.stdout and "warning" not in result.stdout, result.stdout
+    assert shards_in(tmp_path / "out") == expected_shards(docs, 12121, "out")
+    (tmp_path / "books" / "c.txt").write_text(docs[0][:100_000], encoding="utf-8")
+    assert_error(run_fineweb(*args), f"{tmp_path / 'books' / 'c.txt'} is new")
+
 def test_the_default_prefix_never_names_a_split(tmp_path):
     """Shards are named after the output directory: `--output shakespeare_train` made shakespeare_train_val_000000.npy,
     which the trainer refuses (its name says both train and val). The split word is left out of the default prefix,

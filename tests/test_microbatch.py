@@ -11,10 +11,12 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 
 import pytest
 import torch
 
+import train_gpt2
 from helpers import (
     REPO,
     TINY,
@@ -46,7 +48,9 @@ HEADROOM = 350  # MiB past what importing the trainer takes: a step of 8 of thes
 # a step of 32 fits with freed memory given back to the system, not with it kept in the heap (as a CPU run keeps it
 # where memory allows), which took 1.2 to 1.3 GiB
 ROOM_FOR_32 = 1000
-MICRO_BATCH_LINE = r"^micro-batch (\d+), as 16(?:, \d+)*(?: and \d+)? did not fit in [\d.]+ GiB of address space"
+# the line of a micro-batch below 16 that the memory model chose on a CPU, where a step of 16 does not fit (on rank r)
+MICRO_BATCH_LINE = (r"^micro-batch (\d+) on this CPU: a step of 16 needs about [\d.]+ GiB more \(the memory model\), "
+                    r"and [\d.]+ GiB of address space left \(ulimit -v\){on_rank}; --batch-size \1 starts there$")
 
 
 def run_limited(args, cwd, headroom=HEADROOM, nproc=1, limited_rank=-1, **env):
@@ -106,8 +110,9 @@ def test_what_runs_out_of_memory():
 def test_a_batch_that_does_not_fit_trains_smaller_on_the_same_tokens(shards, tmp_path, capsys):
     """A step where memory is plenty; then, under the limit, --batch-size 32 forced (--no-fit-batch-size) runs out of
     memory in its first step: one line, the checkpoint kept. The same command without the flag finds a smaller
-    micro-batch, names it, and trains to the end; its losses are those of a run given that micro-batch from the
-    start, to float rounding (another cut of the same tokens)."""
+    micro-batch (the memory model's, whose step fits in the address space left), names it, and trains to the end; its
+    losses are those of a run given that micro-batch from the start, to float rounding (another cut of the same
+    tokens)."""
     log = tmp_path / "log"
     args = WIDE + ["--data", shards, "--log-dir", log, "--max-steps", "2"]
     code, out, err = run_main(args + ["--max-steps", "1", "--batch-size", "8"], capsys)
@@ -123,7 +128,7 @@ def test_a_batch_that_does_not_fit_trains_smaller_on_the_same_tokens(shards, tmp
     assert fitted.returncode == 0, fitted.stderr[-3000:]
     assert re.search(r"^micro-batch at most 16: 32 ran out of memory in [\d.]+ GiB of address space \(ulimit -v\) at "
                      r"step 1, after it was chosen", fitted.stdout, re.M), fitted.stdout
-    chosen = int(re.search(MICRO_BATCH_LINE, fitted.stdout, re.M).group(1))
+    chosen = int(re.search(MICRO_BATCH_LINE.format(on_rank=""), fitted.stdout, re.M).group(1))
     assert chosen < 32 and f"batch 1,024 tokens = {chosen} x 32 x {32 // chosen} accumulation steps" in fitted.stdout
     assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [8, 32, chosen]  # each launch's start record
     assert load_ckpt(checkpoint_path(log, 2))["micro_batch"] == chosen
@@ -143,8 +148,7 @@ def test_the_ranks_train_with_the_micro_batch_that_fits_on_every_one(shards, tmp
     args = WIDE + ["--data", shards, "--max-steps", "1", "--batch-size", "16"]  # 16 sequences a step on each rank
     two = run_limited(args + ["--log-dir", tmp_path / "two"], tmp_path, nproc=2, limited_rank=1)
     assert two.returncode == 0, two.stderr[-3000:]
-    line = re.search(r"^micro-batch (\d+), as 16(?:, \d+)*(?: and \d+)? did not fit in [\d.]+ GiB of address space "
-                     r"\(ulimit -v\) on rank 1:", two.stdout, re.M)  # rank 1's memory, not rank 0's
+    line = re.search(MICRO_BATCH_LINE.format(on_rank=" on rank 1"), two.stdout, re.M)  # rank 1's memory, not rank 0's
     chosen = int(line.group(1))
     assert chosen < 16 and f"{chosen} x 32 x {16 // chosen} accumulation steps x 2 process(es)" in two.stdout
     code, _, err = run_main(args + ["--log-dir", tmp_path / "one"], capsys)
@@ -157,9 +161,9 @@ def test_the_ranks_train_with_the_micro_batch_that_fits_on_every_one(shards, tmp
 
 
 def test_nothing_fits_is_one_line_on_every_rank_and_moves_no_file(shards, tmp_path):
-    """Not even one sequence's step fits on rank 1 (the optimizers' state of a wider model does not): every rank stops
-    with one line that names rank 1's memory and what to change, exit 2, and the earlier run that a fresh start would
-    have moved aside is where it was."""
+    """Not even one sequence's step fits on rank 1 (the optimizers' state of a wider model does not, the memory model
+    says before any try): every rank stops with one line that names rank 1's memory and what to change, exit 2, and
+    the earlier run that a fresh start would have moved aside is where it was."""
     log = tmp_path / "log"
     log.mkdir()
     (log / "log.jsonl").write_text('{"step": 0, "val_loss": 10.9}\n')
@@ -167,11 +171,45 @@ def test_nothing_fits_is_one_line_on_every_rank_and_moves_no_file(shards, tmp_pa
     args = WIDE + ["--n-embd", "256", "--batch-size", "1", "--total-batch-size", "64", "--data", shards, "--log-dir",
                    log, "--max-steps", "1", "--no-resume"]
     error = the_one_line_of_every_rank(run_limited(args, tmp_path, headroom=250, nproc=2, limited_rank=1))
-    assert re.fullmatch(r"error: out of memory: not even a micro-batch of 1 sequence of 32 tokens fits a training step "
-                        r"of this 2-layer, width-256 model in [\d.]+ GiB of address space \(ulimit -v\) on rank 1; "
-                        r"train a smaller model .*, a shorter --seq-len, --loss chunked .*", error), error
+    assert re.fullmatch(r"error: out of memory: a training step of this 2-layer, width-256 model needs about "
+                        r"[\d.]+ GiB more at micro-batch 1 of 32 tokens \(the memory model, docs/memory.md\), and "
+                        r"[\d.]+ GiB of address space left \(ulimit -v\) on rank 1; train a smaller model: "
+                        r"--preset shakespeare \(the quick start's\), or --model, --n-layer, --n-embd", error), error
     assert sorted(os.listdir(log)) == [".lock", "log.jsonl", "notes.txt"]
     assert (log / "log.jsonl").read_text() == '{"step": 0, "val_loss": 10.9}\n'
+
+
+def test_gpt2_on_ones_own_data_is_refused_where_it_does_not_fit_and_the_small_preset_trains(tmp_path):
+    """`python train_gpt2.py --data mycode` on a CPU takes GPT-2 124M's defaults; where the machine could not give its
+    step's memory, the kernel's out-of-memory killer ended it with no word. Here the machine is an address space of
+    1.5 GiB past the trainer's import: the run stops before any step in one line that names the memory model's
+    estimate, the memory left and the flag that fits, and touches no log directory. With that flag, --preset
+    shakespeare, the same data trains in the same memory. (Before, a try of each micro-batch from 64 down to 1 ran out
+    of memory, and the line named neither.)"""
+    shards = write_shards(tmp_path / "mycode", train_lengths=(270000, 270000), val_length=20000, vocab=50257)
+    args = ["--data", shards, "--device", "cpu"]
+    refused = run_limited(args + ["--log-dir", tmp_path / "log"], tmp_path, headroom=1500)
+    check_usage_error(refused.returncode, refused.stdout, refused.stderr, "error: out of memory: a training step of "
+                      "this 12-layer, width-768 model needs about 2.54 GiB more at micro-batch 1 of 1024 tokens (the "
+                      "memory model, docs/memory.md), and ", " GiB of address space left (ulimit -v); train a smaller "
+                      "model: --preset shakespeare (the quick start's)")
+    assert not (tmp_path / "log").exists() and "step" not in refused.stdout
+    small = args + ["--preset", "shakespeare", "--log-dir", tmp_path / "small", "--max-steps", "1",
+                    "--num-samples", "0", "--val-tokens", "1024"]
+    trained = run_limited(small, tmp_path, headroom=1500)
+    assert trained.returncode == 0 and "micro-batch" not in trained.stdout, trained.stderr[-3000:]
+    assert [r["micro_batch"] for r in read_log(tmp_path / "small") if "event" in r] == [8]
+
+
+def test_the_memory_a_cpu_can_give_is_the_machines_available_memory(tmp_path):
+    """With no limit of its own (no address-space limit, no cgroup's here), what the trainer compares a CPU step with is
+    the machine's available memory, as `free` reads it (to 64 MiB: other processes allocate meanwhile)."""
+    if microbatch.address_space_limited() or microbatch.cgroup_room()[0] is not None or not shutil.which("free"):
+        pytest.skip("this machine limits the process itself, or has no free(1)")
+    room, where = microbatch.memory_available(train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
+    free = subprocess.run(["free", "-b"], capture_output=True, text=True, check=True).stdout.splitlines()
+    available = int(free[1].split()[6])  # Mem: total used free shared buff/cache available
+    assert abs(room - available) < 64 << 20 and where.endswith("available (MemAvailable in /proc/meminfo)"), where
 
 
 def test_a_micro_batch_whose_try_fits_trains(shards, tmp_path, capsys):
@@ -312,6 +350,39 @@ def test_a_record_holds_for_the_speed_ups_it_was_made_with_alone(ran_out_at_1, t
         assert code == 0, err
         assert ("micro-batch 1 again, as none is smaller" in out) == (micro_batch == 1), out
         assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [micro_batch]
+
+
+# out_of_memory.json as a7f4ffe (the code before machinery/ and variations/) wrote it, when micro-batch 8 of WIDE's
+# model ran out of memory in step 0 under an address-space limit; its speed-ups name three settings since gone
+A7F4FFE_RECORD = {
+    "micro_batch": 8, "step": 0, "memory": 1730768896, "memory_words": "1.6 GiB of address space (ulimit -v)",
+    "shape": {"model": {"block_size": 32, "vocab_size": 50257, "n_layer": 2, "n_head": 4, "n_embd": 64, "attn": "sdpa",
+                        "recipe": "gpt2", "loss": "full", "logit_softcap": 15.0},
+              "seq_len": 32, "dtype": "fp32", "compile": False, "compile_mode": "default", "fused_adamw": True,
+              "fsdp": False, "device": "cpu", "world_size": 1,
+              "speedups": {"sdpa_backend": "auto", "grow_batch_size": False, "recompute_pointwise": False,
+                           "coordinate_descent": False, "fp8_head": False}}}
+
+
+def test_a_record_written_before_the_move_holds(ran_out_at_1, tmp_path, capsys):
+    """A7F4FFE_RECORD, as if of a machine with more memory than this one: its run was told "it chooses a micro-batch
+    below 8", and the same command takes 4. Before, the three settings it names that are gone (--sdpa-backend,
+    --grow-batch-size, --recompute-pointwise) matched no run, and 8 was tried again. It holds with --recompute-pointwise
+    on too (which kept less: 8 runs out without it as well), and so does a record that names no speed-ups at all (as
+    before a81035a), a run at their defaults."""
+    args, _, _ = ran_out_at_1
+    recomputed, older = copy.deepcopy(A7F4FFE_RECORD), copy.deepcopy(A7F4FFE_RECORD)
+    recomputed["shape"]["speedups"]["recompute_pointwise"] = True
+    del older["shape"]["speedups"]
+    for name, record in (("a7f4ffe", A7F4FFE_RECORD), ("recomputed", recomputed), ("older", older)):
+        log = tmp_path / name
+        log.mkdir()
+        (log / microbatch.RECORD).write_text(json.dumps([dict(record, memory=2**62)], indent=1))
+        code, out, err = run_main(args + ["--log-dir", log, "--batch-size", "8"], capsys)
+        assert code == 0, err
+        assert re.search(r"^micro-batch at most 4: 8 ran out of memory in 1\.6 GiB of address space \(ulimit -v\) at "
+                         r"step 0, after it was chosen", out, re.M), (name, out)
+        assert [r["micro_batch"] for r in read_log(log) if "event" in r] == [4], name
 
 
 ROOM_MEASURED = """

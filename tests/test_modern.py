@@ -25,6 +25,7 @@ from helpers import (
     final_hidden,
     load_ckpt,
     needs_muon,
+    past_flags,
     printed_samples,
     random_ids,
     read_log,
@@ -400,8 +401,8 @@ def test_eval_only_evaluates_a_modern_checkpoint_as_it_was_trained(shards, tmp_p
     trained = val_records(read_log(tmp_path))[2]["val_loss"]
     code, out, err = run_main(args + ["--eval-only"], capsys)
     assert code == 0, err
-    assert out.splitlines()[0] == f"evaluating {tmp_path / 'ckpt_000002.pt'} (step 2)"
-    assert "the modern recipe" in out.splitlines()[1]
+    assert past_flags(out)[0] == f"evaluating {tmp_path / 'ckpt_000002.pt'} (step 2)"
+    assert "the modern recipe" in past_flags(out)[1]
     evaluated = read_log(tmp_path)[-1]
     assert evaluated["eval_only"] and evaluated["init_from"] == str(tmp_path / "ckpt_000002.pt")
     assert evaluated["val_loss"] == pytest.approx(trained, abs=1e-6)

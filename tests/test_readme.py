@@ -490,22 +490,22 @@ def test_the_local_text_commands_shard_tiny_shakespeare(tmp_path):
                          timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     shards = sorted(name for name in os.listdir(tmp_path / "shakespeare") if name.endswith(".npy"))
-    assert shards == ["shakespeare_train_000001.npy", "shakespeare_train_000002.npy", "shakespeare_train_000003.npy",
-                      "shakespeare_val_000000.npy"]  # 1 val + 3 train shards, as its comment says
+    assert shards == [f"shakespeare_train_{i:06d}.npy" for i in range(1, 11)] + ["shakespeare_val_000000.npy"]
+    assert "1 val + 10 train shards" in section("Preparing data")  # as its comment says
 
 
 @pytest.mark.skipif(not shutil.which("bash"), reason="no bash to read the command as a user's shell does")
 def test_the_local_text_command_runs_the_quick_starts_settings_in_a_log_dir_of_its_own(tmp_path, monkeypatch):
-    """The README trains on fineweb.py's shards of tiny Shakespeare with 'the Shakespeare preset's settings': they
-    were only some of them (not its samples' prompt, their number and length, nor its validation tokens), and in
-    log/, where the quick start's run was, it was refused ("the checkpoint's data position is in other training
-    shards"). Every setting must be what `python train_gpt2.py` without shards resolves, but --data and --log-dir."""
+    """The README trains on fineweb.py's shards of tiny Shakespeare with the quick start's settings: once they were
+    only some of them (not its samples' prompt, their number and length, nor its validation tokens), and in log/,
+    where the quick start's run was, it was refused ("the checkpoint's data position is in other training shards").
+    Every setting must be what `python train_gpt2.py` without shards resolves, but --data, --log-dir and --preset."""
     [command] = commands_of("Preparing data", "python train_gpt2.py --data shakespeare")
     monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here: the quick start's preset
     env = train_gpt2.Env(rank=0, local_rank=0, world_size=1, device="cpu", device_type="cpu")
     quick_start = vars(resolved([], env))
     local_text = vars(resolved(command[2:], env))
-    assert {k for k in quick_start if local_text[k] != quick_start[k]} == {"data", "log_dir"}
+    assert {k for k in quick_start if local_text[k] != quick_start[k]} == {"data", "log_dir", "preset"}
     assert local_text["data"] == "shakespeare"
 
 

@@ -99,7 +99,7 @@ def test_with_shards_the_edited_file_is_what_runs(edited, tmp_path, capsys):
     assert cfg.hellaswag_every == 0
     assert "no HellaSwag or CORE on cpu (too slow without CUDA) sets: --hellaswag-every 0 (default: 100)" in out
     cfg, out = resolve(edited, ["--data", str(tmp_path), "--hellaswag-every", "100"], capsys)
-    assert cfg.hellaswag_every == 100 and "hellaswag" not in out
+    assert cfg.hellaswag_every == 100 and "sets: --hellaswag-every" not in out
 
 
 def test_a_batch_size_derived_from_the_others_is_named(edited, tmp_path, capsys, monkeypatch):
@@ -155,6 +155,46 @@ def test_the_shakespeare_preset_names_each_edit_it_replaces(edited, tmp_path, ca
     cfg, out = resolve(edited, ["--n-layer", "2", "--max-steps", "3"], capsys)  # the way the line gives
     assert (cfg.n_layer, cfg.max_steps) == (2, 3)
     assert "--n-layer 8" not in out and "--max-steps 900" not in out and "--n-embd 128 (default: 64)" in out
+
+
+def test_preset_shakespeare_is_the_quick_starts_settings_on_any_data(tmp_path, capsys, monkeypatch):
+    """Training the quick start's small model on shards of one's own took about 20 flags. `--preset shakespeare`
+    resolves every setting as `python train_gpt2.py` without shards does, but --data, with either recipe and on 1 or
+    2 processes; the first lines name the preset and the flag. A flag still overrides it."""
+    monkeypatch.chdir(tmp_path)  # no edu_fineweb10B here: the quick start's presets
+    for flags, processes in (([], 1), ([], 2), (["--recipe", "modern"], 1)):
+        env = train_gpt2.Env(0, 0, processes, "cpu", "cpu")
+        quick_start = vars(resolved(flags, env))
+        capsys.readouterr()
+        cfg = resolved(flags + ["--data", "mine", "--preset", "shakespeare"], env)
+        out = capsys.readouterr().out
+        assert {key for key, value in quick_start.items() if getattr(cfg, key) != value} == {"data", "preset"}, flags
+        assert "preset SHAKESPEARE (--preset shakespeare, at the top of train_gpt2.py) sets:" in out
+        assert out.splitlines()[-1] == " ".join(["flags given: --data mine --preset shakespeare", *flags])
+    cfg = resolved(["--preset", "shakespeare"])  # and no shards: tiny Shakespeare, as without the flag
+    assert os.path.basename(cfg.data) == "input.txt" and cfg.n_embd == 128
+    write_shards(tmp_path / "edu_fineweb10B")  # the default --data, with shards: the small model on them
+    cfg = resolved(["--preset", "shakespeare", "--n-layer", "4"])
+    assert (cfg.data, cfg.n_layer, cfg.n_embd, cfg.max_steps) == ("edu_fineweb10B", 4, 128, 900)
+
+
+def test_the_first_lines_end_with_the_flags_given_as_typed(tmp_path, capsys, monkeypatch):
+    """The first lines named every setting a preset, the device or another setting changed, but not the flags typed,
+    though the README said they name every setting that is not its default. They end with the flags given, as they
+    would be typed (booleans both ways, --no-resume, a value that needs quotes), in lines of at most 120 characters;
+    with none given, no such line."""
+    monkeypatch.chdir(tmp_path)
+    _, out = resolve(train_gpt2, [], capsys)
+    assert "flags given" not in out
+    flags = ["--data", ".", "--max-steps", "50", "--no-compile", "--fused-adamw", "--no-resume", "--prompt", "a b\n",
+             "--log-dir", "a/run", "--wandb-project", "p", "--grad-clip", "0.5", "--seed", "7", "--val-tokens", "4096"]
+    _, out = resolve(train_gpt2, flags, capsys)
+    lines = out.splitlines()
+    given = lines[next(i for i, line in enumerate(lines) if line.startswith("flags given: ")):]
+    assert " ".join(" ".join(given).split()) == (
+        "flags given: --data . --log-dir a/run --max-steps 50 --grad-clip 0.5 --seed 7 --val-tokens 4096 "
+        "--prompt 'a b\\n' --no-resume --wandb-project p --no-compile --fused-adamw")
+    assert len(given) == 1 or all(len(line) <= 120 for line in given)
 
 
 def test_a_file_value_of_0_is_named_with_the_size_it_stands_for(tmp_path, capsys, monkeypatch):
@@ -235,7 +275,8 @@ def test_a_modern_fine_tune_names_each_setting_under_the_preset_that_set_it(tmp_
     assert "preset --recipe modern's PRESETS['shakespeare'] (in modern.py)" not in groups
     assert "--warmup-steps 10 (default: 715)" in modern_finetune and "--muon-lr 0.0003 (default: 0.02)" in \
         modern_finetune and "--embed-lr 0.005 (default: 0.2)" in modern_finetune
-    assert out.splitlines()[-1] == "    (a flag overrides any of these but what --init-from fixes)"
+    assert out.splitlines()[-2] == "    (a flag overrides any of these but what --init-from fixes)"
+    assert out.splitlines()[-1].startswith("flags given: --log-dir log_finetune --init-from ")
     assert "instead:" not in out
 
 

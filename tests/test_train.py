@@ -23,6 +23,7 @@ from helpers import (
     last_json,
     load_ckpt,
     needs_muon,
+    past_flags,
     read_log,
     resolved,
     run_main,
@@ -403,21 +404,22 @@ def test_the_shakespeare_line_says_what_is_run(tmp_path, monkeypatch, capsys, fl
 
 
 def test_the_first_line_of_a_run_says_what_it_does(shards, tmp_path, capsys):
+    """After the lines of its settings (here the flags given alone, as no preset applies)."""
     log_dir = tmp_path / "log"
     args = TINY + ["--data", shards, "--log-dir", log_dir]
     code, out, err = run_main(args + ["--eval-only"], capsys)
     assert code == 0, err
-    assert out.splitlines()[0] == "evaluating the initial model: random weights (no checkpoint in --log-dir)"
+    assert past_flags(out)[0] == "evaluating the initial model: random weights (no checkpoint in --log-dir)"
     code, out, err = run_main(args + ["--no-resume", "--max-steps", "2", "--warmup-steps", "1"], capsys)
     assert code == 0, err
-    assert out.splitlines()[1] == "training from scratch for 2 steps"  # after the line that moved the old log aside
+    assert past_flags(out)[1] == "training from scratch for 2 steps"  # after the line that moved the old log aside
     code, out, err = run_main(args + ["--max-steps", "3", "--warmup-steps", "1"], capsys)
     assert code == 0, err
-    assert out.splitlines()[0] == (f"resuming from the checkpoint of step 2 ({log_dir / 'ckpt_000002.pt'}), "
-                                   f"training to step 3")
+    assert past_flags(out)[0] == (f"resuming from the checkpoint of step 2 ({log_dir / 'ckpt_000002.pt'}), "
+                             f"training to step 3")
     code, out, err = run_main(args + ["--eval-only"], capsys)
     assert code == 0, err
-    assert out.splitlines()[0] == f"evaluating {log_dir / 'ckpt_000003.pt'} (step 3)"
+    assert past_flags(out)[0] == f"evaluating {log_dir / 'ckpt_000003.pt'} (step 3)"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
