@@ -275,8 +275,10 @@ def test_a_modern_fine_tune_names_each_setting_under_the_preset_that_set_it(tmp_
     assert "preset --recipe modern's PRESETS['shakespeare'] (in modern.py)" not in groups
     assert "--warmup-steps 10 (default: 715)" in modern_finetune and "--muon-lr 0.0003 (default: 0.02)" in \
         modern_finetune and "--embed-lr 0.005 (default: 0.2)" in modern_finetune
-    assert out.splitlines()[-2] == "    (a flag overrides any of these but what --init-from fixes)"
-    assert out.splitlines()[-1].startswith("flags given: --log-dir log_finetune --init-from ")
+    lines = out.splitlines()
+    given = next(i for i, line in enumerate(lines) if line.startswith("flags given: "))  # it wraps at a long path
+    assert lines[given - 1] == "    (a flag overrides any of these but what --init-from fixes)"
+    assert lines[given].startswith("flags given: --log-dir log_finetune --init-from ")
     assert "instead:" not in out
 
 
