@@ -278,7 +278,8 @@ def test_a_modern_fine_tune_names_each_setting_under_the_preset_that_set_it(tmp_
     lines = out.splitlines()
     given = next(i for i, line in enumerate(lines) if line.startswith("flags given: "))  # it wraps at a long path
     assert lines[given - 1] == "    (a flag overrides any of these but what --init-from fixes)"
-    assert lines[given].startswith("flags given: --log-dir log_finetune --init-from ")
+    typed = " ".join(line.strip() for line in lines[given:])  # its continuation lines, if a long path wrapped it
+    assert typed.startswith("flags given: --log-dir log_finetune --init-from ")
     assert "instead:" not in out
 
 
