@@ -384,10 +384,11 @@ def apply_presets(draft, chosen, fixed, model_sizes, unread):
 
 def in_lines(head, items, separator, width=120):
     """head, then the items with separator between them, in lines of at most width, an item never split."""
-    lines = [head]
+    lines, started = [head], False  # an item longer than a line stays beside the head, not below it alone
     for i, item in enumerate(items):
-        if len(lines[-1]) + len(item) + len(separator) + 1 > width:
+        if started and len(lines[-1]) + len(item) + len(separator) + 1 > width:
             lines.append("   ")
+        started = True
         lines[-1] += f" {item}{separator if i < len(items) - 1 else ''}"
     return lines
 
