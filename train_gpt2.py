@@ -130,7 +130,7 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
 
 GPTConfig = settings.model_config_class(TrainConfig)  # the model's settings: those above marked model=True
 
-# Presets: what a kind of run changes in the settings above, unless a flag gives it; the first lines name each
+# Presets: what a kind of run changes above (edit it here, not there), unless a flag gives it; the first lines name each
 # (modern.py's PRESETS are the modern recipe's). A model that learns tiny Shakespeare in minutes on a laptop CPU, with
 # no shards, or on any data with --preset shakespeare. Its vocab is unpadded (padding speeds up GPU matmuls, not a
 # CPU's); the output layer costs most of a step, so depth is cheap (docs/LOG.md); 900 steps are 3 passes.
