@@ -146,6 +146,17 @@ def test_a_download_cut_twice_resumes_where_it_stopped_and_says_each_retry(gpt2_
         "; retry 1 of 10 in 0 s; giving up after 10 retries, 0 s of waiting in all") for line in retries), retries
 
 
+def test_an_endpoint_without_its_scheme_fails_at_once(tmp_path, capsys, monkeypatch):
+    """HF_ENDPOINT=hf-mirror.com, without https://: no retry would mend it, so none is made, and one line says why."""
+    monkeypatch.setattr(downloads, "RETRYING", downloads.Retrying(delay=0))
+    monkeypatch.setenv("HF_ENDPOINT", "hf-mirror.com")
+    with pytest.raises(UsageError, match=r"^could not download hf-mirror\.com/openai-community/gpt2/resolve/main/"
+                                         r"model\.safetensors \(Invalid URL .*\); set HF_ENDPOINT to a mirror"):
+        openai_gpt2(cache_dir=str(tmp_path / "cache"))
+    assert "retry" not in capsys.readouterr().out
+    assert not os.listdir(tmp_path / "cache" / "gpt2")
+
+
 def test_too_few_token_rows_are_refused(gpt2_server, tmp_path):
     """A wte with fewer than GPT-2's 50257 rows would leave the other tokens' embeddings at zero."""
     weights, served, _ = gpt2_server
