@@ -42,18 +42,27 @@ import requests
 import tiktoken
 from tqdm import tqdm
 
-from machinery.downloads import sha256_of
+from machinery.downloads import (
+    CONNECT_TIMEOUT,
+    GaveUp,
+    Refused,
+    Retrying,
+    fetch,
+    get,
+    hub_headers,
+    intact,
+    sha256_of,
+    wait_before_retry,
+)
 from machinery.errors import BadFile, UsageError
 from machinery.files import directory_lock, no_room, parse_json, write_atomically
 from machinery.shard_files import MANIFEST, PREPARATION_FILES, SHARD_SUFFIXES, SPLIT_WORD, read_manifest
 from machinery.tokenizer import EOT, gpt2_tokenizer
 
 JSONL_LINES_PER_UNIT = 1024  # a jsonl file is tokenized in units of this many lines
-DOWNLOAD_CHUNK = 1 << 16  # bytes kept when a connection drops mid-download are whole chunks
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # `kill` and a closed terminal, which end the run as Ctrl-C does (not SIGHUP where there is none: Windows)
 STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
-CONNECT_TIMEOUT, READ_TIMEOUT = 30, 60  # seconds a request waits for a connection, then for each read
 
 # -----------------------------------------------------------------------------
 # tokenization, in worker processes: each job is one unit of a source file
@@ -198,50 +207,18 @@ def file_units(path, first_unit, field):
 # -----------------------------------------------------------------------------
 # sources: the hub's parquet files, or local files
 
-def hub_headers():
-    token = os.environ.get("HF_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
+def refusal(error, args):
+    """What the hub's refusal of a request (downloads.Refused) means for this run, and what to do."""
+    if error.status in (401, 403):
+        return (f"{args.endpoint} refused access to {args.dataset} (HTTP {error.status}); set HF_TOKEN to a "
+                "Hugging Face token that can read it (https://huggingface.co/settings/tokens)")
+    if error.status == 404:
+        return f"{error.url} not found (HTTP 404); check --dataset and --subset"
+    return str(error)
 
-def http_get(session, url, args, headers=None):
-    """GET url; 5xx/429 and network failures raise requests exceptions (retried), others UsageError."""
-    response = session.get(url, headers={**hub_headers(), **(headers or {})}, stream=True,
-                           timeout=(CONNECT_TIMEOUT, READ_TIMEOUT))
-    status = response.status_code
-    if status < 400 or status == 416:
-        return response
-    response.close()
-    if status >= 500 or status == 429:
-        raise requests.HTTPError(f"HTTP {status} from {url}")
-    if status in (401, 403):
-        raise UsageError(f"{args.endpoint} refused access to {args.dataset} (HTTP {status}); set HF_TOKEN to a "
-                         "Hugging Face token that can read it (https://huggingface.co/settings/tokens)")
-    if status == 404:
-        raise UsageError(f"{url} not found (HTTP 404); check --dataset and --subset")
-    raise UsageError(f"{url} answered HTTP {status}")
-
-def in_words(error):
-    """Why a request failed, in a few words: requests' own message runs over a line ("HTTPConnectionPool(host=...):
-    Max retries exceeded with url: ... (Caused by NewConnectionError(...: [Errno 111] Connection refused'))")."""
-    reason = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", str(error))
-    if reason:
-        return reason.group(1).strip()
-    return "timed out" if isinstance(error, requests.Timeout) else str(error)
-
-def retry_wait(args, retry):
-    return min(args.retry_delay * 2 ** (retry - 1), 60)
-
-def duration(seconds):
-    return f"{seconds:.3g} s" if seconds < 60 else f"{seconds / 60:.3g} min"
-
-def backoff(failures, error, asked, args, stop):
-    """Waits before retry number `failures` of a request for `asked`, saying so; past --retries, raises UsageError."""
-    if failures > args.retries:
-        raise UsageError(f"giving up on {args.endpoint} after {args.retries} retries ({in_words(error)}); check the "
-                         "network or proxy, or point HF_ENDPOINT (or --endpoint) at a mirror, e.g. https://hf-mirror.com")
-    wait, waits = retry_wait(args, failures), sum(retry_wait(args, n) for n in range(1, args.retries + 1))
-    tqdm.write(f"{asked}: {in_words(error)}; retry {failures} of {args.retries} in {duration(wait)}; giving up after "
-               f"{args.retries} retries, {duration(waits)} of waiting in all (--retries, --retry-delay)")
-    stop.wait(wait)
+def retrying(args, stop):
+    """How a failing request is retried: as --retries and --retry-delay say, each retry said above the progress bar."""
+    return Retrying(args.retries, args.retry_delay, "--retries, --retry-delay", tqdm.write, stop)
 
 def list_hub_files(args, stop):
     url = f"{args.endpoint}/api/datasets/{args.dataset}/tree/main/{args.subset}"
@@ -251,7 +228,7 @@ def list_hub_files(args, stop):
           f"{CONNECT_TIMEOUT} s to connect)")
     while url:
         try:
-            with http_get(session, url, args) as response:
+            with get(session, url, hub_headers()) as response:
                 entries, next_url = response.json(), response.links.get("next", {}).get("url")
             files += [{"path": e["path"], "size": e["size"], "sha256": (e.get("lfs") or {}).get("oid")}
                       for e in entries if e.get("type") == "file" and e["path"].endswith(".parquet")]
@@ -262,62 +239,35 @@ def list_hub_files(args, stop):
                              "is --endpoint (or HF_ENDPOINT) a Hugging Face hub or mirror?")
         except requests.RequestException as e:
             failures += 1
-            backoff(failures, e, args.endpoint, args, stop)
+            wait_before_retry(failures, e, args.endpoint, retrying(args, stop))
             continue
         url = next_url
     if not files:
         raise UsageError(f"no parquet files in {args.dataset}/{args.subset} at {args.endpoint}; check --subset")
     return sorted(files, key=lambda f: f["path"])
 
-def intact(path, source):
-    return os.path.getsize(path) == source["size"] and source["sha256"] in (None, sha256_of(path))
-
 def download(source, args, stop):
     """Fetch one hub file into OUTPUT/downloads, verified; a partial .part file is resumed with a Range request."""
     path = os.path.join(args.output, "downloads", os.path.basename(source["path"]))
     if os.path.exists(path):
-        if intact(path, source):
+        if intact(path, source["size"], source["sha256"]):
             return path
         os.remove(path)  # a file of the same name, left by a run with other settings
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    part = path + ".part"
     url = f"{args.endpoint}/datasets/{args.dataset}/resolve/main/{quote(source['path'])}"
-    identity = {"Accept-Encoding": "identity"}  # through a compressing proxy, Range offsets would count other bytes
-    session, started = requests.Session(), time.perf_counter()
-    for _attempt in range(2):  # a file that fails its checksum is downloaded afresh once
-        failures = 0
-        while not stop.is_set() and (not os.path.exists(part) or os.path.getsize(part) < source["size"]):
-            have = os.path.getsize(part) if os.path.exists(part) else 0
-            headers = {**identity, "Range": f"bytes={have}-"} if have else identity
-            try:
-                with http_get(session, url, args, headers) as response:
-                    if response.status_code == 416:  # we hold more than the file has: verification decides
-                        break
-                    with open(part, "ab" if response.status_code == 206 else "wb") as f:
-                        for chunk in response.iter_content(DOWNLOAD_CHUNK):
-                            f.write(chunk)
-                            failures = 0  # a flaky link that makes progress never runs out of retries
-                            if stop.is_set():
-                                return None
-                        # a body cut short raises nothing without a Content-Length, nor with one under urllib3 < 2
-                        if f.tell() < source["size"]:
-                            raise requests.ConnectionError(f"connection closed at byte {f.tell():,} "
-                                                           f"of {source['size']:,}")
-            except requests.RequestException as e:
-                failures += 1
-                backoff(failures, e, source["path"], args, stop)
-        if stop.is_set():
+    started = time.perf_counter()
+    try:
+        if fetch(url, path, path + ".part", source["path"], retrying(args, stop), size=source["size"],
+                 sha256=source["sha256"], headers=hub_headers()) is None:
             return None
-        if intact(part, source):
-            os.replace(part, path)
-            megabytes = source["size"] / 1e6
-            rate = megabytes / (time.perf_counter() - started)
-            tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {rate:.1f} MB/s)")
-            return path
-        os.remove(part)
-    raise UsageError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected {source['size']:,} "
-                     f"bytes with sha256 {source['sha256']}); the mirror may serve a damaged or stale copy: "
-                     "try another HF_ENDPOINT")
+    except BadFile:
+        raise UsageError(f"{source['path']} from {args.endpoint} failed its checksum twice (expected "
+                         f"{source['size']:,} bytes with sha256 {source['sha256']}); the mirror may serve a damaged or "
+                         "stale copy: try another HF_ENDPOINT")
+    megabytes = source["size"] / 1e6
+    rate = megabytes / (time.perf_counter() - started)
+    tqdm.write(f"downloaded {source['path']} ({megabytes:.0f} MB, {rate:.1f} MB/s)")
+    return path
 
 class Downloads:
     """Hub files downloaded one at a time, in the order asked for, by a daemon thread: an interrupted run exits at
@@ -850,6 +800,11 @@ def main(argv=None):
             finally:
                 if made:
                     remove_if_nothing_made(args.output)
+    except GaveUp as e:
+        sys.exit(f"error: giving up on {args.endpoint} after {e.retries} retries ({e}); check the network or proxy, "
+                 "or point HF_ENDPOINT (or --endpoint) at a mirror, e.g. https://hf-mirror.com")
+    except Refused as e:
+        sys.exit(f"error: {refusal(e, args)}")
     except UsageError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt as e:

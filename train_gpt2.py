@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from evaluation import core_score, hellaswag
 from machinery import checkpoint_commands, checkpoints, fsdp, hf_format, microbatch, ranks, run_log, settings
-from machinery.downloads import download_openai_weights
+from machinery.downloads import hub_weights
 from machinery.errors import DataError, UsageError
 from machinery.run_state import Run
 from machinery.settings import setting
@@ -291,7 +291,7 @@ class GPT(nn.Module):
         """OpenAI's GPT-2 `name` (gpt2, gpt2-medium, gpt2-large, gpt2-xl), downloaded once into the cache; or, if name
         is a directory, the GPT-2 there (--export-hf's, or the Hub's). A config, if given, has that model's shapes."""
         local = os.path.isdir(name)
-        path = os.path.join(name, "model.safetensors") if local else download_openai_weights(name, cache_dir)
+        path = os.path.join(name, "model.safetensors") if local else hub_weights(f"openai-community/{name}", cache_dir)
         if config is None:
             config = GPTConfig(**(hf_format.read_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
         model = cls(config)

@@ -46,20 +46,40 @@ def shards(tmp_path):
 
 
 class Served(tuple):
-    """(root_dir, base_url), and .log: the (path, Authorization header) of every request."""
+    """(root_dir, base_url), and .log: the (path, Authorization header) of every request; .ranges: its Range header;
+    .cut: path -> [body bytes sent before each of the next responses for it hangs up]."""
 
 
 @pytest.fixture
 def static_server(tmp_path):
-    """A real HTTP server on 127.0.0.1 serving files under tmp_path/'www'; yields Served((root_dir, base_url))."""
+    """A real HTTP server on 127.0.0.1 serving files under tmp_path/'www', from the byte a Range header asks for (as
+    the hub does); yields Served((root_dir, base_url))."""
     root = tmp_path / "www"
     root.mkdir()
-    log = []
+    log, ranges, cut = [], [], {}
 
     class QuietHandler(http.server.SimpleHTTPRequestHandler):
         def do_GET(self):
             log.append((self.path, self.headers.get("Authorization")))
-            super().do_GET()
+            ranges.append(self.headers.get("Range"))
+            if not (self.headers.get("Range") or cut.get(self.path)):
+                return super().do_GET()
+            path = self.translate_path(self.path)
+            if not os.path.isfile(path):
+                return self.send_error(404)
+            with open(path, "rb") as f:
+                data = f.read()
+            start = int(self.headers.get("Range", "bytes=0-")[len("bytes="):].rstrip("-"))
+            if start >= len(data):
+                return self.send_error(416)
+            self.send_response(206 if start else 200)
+            self.send_header("Content-Length", str(len(data) - start))
+            if start:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.end_headers()
+            end = start + cut[self.path].pop(0) if cut.get(self.path) else len(data)
+            self.wfile.write(data[start:end])
+            self.close_connection = True
 
         def log_message(self, *args):
             pass
@@ -67,5 +87,5 @@ def static_server(tmp_path):
     handler = functools.partial(QuietHandler, directory=str(root))
     with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)) as server:
         served = Served((root, f"http://127.0.0.1:{server.server_address[1]}"))
-        served.log = log
+        served.log, served.ranges, served.cut = log, ranges, cut
         yield served

@@ -426,6 +426,7 @@ def test_a_run_waits_for_anothers_download(bundle, served_bundle, tmp_path):
 
 def test_offline_and_bad_downloads_are_one_line_and_cache_nothing(bundle, served_bundle, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
+    monkeypatch.setattr(downloads, "RETRYING", downloads.Retrying(delay=0))  # offline: 10 retries, at once here
     monkeypatch.setattr(core_score, "CORE_BUNDLE_SHA256", "0" * 64)  # a mirror's other bundle, or a damaged download
     url = re.escape(os.environ["CORE_BUNDLE_URL"])
     with pytest.raises(UsageError, match=rf"^downloaded {url} is not a valid CORE bundle \(its sha256 is "
@@ -436,8 +437,8 @@ def test_offline_and_bad_downloads_are_one_line_and_cache_nothing(bundle, served
     with socket.socket() as s:  # a port nothing listens on: the connection is refused
         s.bind(("127.0.0.1", 0))
         monkeypatch.setenv("CORE_BUNDLE_URL", f"http://127.0.0.1:{s.getsockname()[1]}/eval_bundle.zip")
-    with pytest.raises(UsageError, match=r"^could not download http://127\.0\.0\.1:\d+/eval_bundle\.zip \(.*\); "
-                                         r"pass --core-data DIR"):
+    with pytest.raises(UsageError, match=r"^could not download http://127\.0\.0\.1:\d+/eval_bundle\.zip \(Connection "
+                                         r"refused; gave up after 10 retries\); pass --core-data DIR"):
         core_score.load("", str(cache), 0)
     (tmp_path / "a_file").write_text("")  # fails for root too, unlike a read-only directory
     with pytest.raises(UsageError, match="cannot write to the cache directory .*a_file/cache .*; pass --cache-dir"):
@@ -446,6 +447,7 @@ def test_offline_and_bad_downloads_are_one_line_and_cache_nothing(bundle, served
 
 def test_offline_eval_only_stops_with_one_line(checkpoint, tmp_path, capsys, monkeypatch):
     ckpt, shards = checkpoint
+    monkeypatch.setattr(downloads, "RETRYING", downloads.Retrying(delay=0))  # offline: 10 retries, at once here
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         monkeypatch.setenv("CORE_BUNDLE_URL", f"http://127.0.0.1:{s.getsockname()[1]}/eval_bundle.zip")

@@ -5,7 +5,6 @@ import functools
 import json
 import os
 import re
-import socket
 
 import pytest
 import torch
@@ -282,23 +281,21 @@ def test_eval_only_on_a_checkpoint_one_rank_and_two(shards, static_server, tmp_p
     assert sharded.stdout.strip().splitlines()[-1] == expected
 
 
-def test_failed_download_stops_both_ranks_with_one_line(shards, tmp_path, capsys):
+def test_failed_download_stops_both_ranks_with_one_line(shards, static_server, tmp_path, capsys):
     """Under torchrun, rank 1 waits for rank 0's download: when it fails, both ranks exit with its error line, not
     rank 1 with a traceback from the collective it was waiting in."""
     log_dir = tmp_path / "log"
     checkpoint = checkpoint_holding(tiny_model(), shards, log_dir, capsys)
-    with socket.socket() as s:  # a port nothing listens on: the connection is refused
-        s.bind(("127.0.0.1", 0))
-        closed_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    _, base_url = static_server  # serves nothing: 404, which fails at once (a refused connection is retried)
     result = run_script(eval_only(checkpoint, shards, log_dir, "--cache-dir", tmp_path / "cache"), cwd=tmp_path,
-                        nproc=2, timeout=120, torchrun=True, HELLASWAG_URL=closed_url)  # torchrun's report too
+                        nproc=2, timeout=120, torchrun=True, HELLASWAG_URL=base_url)  # torchrun's report too
     assert result.returncode != 0
     # torchrun's own report of the failure follows the ranks' output; it has a traceback of torchrun's, not ours
     ranks_stderr = result.stderr.split("torch/distributed/elastic")[0]
     errors = [line for line in ranks_stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in ranks_stderr and "[rank" not in result.stderr, result.stderr
     assert errors and len(errors) <= 2 and len(set(errors)) == 1, result.stderr
-    assert errors[0].startswith(f"error: could not download {closed_url}/hellaswag_val.jsonl (")
+    assert errors[0].startswith(f"error: could not download {base_url}/hellaswag_val.jsonl (HTTP 404); ")
     assert "--hellaswag-file" in errors[0]
     assert re.search(r"Root Cause.*?exitcode\s*:\s*2\b", result.stderr, re.S), result.stderr
     assert os.listdir(tmp_path / "cache") == []

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 import train_gpt2
 from evaluation import hellaswag
 from helpers import REPO, expect_usage_error, run_main, run_script, serve_hellaswag, synthetic_examples, write_jsonl
+from machinery import downloads
 from machinery.errors import UsageError
 from machinery.tokenizer import gpt2_tokenizer
 
@@ -122,6 +123,37 @@ def test_truncated_download_is_not_cached(gpt2_server, static_server, tmp_path):
     with pytest.raises(UsageError, match=f"^downloaded {url} is not a valid safetensors file \\(.+\\); "
                                                   f"nothing was cached; retry, or set HF_ENDPOINT"):
         openai_gpt2(cache_dir=str(tmp_path / "cache"))
+    assert not os.listdir(tmp_path / "cache" / "gpt2")
+    assert len(static_server.log) == 2  # fetched afresh once: a file that fails its check may be damaged on the way
+
+
+def test_a_download_cut_twice_resumes_where_it_stopped_and_says_each_retry(gpt2_server, static_server, tmp_path,
+                                                                            capsys, monkeypatch):
+    """The connection drops mid-body twice. Each retry asks for the bytes still missing (Range) and says so; the
+    weights arrive whole, and no byte is sent twice. The retries wait nothing here (1 s, then doubling, by default)."""
+    _, served, _ = gpt2_server
+    monkeypatch.setattr(downloads, "RETRYING", downloads.Retrying(delay=0))
+    url = f"{static_server[1]}/openai-community/gpt2/resolve/main/model.safetensors"
+    chunk = downloads.DOWNLOAD_CHUNK  # whole chunks: what arrived before each drop is all written, so all kept
+    static_server.cut["/openai-community/gpt2/resolve/main/model.safetensors"] = [3 * chunk, 5 * chunk]
+    openai_gpt2(cache_dir=str(tmp_path / "cache"))
+    assert static_server.ranges == [None, f"bytes={3 * chunk}-", f"bytes={8 * chunk}-"]
+    assert os.listdir(tmp_path / "cache" / "gpt2") == ["model.safetensors"]  # no temp file left
+    assert (tmp_path / "cache" / "gpt2" / "model.safetensors").read_bytes() == served.read_bytes()
+    retries = [line for line in capsys.readouterr().out.splitlines() if "retry" in line]
+    # progress made before each drop: each is the first retry of a new failure
+    assert len(retries) == 2 and all(line.startswith(f"{url}: ") and line.endswith(
+        "; retry 1 of 10 in 0 s; giving up after 10 retries, 0 s of waiting in all") for line in retries), retries
+
+
+def test_an_endpoint_without_its_scheme_fails_at_once(tmp_path, capsys, monkeypatch):
+    """HF_ENDPOINT=hf-mirror.com, without https://: no retry would mend it, so none is made, and one line says why."""
+    monkeypatch.setattr(downloads, "RETRYING", downloads.Retrying(delay=0))
+    monkeypatch.setenv("HF_ENDPOINT", "hf-mirror.com")
+    with pytest.raises(UsageError, match=r"^could not download hf-mirror\.com/openai-community/gpt2/resolve/main/"
+                                         r"model\.safetensors \(Invalid URL .*\); set HF_ENDPOINT to a mirror"):
+        openai_gpt2(cache_dir=str(tmp_path / "cache"))
+    assert "retry" not in capsys.readouterr().out
     assert not os.listdir(tmp_path / "cache" / "gpt2")
 
 
