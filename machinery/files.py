@@ -15,7 +15,7 @@ import socket
 import zipfile
 import zlib
 
-from machinery.errors import UsageError
+from machinery.errors import UsageError, chain
 
 try:
     import fcntl
@@ -72,15 +72,14 @@ NO_ROOM = {
 def no_room(error):
     """What stopped a write for lack of room (disk full, quota, file-size limit), in words; None if something else.
     torch.save raises a RuntimeError that keeps the OSError as its context."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in NO_ROOM:
-            return NO_ROOM[error.errno]
+    for link in chain(error):
+        if isinstance(link, OSError) and link.errno in NO_ROOM:
+            return NO_ROOM[link.errno]
         # torch.distributed.checkpoint's CheckpointException: each failed rank's (exception, traceback)
-        for failure, _ in getattr(error, "failures", {}).values():
+        for failure, _ in getattr(link, "failures", {}).values():
             reason = no_room(failure)
             if reason:
                 return reason
-        error = error.__cause__ or error.__context__
     return None
 
 

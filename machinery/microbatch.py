@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from machinery import checkpoint_files, files, ranks, step_memory
-from machinery.errors import UsageError
+from machinery.errors import UsageError, chain
 
 GIB = 2**30
 RECORD = "out_of_memory.json"  # in the log directory: the micro-batches that ran out of memory after they were chosen
@@ -50,12 +50,11 @@ def out_of_memory_in(error):
     torch.OutOfMemoryError, the CPU's and MPS's RuntimeError, a CUDA library's failed allocation (cuBLAS's first
     handle in the backward's thread, under a capped memory: seen on an H100), Python's MemoryError (numpy's too), the
     kernel's ENOMEM; None if there is none."""
-    while error is not None:
-        if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or getattr(error, "errno", None) == errno.ENOMEM:
-            return error
-        if isinstance(error, RuntimeError) and re.search(OUT_OF_MEMORY_MESSAGES, str(error)):
-            return error
-        error = error.__cause__ or error.__context__
+    for link in chain(error):
+        if isinstance(link, (torch.OutOfMemoryError, MemoryError)) or getattr(link, "errno", None) == errno.ENOMEM:
+            return link
+        if isinstance(link, RuntimeError) and re.search(OUT_OF_MEMORY_MESSAGES, str(link)):
+            return link
     return None
 
 
