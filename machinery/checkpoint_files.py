@@ -1,11 +1,10 @@
 """
 Checkpoint files in a run's log directory: their names, written whole or not at all (a file ckpt_<step>.pt, or with
---fsdp a directory ckpt_<step>.dcp/), pruned, and held by their readers (--eval-only beside the training) so that no
-pruning deletes one being read. It never imports torch: what a checkpoint holds is checkpoints.py's.
+--fsdp a directory ckpt_<step>.dcp/), pruned, and held by their readers (--eval-only beside the training,
+locks.ReadLock) so that no pruning deletes one being read. It never imports torch: what a checkpoint holds is
+checkpoints.py's.
 """
 
-import contextlib
-import errno
 import functools
 import os
 import shutil
@@ -13,11 +12,7 @@ import time
 
 from machinery import files, ranks
 from machinery.errors import UsageError
-
-try:
-    import fcntl
-except ImportError:  # Windows: a checkpoint being read is not held there
-    fcntl = None
+from machinery.locks import without_readers
 
 CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckpt_<step>.pt, or --fsdp's directory
 PARTIAL = CHECKPOINT + r"\.tmp(\.old)?"  # a checkpoint being written, or one being replaced by its step's new one
@@ -36,78 +31,6 @@ def checkpoint_path(log_dir, step, sharded=False):
 def checkpoint_paths(log_dir):
     """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
     return sorted(files.files_in(log_dir, CHECKPOINT), key=checkpoint_step)
-
-
-class CheckpointGone(ValueError):
-    """No checkpoint at the path (any more): the training pruned it, or replaced it, while a reader was choosing it."""
-
-
-def flock(fd, operation):
-    """fcntl.flock, but on a file system that has no such locks (some network ones), nothing: its checkpoints are
-    read unguarded, as they were before these locks. Raises BlockingIOError for a lock another process holds."""
-    try:
-        fcntl.flock(fd, operation)
-    except OSError as e:
-        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-            raise
-
-
-class CheckpointReadLock:
-    """A shared flock on the checkpoint at path (its file, or --fsdp's directory), held from choosing it until its
-    tensors are loaded (release): the training deletes or moves no checkpoint a reader holds (unread). --eval-only,
-    --sample and --export-hf read checkpoints while the training that writes them goes on. flock, not lockf: POSIX
-    record locks are dropped when any descriptor of the file closes, and torch.load opens it again."""
-
-    def __init__(self, path):
-        self.fd = None
-        if fcntl is None:  # Windows: no flock, and no descriptors of directories
-            return
-        try:
-            self.fd = os.open(path, os.O_RDONLY)  # a directory too
-        except FileNotFoundError as e:
-            if os.path.lexists(path):  # a broken symbolic link: unreadable, not gone
-                raise
-            raise CheckpointGone(f"{type(e).__name__}: {e}") from None
-        try:
-            flock(self.fd, fcntl.LOCK_SH)  # waits only while the training deletes or moves it
-            locked, named = os.fstat(self.fd), os.stat(path)
-            if (locked.st_dev, locked.st_ino) != (named.st_dev, named.st_ino):
-                raise FileNotFoundError
-        except FileNotFoundError:
-            self.release()
-            raise CheckpointGone(f"{path} was deleted or replaced as it was opened") from None
-        except BaseException:
-            self.release()
-            raise
-
-    def release(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    __del__ = release
-
-
-@contextlib.contextmanager
-def unread(path, wait):
-    """An exclusive flock on path while inside, so that it can be deleted or moved: no reader is loading it
-    (CheckpointReadLock). Yields True; or at once False if a reader holds it and not wait."""
-    if fcntl is None:
-        yield True
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        try:
-            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                yield False
-                return
-            print(f"waiting for a process that is loading {path} (--eval-only, --sample, --export-hf) to finish")
-            flock(fd, fcntl.LOCK_EX)
-        yield True
-    finally:
-        os.close(fd)
 
 
 def latest_checkpoint(log_dir, before_step=None):
@@ -238,7 +161,7 @@ def put_in_place(temp, path, log_dir):
     """Renames the written directory temp to path, durably; an older one of the same step once no reader holds it."""
     replaced = path + ".tmp.old"
     if os.path.exists(path):  # one of this step already, of other slices: the new one takes its place
-        with unread(path, wait=True):
+        with without_readers(path, wait=True):
             os.replace(path, replaced)
     os.replace(temp, path)
     files.sync_directory(log_dir)
@@ -250,6 +173,6 @@ def prune_checkpoints(log_dir, keep):
     """Deletes all but the latest keep checkpoints; only once the newest is durably in place (write_checkpoint). One
     that a reader is loading stays until a later prune: the training never waits for a reader."""
     for old in checkpoint_paths(log_dir)[:-keep]:
-        with unread(old, wait=False) as unheld:
+        with without_readers(old, wait=False) as unheld:
             if unheld:
                 files.remove(old)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from machinery import checkpoint_files, files, log_directory, settings, sharded_checkpoints
+from machinery import checkpoint_files, files, locks, log_directory, settings, sharded_checkpoints
 from machinery.errors import UsageError
 from machinery.ranks import every_rank, failing_together, first_error_of_any_rank
 
@@ -149,21 +149,20 @@ def prune(run):
 
 
 def load(path):
-    """A checkpoint of this train_gpt2.py, whole, and held (checkpoint_files.CheckpointReadLock) until release(ckpt),
-    once its tensors are loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be
-    read (checkpoint_files.CheckpointGone if it is no more), UsageError if it is of another format or a file inside
-    one."""
+    """A checkpoint of this train_gpt2.py, whole, and held (locks.ReadLock) until release(ckpt), once its tensors are
+    loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be read (locks.Gone if
+    it is no more), UsageError if it is of another format or a file inside one."""
     inside = os.path.dirname(path) or os.getcwd()
     if not os.path.isdir(path) and os.path.isfile(os.path.join(inside, "run.pt")):
         raise UsageError(f"{path} is a file inside the sharded checkpoint {inside}: pass the directory {inside}")
     try:
-        held = checkpoint_files.CheckpointReadLock(path)
+        held = locks.ReadLock(path)
     except OSError as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
     try:
         ckpt = read_checkpoint(path)
     except BaseException:
-        held.release()  # now, not once collected: this very run may move it aside (unread), which waits for readers
+        held.release()  # now, not once collected: this very run may move it aside, which waits for its readers
         raise
     ckpt["held"] = held
     return ckpt
@@ -242,7 +241,7 @@ def choose_checkpoint(cfg, unreadable):
             return None, None
         try:
             return load(paths[-1]), paths[-1]
-        except checkpoint_files.CheckpointGone:
+        except locks.Gone:
             continue  # the training beside pruned it meanwhile, or saved its step again: look again
         except ValueError as e:
             skip_unreadable(paths[-1], e, unreadable)

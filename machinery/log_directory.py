@@ -9,8 +9,9 @@ import signal
 import time
 
 from machinery import files
-from machinery.checkpoint_files import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step, unread
+from machinery.checkpoint_files import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step
 from machinery.errors import UsageError
+from machinery.locks import without_readers
 
 try:
     import fcntl
@@ -103,9 +104,9 @@ def move_old_run_aside(log_dir, why="starting fresh"):
     if not old:
         return
     with StopSignals() as signals, contextlib.ExitStack() as held:
-        try:  # first, every file unread (not a checkpoint that --eval-only, say, is loading): the wait a signal stops
+        try:  # first, no file held by a reader (a checkpoint --eval-only, say, is loading): the wait a signal stops
             for path in old:
-                held.enter_context(unread(path, wait=True))
+                held.enter_context(without_readers(path, wait=True))
             signals.deferred = True  # from here on, the renames: none waits, and none is left half done
         except StoppedBySignal:
             raise UsageError(f"{why}: stopped by {signals.caught[0]} before the old run's files were moved aside; "
@@ -152,6 +153,6 @@ def prepare_log_dir(log_dir, resumed_from, resumed_step):
     for path in checkpoint_paths(log_dir):
         if checkpoint_step(path) > resumed_step:
             aside = unused_name(path + ".abandoned")  # resuming twice from one checkpoint abandons a step twice
-            with unread(path, wait=True):
+            with without_readers(path, wait=True):
                 os.rename(path, aside)
             print(f"moved {path} aside to {aside}: this run continues from step {resumed_step}")
