@@ -1,6 +1,6 @@
 """
 Checkpoints and resuming: what a checkpoint holds, saving and pruning it, finding the one to resume from, restoring a
-run from it, and the signals that end a run with one.
+run from it.
 
 A checkpoint is a file ckpt_<step>.pt; with --fsdp, a directory ckpt_<step>.dcp/ of each rank's slices
 (sharded_checkpoints.py) with run.pt beside them, which holds their checksums. checkpoint_files.py writes either whole
@@ -12,7 +12,6 @@ it passes (a checkpoint's model_config -> a new model).
 
 import contextlib
 import os
-import signal
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -35,20 +34,6 @@ def holding_log_dir(cfg, env):
             if env.rank == 0:
                 held.enter_context(log_directory.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
         yield
-
-
-def catch_stop_signals():
-    """SIGTERM and SIGINT (preemption, Ctrl-C) end the run after the step in progress, with a checkpoint; a second one
-    kills it. Returns the list the signals are recorded in."""
-    caught = []
-
-    def on_signal(signum, frame):
-        caught.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    return caught
 
 
 # -----------------------------------------------------------------------------

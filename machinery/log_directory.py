@@ -5,18 +5,13 @@ all, and what a resume abandons (the checkpoints after the one it resumed from).
 
 import contextlib
 import os
-import signal
 import time
 
 from machinery import files
 from machinery.checkpoint_files import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step
 from machinery.errors import UsageError
 from machinery.locks import without_readers
-
-try:
-    import fcntl
-except ImportError:  # Windows: two runs in one directory are not caught there
-    fcntl = None
+from machinery.signals import StoppedBySignal, StopSignals
 
 LOG_FILE = "log.jsonl"  # the run's record (RunLog)
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
@@ -64,36 +59,6 @@ def aside_directory(log_dir):
     aside = unused_name(os.path.join(parent, f"{os.path.basename(real)}.{stamp}"))  # two starts in one second
     os.mkdir(aside)
     return aside
-
-
-class StoppedBySignal(Exception):
-    """SIGINT or SIGTERM, come while StopSignals raises them."""
-
-
-class StopSignals:
-    """While inside, the first SIGINT or SIGTERM raises StoppedBySignal unless deferred is set; any other is only kept
-    (their names, in caught) for after. Their handlers are given back on leaving. SIGTERM's own would end the process
-    at once, and SIGINT's KeyboardInterrupt print a traceback, wherever they came."""
-
-    def __init__(self):
-        self.deferred, self.caught = False, []
-
-    def __enter__(self):
-        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig, handler in self.handlers.items():
-            if handler != signal.SIG_IGN:  # a background job's SIGINT, which its shell ignores: left so
-                signal.signal(sig, self.on_signal)
-        return self
-
-    def __exit__(self, *exception):
-        for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
-
-    def on_signal(self, signum, frame):
-        self.caught.append(signal.Signals(signum).name)
-        if not self.deferred:
-            self.deferred = True  # once: a second signal never cuts short the handling of the first
-            raise StoppedBySignal
 
 
 def move_old_run_aside(log_dir, why="starting fresh"):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from machinery import checkpoints, files, microbatch, ranks, run_log, settings
+from machinery import checkpoints, files, microbatch, ranks, run_log, settings, signals
 from machinery.checkpoint_files import checkpoint_path, latest_checkpoint
 from machinery.errors import DataError, UsageError
 
@@ -55,7 +55,7 @@ class Run:
     first_step: int = 0  # the step this launch began at
     saved_step: Optional[int] = None  # the step of the latest checkpoint this launch wrote or resumed from
     saved_evaluated: bool = False  # whether that checkpoint holds its step's evaluations
-    stop_signal: Optional[list] = None  # the stop signals caught (checkpoints.catch_stop_signals)
+    stop_signal: Optional[list] = None  # the stop signals caught (signals.record_stop_signals)
     descriptors: Optional[files.DescriptorReserve] = None  # kept for saving (checkpoints.ready_to_save)
     stopped: bool = False  # every rank voted to stop on a signal
     launch_start: Optional[float] = None  # when this launch began to train (time.perf_counter())
@@ -83,7 +83,7 @@ class Run:
         self.micro_batch, said = microbatch.largest_that_fits(self, gradient_sync, trained_with)
         # before every rank waits for rank 0 to move an old run aside: a signal then stops the run at its first step,
         # or at once where it comes in rank 0's wait for a reader (move_old_run_aside), never with a traceback
-        self.stop_signal = None if self.cfg.eval_only else checkpoints.catch_stop_signals()
+        self.stop_signal = None if self.cfg.eval_only else signals.record_stop_signals()
         run_log.start(self, said, self.recipe.named)
         self.first_step, self.saved_step = self.step, self.resumed_from and self.step
         self.saved_evaluated = self.evaluated  # the resumed checkpoint's, as restore set it
