@@ -23,7 +23,8 @@ from helpers import (
     val_records,
     write_shards,
 )
-from machinery import checkpoint_files, errors, fsdp, log_directory, settings, sharded_checkpoints
+from machinery import checkpoint_files, errors, log_directory, settings, sharded_checkpoints
+from variations import modern
 
 # 20 steps of 512 tokens: 2 accumulation steps of 4 x 32 in each of 2 processes, so that FSDP's reduce is skipped on
 # the first micro-step of each; a checkpoint every 10 steps; 12 validation sequences, in batches of 4: 2 for rank 0
@@ -188,7 +189,7 @@ def test_settings_fsdp_cannot_honour_are_refused(shards, tmp_path, capsys, flags
 def test_a_torch_without_muons_own_steps_refuses_sharding_it(shards, tmp_path, capsys, monkeypatch):
     """ShardedMuon takes the steps of Muon's update from torch's private module: a torch that moved them refuses
     --fsdp --recipe modern in one line, and everything else still runs."""
-    monkeypatch.setattr(fsdp, "orthogonalize", None)
+    monkeypatch.setattr(modern, "orthogonalize", None)
     expect_usage_error(TINY + ["--data", shards, "--fsdp", "--recipe", "modern", "--log-dir", tmp_path], capsys,
                        "--fsdp --recipe modern shards Muon", "drop --fsdp")
 
