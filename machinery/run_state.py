@@ -93,6 +93,13 @@ class Run:
     # -------------------------------------------------------------------------
     # Evaluations
 
+    def evaluations_due(self):
+        """Whether the validation loss (with samples) is due at this step, and the benchmarks that are, of those on."""
+        cfg, step = self.cfg, self.step
+        final = cfg.eval_only or step == cfg.max_steps
+        return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
+                [module for module in self.benchmarks if final or step % getattr(cfg, module.EVERY) == 0])
+
     def begin_evaluation(self, due):
         """Whether to run the evaluations due (due: whether any is) at this step: not twice, and not once a stop
         signal is voted for first (a preempted run saves before a long evaluation, as SIGKILL follows soon)."""
