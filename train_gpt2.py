@@ -29,7 +29,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from evaluation import core_score, hellaswag
-from machinery import checkpoint_commands, checkpoints, fsdp, hf_format, microbatch, ranks, run_log, settings
+from machinery import checkpoint_commands, fsdp, hf_format, log_directory, microbatch, ranks, resume, run_log, settings
+from machinery.checkpoints import saved_model_config
 from machinery.downloads import download_openai_weights
 from machinery.errors import DataError, UsageError
 from machinery.run_state import Run
@@ -380,6 +381,7 @@ class TokenStream:
     def __init__(self, shards, names, seed):
         nonempty = [i for i, shard in enumerate(shards) if len(shard)]  # an empty shard would stall seek()
         self.shards, self.names, self.seed = [shards[i] for i in nonempty], [names[i] for i in nonempty], seed
+        self.lengths = [len(shard) for shard in self.shards]  # read once: each step seeks through them
         self.epoch, self.index, self.offset = 0, 0, 0  # now in shard order(epoch)[index], at token offset
 
     def order(self, epoch):
@@ -388,7 +390,7 @@ class TokenStream:
     def seek(self, epoch, index, offset, n):
         """The position n tokens on from (epoch, index, offset)."""
         offset += n
-        while offset >= (length := len(self.shards[self.order(epoch)[index]])):
+        while offset >= (length := self.lengths[self.order(epoch)[index]]):
             offset -= length
             index += 1
             if index == len(self.shards):
@@ -425,7 +427,7 @@ class TokenStream:
         """The position, and what it means something over: the seed (the shard order) and each shard's file name
         and length (the same shards moved to another directory are the same)."""
         return {"epoch": self.epoch, "index": self.index, "offset": self.offset, "seed": self.seed,
-                "shards": [[os.path.basename(name), len(shard)] for name, shard in zip(self.names, self.shards)]}
+                "shards": [[os.path.basename(name), length] for name, length in zip(self.names, self.lengths)]}
 
     def load_state_dict(self, state):
         self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
@@ -745,7 +747,7 @@ def resolve_config(draft, env, ckpt=None, ckpt_path=None):
     """The run's settings (settings.resolve: draft's, then what the checkpoint resumed keeps, all checked), frozen;
     rank 0 prints the lines that say which are not their defaults, and why."""
     resumed = None if ckpt is None else (ckpt["train_config"],
-                                         asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
+                                         asdict(saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
     checks = (fsdp.check_settings, speedups.check, run_log.check_settings)  # refusals before anything is read
     cfg, lines = settings.resolve(draft, env, RECIPES, checks, resumed)
     if env.rank == 0 and lines:
@@ -757,7 +759,7 @@ def set_up(draft, env):
     """The run: its settings, the data, the model (random, OpenAI's, or its checkpoint's), compiled and wrapped, the
     optimizers, all restored from the run's checkpoint if it has one (in draft's log directory); None if that
     checkpoint is the run's end, evaluated."""
-    ckpt, ckpt_path = checkpoints.find_resume_checkpoint(draft, env.rank, env.world_size)
+    ckpt, ckpt_path = resume.find_resume_checkpoint(draft, env.rank, env.world_size)
     cfg = resolve_config(draft, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
@@ -771,8 +773,8 @@ def set_up(draft, env):
                         autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_log.RunLog(cfg.log_dir))
     trained_with = None if ckpt is None else ckpt.get("micro_batch")  # not kept before it was chosen
     if ckpt is not None:
-        checkpoints.restore(run, ckpt, ckpt_path)
-        if checkpoints.finished(run):
+        resume.restore(run, ckpt, ckpt_path)
+        if resume.nothing_left(run):
             return None
     del ckpt  # its tensors are loaded: what it read is no longer held while the micro-batch is tried
     run.launch(gradient_sync, trained_with)  # the micro-batch that fits, found before any file moves
@@ -804,7 +806,7 @@ def start(flags, given):
     env = set_up_distributed(flags.device, flags.fsdp)
     with ranks.failing_together():  # a node whose files refuse the settings stops every rank, not itself alone
         draft = layered_config(flags, given, env)  # where the run is: its log directory and checkpoint
-    with checkpoints.holding_log_dir(draft, env):
+    with log_directory.locked(draft, env):
         run = set_up(draft, env)
         if run is not None:
             with run.running():  # each error in one line, with W&B's run if there is one

@@ -11,7 +11,7 @@ import os
 import shlex
 from dataclasses import asdict
 
-from machinery import checkpoints, files, hf_format, log_directory, ranks, settings, tokenizer
+from machinery import checkpoints, files, hf_format, log_directory, ranks, resume, settings, tokenizer
 from machinery.errors import UsageError
 
 
@@ -61,7 +61,7 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
         model = from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)
         source, about = f"OpenAI's {cfg.init_from}", hf_format.published_facts(cfg.init_from)
     else:
-        ckpt, source = checkpoints.find_resume_checkpoint(cfg, rank=0, world_size=1)  # one process: on the CPU
+        ckpt, source = resume.find_resume_checkpoint(cfg, rank=0, world_size=1)  # one process: on the CPU
         if ckpt is None:
             raise UsageError(f"--export-hf {cfg.export_hf}: no checkpoint in --log-dir {cfg.log_dir}; pass the "
                              f"run's --log-dir, --resume PATH, or --init-from gpt2")

@@ -8,9 +8,10 @@ import os
 import time
 
 from machinery import files
-from machinery.checkpoint_files import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step
+from machinery.checkpoints import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step, is_log_dir_of
 from machinery.errors import UsageError
 from machinery.locks import without_readers
+from machinery.ranks import failing_together
 from machinery.signals import StoppedBySignal, StopSignals
 
 LOG_FILE = "log.jsonl"  # the run's record (RunLog)
@@ -19,7 +20,7 @@ LOG_FILE = "log.jsonl"  # the run's record (RunLog)
 RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, ABANDONED, r"wandb"]
 
 
-def lock_log_dir(log_dir, exclusive):
+def lock(log_dir, exclusive):
     """The log directory, locked for this run if exclusive: a second run in it would move the first's files aside, or
     resume from its live checkpoints, and prune them. --eval-only, which only appends its lines to log.jsonl, may run
     beside the training it evaluates. Also checks now that the run can write there, and append to its log.jsonl (in a
@@ -36,6 +37,16 @@ def lock_log_dir(log_dir, exclusive):
     return files.directory_lock(log_dir, refusal if exclusive else None,
                                    f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run "
                                    f"may write to")
+
+
+@contextlib.contextmanager
+def locked(cfg, env):
+    """Rank 0 holds the log directory's lock (lock) while inside; every rank stops if it cannot."""
+    with contextlib.ExitStack() as held:
+        with failing_together():
+            if env.rank == 0:
+                held.enter_context(lock(cfg.log_dir, exclusive=not cfg.eval_only))
+        yield
 
 
 def unused_name(path):
@@ -93,16 +104,7 @@ def move_old_run_aside(log_dir, why="starting fresh"):
     print(f"{why}: moved the old run's files ({names}) from {log_dir} aside to {aside}")
 
 
-def is_log_dir_of(path, log_dir):
-    """Whether log_dir is the directory of the checkpoint at path, by whatever path (a link to it or to the
-    directory, another mount)."""
-    try:
-        return os.path.samefile(os.path.dirname(os.path.realpath(path)), log_dir)
-    except OSError:
-        return False
-
-
-def prepare_log_dir(log_dir, resumed_from, resumed_step):
+def move_aside_old_files(log_dir, resumed_from, resumed_step):
     """A fresh run (resumed_from None) moves an earlier run's files aside, and so does a run resumed from another
     directory's checkpoint: a run in log_dir is another one, which it must neither prune nor continue the log of. A
     run resumed from a checkpoint of log_dir moves aside the checkpoints newer than its own (abandoned, or

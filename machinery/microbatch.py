@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from machinery import checkpoint_files, files, ranks, step_memory
+from machinery import checkpoints, files, ranks, step_memory
 from machinery.errors import UsageError, chain
 
 GIB = 2**30
@@ -547,7 +547,7 @@ def out_of_memory_later(error, cfg, run):
     what = f"out of memory in {memory_in_words(device)}" + (f" ({reason})" if reason else "")
     if cfg.sample or cfg.export_hf:  # --sample draws its samples --batch-size at a time
         return f"{what}; pass a smaller --batch-size" if cfg.sample else what
-    latest = checkpoint_files.latest_checkpoint(cfg.log_dir)
+    latest = checkpoints.latest_checkpoint(cfg.log_dir)
     what += f"; the latest checkpoint, {latest}, is kept" if latest else "; no checkpoint was written yet"
     if run is None:  # before the micro-batch was chosen: the model, its checkpoint, the data
         return what

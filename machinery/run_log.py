@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from machinery import checkpoint_files, files, log_directory, settings
-from machinery.checkpoint_files import latest_checkpoint
+from machinery import checkpoints, files, log_directory, settings
+from machinery.checkpoints import latest_checkpoint
 from machinery.errors import UsageError
 from machinery.log_directory import LOG_FILE
 from machinery.ranks import failing_together
@@ -105,7 +105,7 @@ def start(run, micro_batch_said, recipe_named):
     with failing_together():
         if run.master and not cfg.eval_only:
             try:
-                log_directory.prepare_log_dir(cfg.log_dir, run.resumed_from, run.step)
+                log_directory.move_aside_old_files(cfg.log_dir, run.resumed_from, run.step)
             except OSError as e:
                 raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
                                  f"write to")
@@ -121,7 +121,7 @@ def start(run, micro_batch_said, recipe_named):
     if cfg.eval_only:
         print(f"data: {cfg.data}, {len(run.val):,} validation tokens | micro-batch {run.micro_batch} x {cfg.seq_len}")
     else:
-        train_tokens = sum(len(shard) for shard in run.stream.shards)
+        train_tokens = sum(run.stream.lengths)
         print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
               f"{run.micro_batch} x {cfg.seq_len} x {run.accumulation_steps} accumulation steps x {env.world_size} "
               f"process(es)")
@@ -190,8 +190,8 @@ def finish(run, stopped_by_signal):
     cfg = run.cfg
     if not run.master:
         return
-    last = checkpoint_files.latest_checkpoint(cfg.log_dir)
-    saved = last is not None and checkpoint_files.checkpoint_step(last) == run.step
+    last = checkpoints.latest_checkpoint(cfg.log_dir)
+    saved = last is not None and checkpoints.checkpoint_step(last) == run.step
     skipped = ""
     if saved and run.nonfinite_since is not None:
         skipped = f" ({skipped_in_words(run.nonfinite_since, run.step - 1)})"

@@ -1,7 +1,7 @@
 """
 A training run of train_gpt2.py, and the only code that changes where it stands. Its parts (the settings, the data,
 the model, the optimizers, ...) are what train_gpt2.set_up made; its state (the step, the latest evaluation, a streak
-of non-finite steps, the clock, a stop signal) is written here alone, and by checkpoints.restore from a checkpoint.
+of non-finite steps, the clock, a stop signal) is written here alone, and by resume.restore from a checkpoint.
 
 The training loop (train_gpt2.train) calls it around the lecture's step: before_step (is there a step to take; a
 checkpoint due), read_step (the step's batches, voted on by every rank), after_step (the log line, the step counted, a
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from machinery import checkpoints, files, microbatch, ranks, run_log, settings, signals
-from machinery.checkpoint_files import checkpoint_path, latest_checkpoint
+from machinery import checkpoints, files, microbatch, ranks, resume, run_log, settings, signals
+from machinery.checkpoints import checkpoint_path, latest_checkpoint
 from machinery.errors import DataError, UsageError
 
 
@@ -272,7 +272,7 @@ class Run:
         every rank's: a shard gone bad (after saving the run), running out of memory, a rank that died. The
         descriptors kept for saving are let go after."""
         with contextlib.closing(self.descriptors), run_log.wandb(self), \
-                ranks.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
+                ranks.failing_alone(lambda: resume.how_to_resume(self.cfg)), \
                 microbatch.out_of_memory_in_one_line(self.cfg, self), self.saved_if_data_fails():
             yield
 
@@ -293,5 +293,5 @@ class Run:
                 raise DataError(f"{e}; the run is saved at step {self.step}: once that is mended, "
                                 f"{settings.resume_command(self.cfg)} resumes from "
                                 f"{checkpoint_path(self.cfg.log_dir, self.step, self.cfg.fsdp)}") from None
-            how = ranks.every_rank(checkpoints.how_to_resume(self.cfg) if self.master else None)[0]
+            how = ranks.every_rank(resume.how_to_resume(self.cfg) if self.master else None)[0]
             raise DataError(f"{e}; once that is mended: {how}") from None

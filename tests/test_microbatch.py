@@ -36,7 +36,7 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
-from machinery import checkpoint_files, microbatch
+from machinery import checkpoints, microbatch
 from variations import speedups
 
 LIMITED = os.path.join(REPO, "tests", "scripts", "limited_memory.py")
@@ -441,6 +441,6 @@ def test_a_rank_killed_outright_leaves_the_other_one_line(shards, tmp_path):
         code = ranks.wait(60)
     finally:
         ranks.kill()
-    latest = checkpoint_files.latest_checkpoint(log)
+    latest = checkpoints.latest_checkpoint(log)
     check_usage_error(code, open(tmp_path / "out.txt").read(), open(tmp_path / "err.txt").read(), "error: rank 1 died",
                       f"the latest checkpoint, {latest}, is kept: run the same command again to resume from it")

@@ -49,11 +49,11 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
-from machinery import checkpoint_files, locks, log_directory, settings
+from machinery import checkpoints, locks, log_directory, settings
 
 
 def checkpoint_names(log_dir):
-    return [os.path.basename(p) for p in checkpoint_files.checkpoint_paths(str(log_dir))]
+    return [os.path.basename(p) for p in checkpoints.checkpoint_paths(str(log_dir))]
 
 
 def assert_optimizers_equal(a, b, exact=True, atol=1e-5):

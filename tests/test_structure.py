@@ -132,7 +132,7 @@ def tiny_run(tmp_path):
     env = train_gpt2.set_up_distributed(flags.device, flags.fsdp)
     draft = train_gpt2.layered_config(flags, given, env)
     try:
-        with train_gpt2.checkpoints.holding_log_dir(draft, env):
+        with train_gpt2.log_directory.locked(draft, env):
             yield train_gpt2.set_up(draft, env)
     finally:
         for sig, handler in handlers.items():

@@ -299,4 +299,4 @@ def from_pretrained(directory, config, cache_dir=None):
 
 RECIPE = settings.Recipe(model=GPT, optimizers=make_optimizers, get_lr=get_lr, presets=PRESETS, settings=SETTINGS,
                          check_settings=check_settings, hf_format=HF_FORMAT, from_pretrained=from_pretrained,
-                         named=", the modern recipe")
+                         named=", the modern recipe", schedule=("cooldown_frac",))
