@@ -771,13 +771,16 @@ def set_up(draft, env):
                         optimizers=make_optimizers(model, cfg, env.device_type),
                         scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 underflows
                         autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_log.RunLog(cfg.log_dir))
-    trained_with = None if ckpt is None else ckpt.get("micro_batch")  # not kept before it was chosen
     if ckpt is not None:
         resume.restore(run, ckpt, ckpt_path)
         if resume.nothing_left(run):
             return None
     del ckpt  # its tensors are loaded: what it read is no longer held while the micro-batch is tried
-    run.launch(gradient_sync, trained_with)  # the micro-batch that fits, found before any file moves
+    said = run.choose_micro_batch(gradient_sync)  # the micro-batch that fits, found before any file moves
+    run.catch_stop_signals()  # from here on, a stop signal ends the run with a checkpoint
+    log_directory.move_aside_for_run(run)  # an old run's files, or the checkpoints after the one resumed
+    run_log.first_lines(run, said)  # what runs: the model, the data, the micro-batch
+    run.start_training()  # the launch's first step, and its clock
     return run
 
 
@@ -809,7 +812,7 @@ def start(flags, given):
     with log_directory.locked(draft, env):
         run = set_up(draft, env)
         if run is not None:
-            with run.running():  # each error in one line, with W&B's run if there is one
+            with run_log.wandb(run), run.errors_in_one_line():  # W&B's run, if there is one
                 evaluate(run) if run.cfg.eval_only else train(run)
 
 

@@ -138,8 +138,8 @@ def save_run_file_again(run, ckpt):
 
 
 def ready_to_save(cfg):
-    """What a save needs, taken at the start (Run.launch): a rank that reaches its open-file limit later could take
-    none of it. A few file descriptors kept for the save (files.DescriptorReserve), and under --fsdp,
+    """What a save needs, taken at the start (Run.start_training): a rank that reaches its open-file limit later could
+    take none of it. A few file descriptors kept for the save (files.DescriptorReserve), and under --fsdp,
     torch.distributed.checkpoint imported (a second)."""
     if cfg.fsdp:
         sharded_checkpoints.checkpoint_modules()

@@ -7,14 +7,16 @@ import contextlib
 import os
 import time
 
+import torch.distributed as dist
+
 from machinery import files
 from machinery.checkpoints import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step, is_log_dir_of
 from machinery.errors import UsageError
 from machinery.locks import without_readers
 from machinery.ranks import failing_together
+from machinery.run_log import LOG_FILE
 from machinery.signals import StoppedBySignal, StopSignals
 
-LOG_FILE = "log.jsonl"  # the run's record (RunLog)
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
 # other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
 RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, ABANDONED, r"wandb"]
@@ -123,3 +125,19 @@ def move_aside_old_files(log_dir, resumed_from, resumed_step):
             with without_readers(path, wait=True):
                 os.rename(path, aside)
             print(f"moved {path} aside to {aside}: this run continues from step {resumed_step}")
+
+
+def move_aside_for_run(run):
+    """Readies the log directory for the run (move_aside_old_files), once every rank has read its checkpoint: rank 0
+    moves an old run's files aside, or the checkpoints past the one it resumed from; every rank stops if it cannot.
+    --eval-only moves nothing."""
+    cfg, env = run.cfg, run.env
+    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
+        dist.barrier()
+    with failing_together():
+        if run.master and not cfg.eval_only:
+            try:
+                move_aside_old_files(cfg.log_dir, run.resumed_from, run.step)
+            except OSError as e:
+                raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
+                                 f"write to")

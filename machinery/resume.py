@@ -168,6 +168,7 @@ def restore(run, ckpt, path):
         raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
                          f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
     check_same_training(ckpt, cfg, run.stream, path)
+    run.micro_batch = ckpt.get("micro_batch") or 0  # trained with (not kept before it was chosen): chosen anew
     if run.master:
         say_schedule_change(ckpt["train_config"], cfg, run.step, run.recipe)
     run.stream.load_state_dict(ckpt["stream"])
