@@ -157,5 +157,5 @@ def test_what_one_step_and_one_save_run_through(tiny_run, capsys):
     capsys.readouterr()
     print(f"one step: {sorted(step)}; one save: {sorted(save)}")
     assert "train_gpt2" in step and "variations.losses" not in step and "machinery.checkpoints" in save
-    assert len(step) <= 7, sorted(step)  # 2026-11-28: 7 (the aim: 4)
-    assert len(save) <= 7, sorted(save)  # 2026-11-28: 7 (the aim: 3)
+    assert len(step) <= 6, sorted(step)  # 2026-11-29: 6 (the aim: 4)
+    assert len(save) <= 5, sorted(save)  # 2026-11-29: 5 (the aim: 3)
