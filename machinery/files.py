@@ -145,26 +145,6 @@ def append_line(path, line, if_no_room):
         os.close(fd)
 
 
-def free_mib(directory):
-    return shutil.disk_usage(directory).free / 2**20
-
-
-def tensor_bytes(obj):
-    """About the size of obj saved: the bytes of the tensors in it, each storage once (tied weights share one)."""
-    storages, todo = {}, [obj]
-    while todo:
-        obj = todo.pop()
-        if hasattr(obj, "to_local"):  # a DTensor: this rank's slice
-            obj = obj.to_local()
-        if hasattr(obj, "untyped_storage"):  # a tensor
-            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-    return sum(storages.values())
-
-
 def remove(path):
     """Deletes a file, or a directory and all in it."""
     if os.path.isdir(path):
