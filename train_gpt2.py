@@ -236,9 +236,8 @@ class Block(nn.Module):
 
 class CrossEntropyWithPointwiseBackward(torch.autograd.Function):
     """F.cross_entropy(logits, targets, ignore_index=-1), the log-sum-exp of each row kept for a pointwise backward.
-    Compiled, F.cross_entropy's own backward reduces each row (the log-softmax's), which inductor fuses with the
-    gradient it writes: the gradient gets a (B*T, V) buffer beside the saved logits, 6 GiB at micro-batch 64. A
-    pointwise backward, inductor writes over the logits it no longer needs."""
+    Compiled, F.cross_entropy's own backward reduces each row, and inductor gives its gradient a (B*T, V) buffer beside
+    the saved logits (6 GiB at micro-batch 64); a pointwise one, it writes over the logits, no longer needed."""
 
     @staticmethod
     def forward(ctx, logits, targets):
