@@ -1,6 +1,7 @@
 """
-The log directory of a run: its lock, which keeps a second run out; what a fresh start moves aside, whole or not at
-all, and what a resume abandons (the checkpoints after the one it resumed from).
+The log directory of a run: its lock, which keeps a second run out (locked); what a fresh start moves aside, whole or
+not at all, and what a resume abandons (the checkpoints after the one it resumed from), once every rank has read its
+checkpoint (move_aside_for_run).
 """
 
 import contextlib

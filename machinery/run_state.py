@@ -44,7 +44,8 @@ class Run:
     scaler: torch.amp.GradScaler
     autocast_ctx: object
     log: run_log.RunLog
-    micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py)
+    micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py);
+    # until it is chosen, the one the resumed checkpoint trained with (0: none, or not kept)
     step: int = 0  # optimizer steps taken
     evaluated: bool = False  # the evaluations due at step are done
     val_loss: Optional[float] = None  # the latest
