@@ -29,7 +29,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from evaluation import core_score, hellaswag
-from machinery import checkpoint_commands, checkpoints, fsdp, hf_format, microbatch, ranks, run_log, settings
+from machinery import checkpoint_commands, fsdp, hf_format, log_directory, microbatch, ranks, resume, run_log, settings
+from machinery.checkpoints import saved_model_config
 from machinery.downloads import hub_weights
 from machinery.errors import DataError, UsageError
 from machinery.run_state import Run
@@ -37,7 +38,7 @@ from machinery.settings import setting
 from machinery.shard_files import SHARD_SUFFIXES, open_shard, shard_paths
 from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
 from variations import modern, speedups
-from variations.losses import chunked_cross_entropy, cross_entropy
+from variations.losses import chunked_cross_entropy
 
 HERE = os.path.dirname(os.path.realpath(__file__))  # this file's own directory, not a link's: input.txt lies there
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
@@ -233,6 +234,38 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class CrossEntropyWithPointwiseBackward(torch.autograd.Function):
+    """F.cross_entropy(logits, targets, ignore_index=-1), the log-sum-exp of each row kept for a pointwise backward.
+    Compiled, F.cross_entropy's own backward reduces each row, and inductor gives its gradient a (B*T, V) buffer beside
+    the saved logits (6 GiB at micro-batch 64); a pointwise one, it writes over the logits, no longer needed."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        logits_fp32 = logits.float()  # (N, V) as autocast's cross-entropy computes: compile fuses the cast away
+        lse = logits_fp32.logsumexp(dim=-1)  # (N,)
+        valid = targets != -1  # (N,)
+        target_logits = logits_fp32.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)  # (N,)
+        n_valid = valid.sum()
+        ctx.save_for_backward(logits, targets, lse, n_valid)
+        return ((lse - target_logits) * valid).sum() / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, targets, lse, n_valid = ctx.saved_tensors
+        is_target = torch.arange(logits.size(1), device=logits.device) == targets[:, None]  # (N, V), -1 rows: none
+        scale = (targets != -1)[:, None] * (grad_loss / n_valid)  # (N, 1): the rows left out get no gradient
+        softmax = (logits.float() - lse[:, None]).exp()  # (N, V), 0 for the padding ids at -inf
+        return ((softmax - is_target.float()) * scale).to(logits.dtype), None
+
+
+def cross_entropy(logits, targets):
+    """The mean cross-entropy of logits (N, V) over the targets (N,) that are not -1. Compiled, its backward writes the
+    gradient over the logits (CrossEntropyWithPointwiseBackward); eager, F.cross_entropy's own kernels need less."""
+    if torch.compiler.is_compiling():
+        return CrossEntropyWithPointwiseBackward.apply(logits, targets)
+    return F.cross_entropy(logits, targets, ignore_index=-1)
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -347,6 +380,7 @@ class TokenStream:
     def __init__(self, shards, names, seed):
         nonempty = [i for i, shard in enumerate(shards) if len(shard)]  # an empty shard would stall seek()
         self.shards, self.names, self.seed = [shards[i] for i in nonempty], [names[i] for i in nonempty], seed
+        self.lengths = [len(shard) for shard in self.shards]  # read once: each step seeks through them
         self.epoch, self.index, self.offset = 0, 0, 0  # now in shard order(epoch)[index], at token offset
 
     def order(self, epoch):
@@ -355,7 +389,7 @@ class TokenStream:
     def seek(self, epoch, index, offset, n):
         """The position n tokens on from (epoch, index, offset)."""
         offset += n
-        while offset >= (length := len(self.shards[self.order(epoch)[index]])):
+        while offset >= (length := self.lengths[self.order(epoch)[index]]):
             offset -= length
             index += 1
             if index == len(self.shards):
@@ -392,7 +426,7 @@ class TokenStream:
         """The position, and what it means something over: the seed (the shard order) and each shard's file name
         and length (the same shards moved to another directory are the same)."""
         return {"epoch": self.epoch, "index": self.index, "offset": self.offset, "seed": self.seed,
-                "shards": [[os.path.basename(name), len(shard)] for name, shard in zip(self.names, self.shards)]}
+                "shards": [[os.path.basename(name), length] for name, length in zip(self.names, self.lengths)]}
 
     def load_state_dict(self, state):
         self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
@@ -680,19 +714,11 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=
         print("\n".join(lines), flush=True)
 
 
-def evaluations_due(run):
-    """Whether the validation loss (with samples) is due at run.step, and the benchmarks that are, of those on."""
-    cfg, step = run.cfg, run.step
-    final = cfg.eval_only or step == cfg.max_steps
-    return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
-            [module for module in run.benchmarks if final or step % getattr(cfg, module.EVERY) == 0])
-
-
 def evaluate(run):
     """The evaluations due at run.step, logged, each once: the validation loss with samples, HellaSwag and CORE; no
     more once a stop signal is voted for, before or between forward passes (run.begin_evaluation, run.evaluating)."""
     cfg, env, step = run.cfg, run.env, run.step
-    val_due, benchmarks_due = evaluations_due(run)
+    val_due, benchmarks_due = run.evaluations_due()
     if not run.begin_evaluation(val_due or bool(benchmarks_due)):
         return
     with run.evaluating():  # a stop signal ends them at the next forward pass: the resumed run does them
@@ -720,7 +746,7 @@ def resolve_config(draft, env, ckpt=None, ckpt_path=None):
     """The run's settings (settings.resolve: draft's, then what the checkpoint resumed keeps, all checked), frozen;
     rank 0 prints the lines that say which are not their defaults, and why."""
     resumed = None if ckpt is None else (ckpt["train_config"],
-                                         asdict(checkpoints.saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
+                                         asdict(saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
     checks = (fsdp.check_settings, speedups.check, run_log.check_settings)  # refusals before anything is read
     cfg, lines = settings.resolve(draft, env, RECIPES, checks, resumed)
     if env.rank == 0 and lines:
@@ -732,7 +758,7 @@ def set_up(draft, env):
     """The run: its settings, the data, the model (random, OpenAI's, or its checkpoint's), compiled and wrapped, the
     optimizers, all restored from the run's checkpoint if it has one (in draft's log directory); None if that
     checkpoint is the run's end, evaluated."""
-    ckpt, ckpt_path = checkpoints.find_resume_checkpoint(draft, env.rank, env.world_size)
+    ckpt, ckpt_path = resume.find_resume_checkpoint(draft, env.rank, env.world_size)
     cfg = resolve_config(draft, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
@@ -744,13 +770,16 @@ def set_up(draft, env):
                         optimizers=make_optimizers(model, cfg, env.device_type),
                         scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 underflows
                         autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_log.RunLog(cfg.log_dir))
-    trained_with = None if ckpt is None else ckpt.get("micro_batch")  # not kept before it was chosen
     if ckpt is not None:
-        checkpoints.restore(run, ckpt, ckpt_path)
-        if checkpoints.finished(run):
+        resume.restore(run, ckpt, ckpt_path)
+        if resume.nothing_left(run):
             return None
     del ckpt  # its tensors are loaded: what it read is no longer held while the micro-batch is tried
-    run.launch(gradient_sync, trained_with)  # the micro-batch that fits, found before any file moves
+    said = run.choose_micro_batch(gradient_sync)  # the micro-batch that fits, found before any file moves
+    run.catch_stop_signals()  # from here on, a stop signal ends the run with a checkpoint
+    log_directory.move_aside_for_run(run)  # an old run's files, or the checkpoints after the one resumed
+    run_log.first_lines(run, said)  # what runs: the model, the data, the micro-batch
+    run.start_training()  # the launch's first step, and its clock
     return run
 
 
@@ -779,10 +808,10 @@ def start(flags, given):
     env = set_up_distributed(flags.device, flags.fsdp)
     with ranks.failing_together():  # a node whose files refuse the settings stops every rank, not itself alone
         draft = layered_config(flags, given, env)  # where the run is: its log directory and checkpoint
-    with checkpoints.holding_log_dir(draft, env):
+    with log_directory.locked(draft, env):
         run = set_up(draft, env)
         if run is not None:
-            with run.running():  # each error in one line, with W&B's run if there is one
+            with run_log.wandb(run), run.errors_in_one_line():  # W&B's run, if there is one
                 evaluate(run) if run.cfg.eval_only else train(run)
 
 

@@ -25,6 +25,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
+import train_gpt2  # noqa: E402
 from machinery.tokenizer import GPT2_VOCAB  # noqa: E402
 from variations import losses  # noqa: E402
 
@@ -107,7 +108,7 @@ def main(argv=None):
     mask = torch.zeros(args.vocab, device=args.device)
     mask[GPT2_VOCAB:] = float("-inf")
     loss_functions = {  # as GPT.forward computes each: the full loss from the masked bf16 logits
-        "full": lambda x, w, targets, mask: losses.cross_entropy(x @ w.T + mask.to(torch.bfloat16), targets),
+        "full": lambda x, w, targets, mask: train_gpt2.cross_entropy(x @ w.T + mask.to(torch.bfloat16), targets),
         "chunked": lambda x, w, targets, mask: chunked.chunked_cross_entropy(x, w, targets, mask,
                                                                             chunk_rows=args.chunk_rows),
     }

@@ -1,5 +1,5 @@
 """
-What sharding costs Muon: a step of torch.optim.Muon on whole matrices against a step of fsdp.py's ShardedMuon on
+What sharding costs Muon: a step of torch.optim.Muon on whole matrices against a step of modern.py's ShardedMuon on
 the same matrices split over the ranks by FSDP2 (--fsdp --recipe modern), both on the same gradients. ShardedMuon
 gathers each matrix's update, orthogonalizes it on every rank and keeps the rank's own rows; the difference between
 the two rows is that gather and the bookkeeping around it, per optimizer step.
@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 import train_gpt2  # noqa: E402
-from machinery import fsdp  # noqa: E402
+from variations import modern  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timed-steps", type=int, default=20)
     args = parser.parse_args(argv)
-    if not hasattr(torch.optim, "Muon") or fsdp.orthogonalize is None:
+    if not hasattr(torch.optim, "Muon") or modern.orthogonalize is None:
         parser.exit(2, f"error: Muon's steps are not in this torch ({torch.__version__}); it needs PyTorch 2.9 or "
                        f"later\n")
     if min(args.matrices, *args.shape, args.timed_steps) <= 0 or args.warmup_steps < 0:
@@ -72,7 +72,7 @@ def main(argv=None):
                 fully_shard(layer)
         for layer in layers:  # one backward gives every rank its rows of the gradient, as in training
             layer(torch.randn(4, in_features, device=device)).square().sum().backward()
-        optimizer = (fsdp.ShardedMuon if sharded else torch.optim.Muon)(layers.parameters(), lr=0.02,
+        optimizer = (modern.ShardedMuon if sharded else torch.optim.Muon)(layers.parameters(), lr=0.02,
                                                                               momentum=0.95)
         rows[name] = median_step_ms(optimizer, device, args.warmup_steps, args.timed_steps)
     if env.rank == 0:

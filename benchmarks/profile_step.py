@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 import train_gpt2  # noqa: E402
-from machinery import microbatch  # noqa: E402
+from machinery import memory  # noqa: E402
 from machinery.errors import UsageError  # noqa: E402
 from machinery.tokenizer import GPT2_VOCAB  # noqa: E402
 from train_gpt2 import autocast_context, make_optimizers  # noqa: E402
@@ -54,7 +54,7 @@ def main(argv=None):
     device, device_type = env.device, env.device_type
     train_gpt2.set_tf32(cfg.dtype != "fp32")
     if device_type == "cpu":
-        microbatch.keep_freed_memory(True)  # as train_gpt2.py does on a CPU whose micro-batch fits
+        memory.keep_freed_memory(True)  # as train_gpt2.py does on a CPU whose micro-batch fits
     model = train_gpt2.make_model(cfg, device)  # as train() builds it
     compiled = train_gpt2.compile_model(model, cfg)
     optimizers = make_optimizers(model, cfg, device_type)

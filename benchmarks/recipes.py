@@ -33,7 +33,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 import train_gpt2  # noqa: E402
-from machinery import microbatch, tokenizer  # noqa: E402
+from machinery import memory, tokenizer  # noqa: E402
 from train_gpt2 import TrainConfig, evaluate_val, make_model, make_optimizers  # noqa: E402
 from variations import modern  # noqa: E402
 
@@ -153,7 +153,7 @@ def recipe_config(args, recipe, seed, vocab_size):
 def main():
     args = parse_args()
     if args.device == "cpu":
-        microbatch.keep_freed_memory(True)  # as train_gpt2.py does on a CPU
+        memory.keep_freed_memory(True)  # as train_gpt2.py does on a CPU
     train, val, vocab_size = standard_library_tokens()
     n_val = min(args.val_tokens, len(val) - 1) // args.seq_len * args.seq_len
     val = val[: n_val + 1]

@@ -11,7 +11,7 @@ import os
 import shlex
 from dataclasses import asdict
 
-from machinery import checkpoints, files, hf_format, log_directory, ranks, settings, tokenizer
+from machinery import checkpoints, files, hf_format, ranks, resume, run_log, settings, tokenizer
 from machinery.errors import UsageError
 
 
@@ -61,7 +61,7 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
         model = from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)
         source, about = f"OpenAI's {cfg.init_from}", hf_format.published_facts(cfg.init_from)
     else:
-        ckpt, source = checkpoints.find_resume_checkpoint(cfg, rank=0, world_size=1)  # one process: on the CPU
+        ckpt, source = resume.find_resume_checkpoint(cfg, rank=0, world_size=1)  # one process: on the CPU
         if ckpt is None:
             raise UsageError(f"--export-hf {cfg.export_hf}: no checkpoint in --log-dir {cfg.log_dir}; pass the "
                              f"run's --log-dir, --resume PATH, or --init-from gpt2")
@@ -96,7 +96,7 @@ def command_in_card(argv):
 def logged_evaluation(checkpoint, step, key):
     """The record holding key (hellaswag_acc_norm, core) that the run logged of the weights at step (its log.jsonl,
     beside the checkpoint): the latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
-    log = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), log_directory.LOG_FILE)
+    log = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), run_log.LOG_FILE)
     records = []
     with contextlib.suppress(OSError):
         records = [record for _, record in files.json_records(log) if record is not None]  # None: a damaged line

@@ -1,54 +1,63 @@
 """
-Checkpoints and resuming: what a checkpoint holds, saving and pruning it, finding the one to resume from, restoring a
-run from it, and the signals that end a run with one.
-
-A checkpoint is a file ckpt_<step>.pt; with --fsdp, a directory ckpt_<step>.dcp/ of each rank's slices
-(sharded_checkpoints.py) with run.pt beside them, which holds their checksums. checkpoint_files.py writes either whole
-or not at all. A process reading one holds it from choosing it until its tensors are loaded (load, release), so that
+A checkpoint: what it holds, its files in the run's log directory (their names; written whole or not at all, with
+saving's progress line; pruned), and read back whole. A checkpoint is a file ckpt_<step>.pt; with --fsdp, a directory
+ckpt_<step>.dcp/ of each rank's slices (sharded_checkpoints.py) with run.pt beside them, which holds their checksums.
+A process reading one holds it from choosing it until its tensors are loaded (load, release: locks.ReadLock), so that
 the training beside never prunes it under its reader, and reads it all back against its checksums before it uses any
 of its tensors (damage), the ranks sharing the work. The run is handed over, and the model is built by the model_of
-it passes (a checkpoint's model_config -> a new model).
+it passes (a checkpoint's model_config -> a new model). Which checkpoint a run resumes from, and how, is resume.py's.
 """
 
-import contextlib
+import functools
 import os
-import signal
+import shutil
+import time
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from machinery import checkpoint_files, files, log_directory, settings, sharded_checkpoints
+from machinery import files, locks, sharded_checkpoints
 from machinery.errors import UsageError
 from machinery.ranks import every_rank, failing_together, first_error_of_any_rank
 
 FORMAT = 2  # raised whenever what a checkpoint holds changes: a checkpoint of another format is refused
+CHECKPOINT = r"ckpt_\d+\.(pt|dcp)"  # a checkpoint's name as a regex: a file ckpt_<step>.pt, or --fsdp's directory
+PARTIAL = CHECKPOINT + r"\.tmp(\.old)?"  # a checkpoint being written, or one being replaced by its step's new one
+ABANDONED = CHECKPOINT + r"\.abandoned(\.\d+)?"  # a checkpoint newer than the one a run resumed from, moved aside
 
 
-@contextlib.contextmanager
-def holding_log_dir(cfg, env):
-    """Rank 0 holds the log directory's lock (log_directory.lock_log_dir) while inside; every rank stops if it
-    cannot."""
-    with contextlib.ExitStack() as held:
-        with failing_together():
-            if env.rank == 0:
-                held.enter_context(log_directory.lock_log_dir(cfg.log_dir, exclusive=not cfg.eval_only))
-        yield
+# -----------------------------------------------------------------------------
+# Names
 
 
-def catch_stop_signals():
-    """SIGTERM and SIGINT (preemption, Ctrl-C) end the run after the step in progress, with a checkpoint; a second one
-    kills it. Returns the list the signals are recorded in."""
-    caught = []
+def checkpoint_step(path):
+    return int(os.path.splitext(os.path.basename(path))[0][len("ckpt_"):])
 
-    def on_signal(signum, frame):
-        caught.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    return caught
+def checkpoint_path(log_dir, step, sharded=False):
+    """Where the checkpoint of step goes: a file, or with --fsdp a directory."""
+    return os.path.join(log_dir, f"ckpt_{step:06d}.{'dcp' if sharded else 'pt'}")
+
+
+def checkpoint_paths(log_dir):
+    """Checkpoints in log_dir, oldest first: by step, as past step 999,999 the names outgrow their 6-digit padding."""
+    return sorted(files.files_in(log_dir, CHECKPOINT), key=checkpoint_step)
+
+
+def latest_checkpoint(log_dir, before_step=None):
+    """The path of the latest checkpoint in log_dir (of a step before before_step, if given), or None."""
+    paths = [p for p in checkpoint_paths(log_dir) if before_step is None or checkpoint_step(p) < before_step]
+    return paths[-1] if paths else None
+
+
+def is_log_dir_of(path, log_dir):
+    """Whether log_dir is the directory of the checkpoint at path, by whatever path (a link to it or to the
+    directory, another mount)."""
+    try:
+        return os.path.samefile(os.path.dirname(os.path.realpath(path)), log_dir)
+    except OSError:
+        return False
 
 
 # -----------------------------------------------------------------------------
@@ -86,8 +95,8 @@ def save(run):
         ckpt = contents(run, rng_per_rank) if run.master else None  # rank 0 alone writes it
         if not cfg.fsdp:
             if run.master:
-                checkpoint_files.write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f),
-                                                  files.tensor_bytes(ckpt), cfg.keep_checkpoints)
+                write_checkpoint(cfg.log_dir, run.step, lambda f: torch.save(ckpt, f), tensor_bytes(ckpt),
+                                 cfg.keep_checkpoints)
         elif slices_saved(run):
             if run.master:
                 save_run_file_again(run, ckpt)
@@ -107,30 +116,30 @@ def save_sharded(run, ckpt):
                 torch.save({**ckpt, "checksums": checksums}, f)
 
     size = sharded_checkpoints.written_bytes(sharded, sharded_checkpoints.shards(run.model))
-    checkpoint_files.write_sharded_checkpoint(run.cfg.log_dir, run.step, save_into, size + files.tensor_bytes(ckpt),
-                                              run.cfg.keep_checkpoints, run.env.rank)  # and rank 0's run.pt
+    write_sharded_checkpoint(run.cfg.log_dir, run.step, save_into, size + tensor_bytes(ckpt), run.cfg.keep_checkpoints,
+                             run.env.rank)  # and rank 0's run.pt
 
 
 def slices_saved(run):
     """Whether --log-dir's checkpoint of run.step holds the run's weights and optimizer state already: this launch
     saved it, or resumed from it, at this very step, and did its evaluations alone since (the end of a run is saved
     before them, and again after). Every rank gets rank 0's answer."""
-    path = checkpoint_files.checkpoint_path(run.cfg.log_dir, run.step, sharded=True)
+    path = checkpoint_path(run.cfg.log_dir, run.step, sharded=True)
     return every_rank(run.master and run.saved_step == run.step and os.path.isdir(path))[0]
 
 
 def save_run_file_again(run, ckpt):
     """Rank 0 writes the run.pt of the checkpoint of run.step anew, with ckpt and the checksums of the slices beside
     it, which stay as they were written: the weights and optimizer state are not written twice."""
-    path = checkpoint_files.checkpoint_path(run.cfg.log_dir, run.step, sharded=True)
+    path = checkpoint_path(run.cfg.log_dir, run.step, sharded=True)
     kept = torch.load(os.path.join(path, "run.pt"), map_location="cpu", weights_only=True).get("checksums")
-    checkpoint_files.write_run_file(run.cfg.log_dir, run.step, lambda f: torch.save({**ckpt, "checksums": kept}, f),
-                                    files.tensor_bytes(ckpt), run.cfg.keep_checkpoints)
+    write_run_file(run.cfg.log_dir, run.step, lambda f: torch.save({**ckpt, "checksums": kept}, f), tensor_bytes(ckpt),
+                   run.cfg.keep_checkpoints)
 
 
 def ready_to_save(cfg):
-    """What a save needs, taken at the start (Run.launch): a rank that reaches its open-file limit later could take
-    none of it. A few file descriptors kept for the save (files.DescriptorReserve), and under --fsdp,
+    """What a save needs, taken at the start (Run.start_training): a rank that reaches its open-file limit later could
+    take none of it. A few file descriptors kept for the save (files.DescriptorReserve), and under --fsdp,
     torch.distributed.checkpoint imported (a second)."""
     if cfg.fsdp:
         sharded_checkpoints.checkpoint_modules()
@@ -141,29 +150,188 @@ def prune(run):
     """Rank 0 deletes the checkpoints past --keep-checkpoints: only once the newest one's weights trained to a finite
     loss, so that the last checkpoint that trains is never deleted."""
     if run.master:
-        checkpoint_files.prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
+        prune_checkpoints(run.cfg.log_dir, run.cfg.keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------
-# Reading, and the resume policy
+# Its files, written whole or not at all, and pruned
+
+
+def tensor_bytes(obj):
+    """About the size of obj saved: the bytes of the tensors in it, each storage once (tied weights share one)."""
+    storages, todo = {}, [obj]
+    while todo:
+        obj = todo.pop()
+        if hasattr(obj, "to_local"):  # a DTensor: this rank's slice
+            obj = obj.to_local()
+        if hasattr(obj, "untyped_storage"):  # a tensor
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return sum(storages.values())
+
+
+def resumes_from(log_dir):
+    """How to go on from log_dir's latest checkpoint, in words."""
+    try:
+        latest = latest_checkpoint(log_dir) or "the start"
+    except OSError:  # at the open-file limit, the directory cannot be listed
+        latest = f"the latest checkpoint in {log_dir}"
+    return f"run the same command again: it resumes from {latest}"
+
+
+def no_room_for_checkpoint(log_dir, size, keep):
+    """What to do when a checkpoint of about size bytes does not fit, in words."""
+    free = shutil.disk_usage(log_dir).free
+    return (f"a checkpoint needs about {size / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free "
+            f"(saving needs room for --keep-checkpoints {keep} of them and one more); make room, then "
+            f"{resumes_from(log_dir)}")
+
+
+def write_checkpoint(log_dir, step, save, size, keep):
+    """Writes log_dir/ckpt_<step>.pt whole or not at all, with save(file); size: about how many bytes it takes."""
+    path = checkpoint_path(log_dir, step)
+    t0, again = time.perf_counter(), saved_again(path)
+    files.write_atomically(path, save, path + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
+    print(f"saved {path}{again} ({os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def saved_again(path):
+    """What the line of a save adds where path is there already: its step was saved before its evaluations
+    (Run.after_step), and is saved again with them."""
+    return " again, with its step's evaluations" if os.path.exists(path) else ""
+
+
+def write_run_file(log_dir, step, save, size, keep):
+    """Writes the run.pt of log_dir/ckpt_<step>.dcp/ anew, whole or not at all, with save(file): the rest of the
+    checkpoint saved again at its step, its slices as they were written."""
+    path = checkpoint_path(log_dir, step, sharded=True)
+    run_file, t0 = os.path.join(path, "run.pt"), time.perf_counter()
+    files.write_atomically(run_file, save, run_file + ".tmp", lambda: no_room_for_checkpoint(log_dir, size, keep))
+    print(f"saved {path}{saved_again(path)} (its run.pt alone, its slices as written: "
+          f"{time.perf_counter() - t0:.1f} s)")
+
+
+def write_sharded_checkpoint(log_dir, step, save, size, keep, rank):
+    """Writes log_dir/ckpt_<step>.dcp/ whole or not at all: rank 0 makes ckpt_<step>.dcp.tmp/, save(directory) fills
+    it, every rank writing its own part (torch.distributed.checkpoint, which rank 0 ends with the index of all parts),
+    then rank 0 renames it; a save that fails leaves nothing. Every rank calls it, save being collective; size: about
+    how many bytes all ranks write."""
+    path = checkpoint_path(log_dir, step, sharded=True)
+    temp, t0, again = path + ".tmp", time.perf_counter(), saved_again(path)
+    if_no_room = functools.partial(no_room_for_checkpoint, log_dir, size, keep)
+    try:
+        make_shared_directory(temp, log_dir, path, if_no_room, rank)
+        stop_if_a_rank_can_open_nothing(path, log_dir, rank)
+        write_parts(save, temp, path, if_no_room, rank)
+        if rank == 0:
+            put_in_place(temp, path, log_dir)
+    finally:
+        if rank == 0 and os.path.exists(temp):  # the save failed, on this rank or another
+            shutil.rmtree(temp, ignore_errors=True)
+    if rank == 0:
+        written = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+        print(f"saved {path}{again} ({written / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s)")
+
+
+def make_shared_directory(temp, log_dir, path, if_no_room, rank):
+    """Rank 0 makes the directory temp (ckpt_<step>.dcp.tmp/, of path's checkpoint), anew; every rank must see it."""
+    with failing_together():  # also the barrier after which every rank looks for the directory
+        if rank == 0:
+            try:
+                if os.path.exists(temp):  # a save cut short, in this very run
+                    files.remove(temp)
+                os.mkdir(temp)
+            except OSError as e:
+                files.raise_if_no_room(e, path, if_no_room)
+                raise UsageError(f"--log-dir {log_dir}: cannot make the checkpoint directory {temp} ({e.strerror})")
+    with failing_together():
+        if not os.path.isdir(temp):
+            raise UsageError(f"--log-dir {log_dir}: this node does not see the checkpoint directory "
+                             f"{temp} that rank 0 made; put --log-dir on a file system that every node shares")
+
+
+def stop_if_a_rank_can_open_nothing(path, log_dir, rank):
+    """Stops every rank, in one line naming the checkpoint kept, if any rank cannot open a file now (at its open-file
+    limit, with the descriptors kept for saving let go): it could not write its part of path, and a checkpoint needs
+    every part."""
+    why = files.cannot_open_a_file()
+    stuck = first_error_of_any_rank(why and f"rank {rank} cannot write its part of {path}: {why}")
+    if stuck is not None:
+        with failing_together():  # rank 0's line: a rank at its limit could not list the directory
+            if rank == 0:
+                raise UsageError(f"{stuck}, then {resumes_from(log_dir)}")
+
+
+def write_parts(save, temp, path, if_no_room, rank):
+    """save(temp), on every rank; one that fails stops every rank, with one line where the disk is full."""
+    failure = None
+    try:
+        save(temp)
+        if rank == 0:  # torch.distributed.checkpoint syncs its own files; the rest of them too, before the rename
+            for name in os.listdir(temp):
+                files.sync_file(os.path.join(temp, name))
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is no Exception
+        failure = e
+    what = None if failure is None else f"{type(failure).__name__}: {files.first_line(failure)}"
+    failed = None if failure is None else (files.no_room(failure), what)
+    failed = first_error_of_any_rank(failed)  # on every rank, as of rank 0's part alone: none is left waiting
+    if failed is None:
+        return
+    if rank == 0:
+        shutil.rmtree(temp, ignore_errors=True)
+    reason, what = failed
+    if reason is None:  # not for lack of room: the rank it happened on shows its traceback
+        if failure is not None:
+            raise failure
+        raise UsageError(f"another rank failed to write its part of {path} ({what})")
+    with failing_together():  # rank 0's line, with the room there is once the partial directory is gone
+        if rank == 0:
+            raise UsageError(f"{reason} writing {path}: {if_no_room()}")
+
+
+def put_in_place(temp, path, log_dir):
+    """Renames the written directory temp to path, durably; an older one of the same step once no reader holds it."""
+    replaced = path + ".tmp.old"
+    if os.path.exists(path):  # one of this step already, of other slices: the new one takes its place
+        with locks.without_readers(path, wait=True):
+            os.replace(path, replaced)
+    os.replace(temp, path)
+    files.sync_directory(log_dir)
+    if os.path.exists(replaced):
+        files.remove(replaced)
+
+
+def prune_checkpoints(log_dir, keep):
+    """Deletes all but the latest keep checkpoints; only once the newest is durably in place (write_checkpoint). One
+    that a reader is loading stays until a later prune: the training never waits for a reader."""
+    for old in checkpoint_paths(log_dir)[:-keep]:
+        with locks.without_readers(old, wait=False) as unheld:
+            if unheld:
+                files.remove(old)
+
+
+# -----------------------------------------------------------------------------
+# Reading
 
 
 def load(path):
-    """A checkpoint of this train_gpt2.py, whole, and held (checkpoint_files.CheckpointReadLock) until release(ckpt),
-    once its tensors are loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be
-    read (checkpoint_files.CheckpointGone if it is no more), UsageError if it is of another format or a file inside
-    one."""
+    """A checkpoint of this train_gpt2.py, whole, and held (locks.ReadLock) until release(ckpt), once its tensors are
+    loaded: the training prunes no checkpoint while it is read. Raises ValueError if it cannot be read (locks.Gone if
+    it is no more), UsageError if it is of another format or a file inside one."""
     inside = os.path.dirname(path) or os.getcwd()
     if not os.path.isdir(path) and os.path.isfile(os.path.join(inside, "run.pt")):
         raise UsageError(f"{path} is a file inside the sharded checkpoint {inside}: pass the directory {inside}")
     try:
-        held = checkpoint_files.CheckpointReadLock(path)
+        held = locks.ReadLock(path)
     except OSError as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
     try:
         ckpt = read_checkpoint(path)
     except BaseException:
-        held.release()  # now, not once collected: this very run may move it aside (unread), which waits for readers
+        held.release()  # now, not once collected: this very run may move it aside, which waits for its readers
         raise
     ckpt["held"] = held
     return ckpt
@@ -195,64 +363,6 @@ def release(ckpt):
         held.release()
 
 
-def load_weights(model, ckpt, path):
-    """The checkpoint's weights into the model, sharded by FSDP or not, whichever way the checkpoint was written."""
-    if ckpt["sharded"]:
-        sharded_checkpoints.load_weights(model, path)
-    elif sharded_checkpoints.is_sharded(model):  # a DDP run's whole tensors, into FSDP's slices
-        sharded_checkpoints.load_whole_weights(model, ckpt["model"])
-    else:
-        model.load_state_dict(ckpt["model"])
-
-
-def model_from_checkpoint(ckpt, path, model_of):
-    """The checkpoint's model, of the recipe and shapes it records: model_of(model_config) makes it."""
-    try:
-        model = model_of(ckpt["model_config"])
-    except TypeError as e:  # a setting GPTConfig does not have
-        raise UsageError(f"{path} has model settings this train_gpt2.py does not know ({e}); use the train_gpt2.py "
-                         f"that wrote it") from None
-    load_weights(model, ckpt, path)
-    release(ckpt)
-    return model
-
-
-def val_loss_in_words(ckpt):
-    """The validation loss of the checkpoint's weights, in words: a signal may have saved them before their
-    evaluation."""
-    step, val_step, val_loss = ckpt["step"], ckpt["val_step"], ckpt["val_loss"]
-    if val_loss is None:
-        return "not evaluated"
-    if val_step == step:
-        return f"val loss {val_loss:.4f}"
-    return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"
-
-
-def choose_checkpoint(cfg, unreadable):
-    """--resume's checkpoint and its path, or the latest readable one in --log-dir but those in unreadable ((None,
-    None): there is none)."""
-    if cfg.resume != "auto":
-        try:
-            return load(cfg.resume), cfg.resume
-        except ValueError as e:
-            raise UsageError(f"--resume {cfg.resume}: cannot load it ({e})")
-    while True:
-        paths = [path for path in checkpoint_files.checkpoint_paths(cfg.log_dir) if path not in unreadable]
-        if not paths:
-            return None, None
-        try:
-            return load(paths[-1]), paths[-1]
-        except checkpoint_files.CheckpointGone:
-            continue  # the training beside pruned it meanwhile, or saved its step again: look again
-        except ValueError as e:
-            skip_unreadable(paths[-1], e, unreadable)
-
-
-def skip_unreadable(path, why, unreadable):
-    print(f"warning: skipping unreadable checkpoint {path} ({why})")
-    unreadable.append(path)
-
-
 def damage(ckpt, path, rank=0, world_size=1):
     """What is damaged in the checkpoint at path (load's ckpt), in words, or None, on every rank: each reads its share
     of it whole (by bytes), against the checksums written with it, so that no rank reads all of it. torch.save's
@@ -266,46 +376,31 @@ def damage(ckpt, path, rank=0, world_size=1):
     return first_error_of_any_rank(next(filter(None, (check() for _, check in share)), None))
 
 
-def how_to_resume(cfg):
-    """What a run that stopped early keeps, and the command that goes on from it, in words."""
-    latest = checkpoint_files.latest_checkpoint(cfg.log_dir)
-    if latest is None:
-        return "no checkpoint was written yet: run the same command again to start over"
-    return f"the latest checkpoint, {latest}, is kept: run {settings.resume_command(cfg)} again to resume from it"
+def load_weights(model, ckpt, path):
+    """The checkpoint's weights into the model, sharded by FSDP or not, whichever way the checkpoint was written."""
+    if ckpt["sharded"]:
+        sharded_checkpoints.load_weights(model, path)
+    elif sharded_checkpoints.is_sharded(model):  # a DDP run's whole tensors, into FSDP's slices
+        sharded_checkpoints.load_whole_weights(model, ckpt["model"])
+    else:
+        model.load_state_dict(ckpt["model"])
 
 
-def find_resume_checkpoint(cfg, rank, world_size):
-    """The checkpoint to resume from and its path ((None, None): start fresh). Rank 0 picks it, falling back past
-    unreadable ones, and every rank loads that same one; they check it whole together (damage) before any of its
-    tensors is used, and fall back past a damaged one too."""
-    if cfg.resume == "none" or (cfg.eval_only and cfg.resume == "auto" and cfg.init_from != "scratch"):
-        return None, None  # --eval-only --init-from gpt2 evaluates OpenAI's weights, not the run's
-    unreadable = []  # rank 0's
-    while True:
-        ckpt, chosen = None, [None]
-        with failing_together():
-            if rank == 0:
-                ckpt, chosen[0] = choose_checkpoint(cfg, unreadable)
-        if world_size > 1:
-            dist.broadcast_object_list(chosen, src=0)
-        path = chosen[0]
-        if path is None:
-            return None, None
-        with failing_together():
-            if rank != 0:
-                try:
-                    ckpt = load(path)
-                except ValueError as e:
-                    raise UsageError(f"rank {rank} cannot read {path}, which rank 0 resumes from ({e}); --log-dir "
-                                     f"must be on a file system every node shares")
-        damaged = damage(ckpt, path, rank, world_size)
-        if damaged is None:
-            return ckpt, path
-        release(ckpt)
-        if cfg.resume != "auto":
-            raise UsageError(f"--resume {path}: cannot load it ({damaged})")
-        if rank == 0:
-            skip_unreadable(path, damaged, unreadable)
+def unknown_model_settings(path, error):
+    """The one-line refusal of a checkpoint whose model settings GPTConfig does not know (its TypeError, error)."""
+    return UsageError(f"{path} has model settings this train_gpt2.py does not know ({error}); use the train_gpt2.py "
+                      f"that wrote it")
+
+
+def model_from_checkpoint(ckpt, path, model_of):
+    """The checkpoint's model, of the recipe and shapes it records: model_of(model_config) makes it."""
+    try:
+        model = model_of(ckpt["model_config"])
+    except TypeError as e:  # a setting GPTConfig does not have
+        raise unknown_model_settings(path, e) from None
+    load_weights(model, ckpt, path)
+    release(ckpt)
+    return model
 
 
 def saved_model_config(ckpt, config_class, path):
@@ -314,134 +409,15 @@ def saved_model_config(ckpt, config_class, path):
     try:
         return config_class(**ckpt["model_config"])
     except TypeError as e:
-        raise UsageError(f"{path} has model settings this train_gpt2.py does not know ({e}); use the train_gpt2.py "
-                         f"that wrote it") from None
+        raise unknown_model_settings(path, e) from None
 
 
-def check_same_model(ckpt, model, path):
-    """Refuses a checkpoint of another model than the flags describe, naming the settings that differ (one it does not
-    hold, being older, means its default). Only how the model computes (COMPUTE_ONLY) may change."""
-    flags, saved = asdict(model.config), asdict(saved_model_config(ckpt, type(model.config), path))
-    differ = [f"{k}: checkpoint {saved[k]}, flags {flags[k]}" for k in flags
-              if k not in settings.COMPUTE_ONLY and saved[k] != flags[k]]
-    if differ:
-        raise UsageError(f"{path} (step {ckpt['step']}) does not fit the model the flags describe "
-                         f"({'; '.join(differ)}); pass matching flags, or another --log-dir to keep that run where it "
-                         f"is, or --no-resume to start fresh there (its files are moved aside)")
-
-
-def check_same_training(ckpt, cfg, stream, path):
-    """Refuses to train on from a checkpoint whose steps or data position mean something else with these settings."""
-    saved = ckpt["train_config"]["total_batch_size"]
-    if saved != cfg.total_batch_size:
-        raise UsageError(f"{path} was trained with --total-batch-size {saved}, not {cfg.total_batch_size}: its "
-                         f"{ckpt['step']} steps stand for {ckpt['step'] * saved:,} tokens, and the schedule and the "
-                         f"log count steps; pass --total-batch-size {saved}, or --no-resume to start over")
-    position, now = ckpt["stream"], stream.state_dict()
-    if position["seed"] != now["seed"]:
-        raise UsageError(f"the checkpoint's data position is for --seed {position['seed']}, not --seed {now['seed']}: "
-                         f"the shard order depends on it; pass --seed {position['seed']}, or --no-resume to start "
-                         f"over")
-    change = shards_changed(position["shards"], now["shards"])
-    if change:
-        raise UsageError(f"the checkpoint's data position is in other training shards than those of --data: "
-                         f"{change}; pass the --data it was trained on, or --no-resume to start over")
-
-
-def shards_changed(saved, now):
-    """What differs between the shards a checkpoint was trained on and these, in words ("" if nothing)."""
-    before, after = dict(saved), dict(now)
-    changes = [f"{name} is gone" if name not in after else f"{name} had {tokens:,} tokens, now {after[name]:,}"
-               for name, tokens in before.items() if after.get(name) != tokens]
-    changes += [f"{name} is new" for name in after if name not in before]
-    return "; ".join(changes) or ("the shards are in another order" if saved != now else "")
-
-
-def load_optimizers(optimizers, model, ckpt, path, sharded):
-    """The optimizers' state from the checkpoint, under the settings of this run's flags (--weight-decay, ...)."""
-    if sharded and not ckpt["sharded"]:  # the state of whole tensors, by position, cannot be split into FSDP's slices
-        raise UsageError(f"{path} was written without --fsdp, and only a run without it can train on from it; pass "
-                         f"--no-fsdp, or --no-resume to start over (--eval-only, --sample and --export-hf read either)")
-    settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-                for optimizer in optimizers]
-    if ckpt["sharded"]:  # by name: split anew for this run's mesh, or whole for DDP's
-        sharded_checkpoints.load_optimizers(model, optimizers, path)
-    else:
-        if len(ckpt["optimizers"]) != len(optimizers):
-            raise UsageError(f"{path} holds the state of {len(ckpt['optimizers'])} optimizer(s), and this run has "
-                             f"{len(optimizers)}; pass the settings it was trained with, or --no-resume to start over")
-        for optimizer, state in zip(optimizers, ckpt["optimizers"]):
-            optimizer.load_state_dict(state)
-    for optimizer, flags_of_groups in zip(optimizers, settings):  # the flags win
-        for group, flags in zip(optimizer.param_groups, flags_of_groups):
-            group.update(flags)
-
-
-def restore(run, ckpt, path):
-    """Puts the run back where the checkpoint at path left it: weights and step, and to train on, the optimizers,
-    the data position and the RNGs, saying how its schedule (its recipe's) changes, if it does. Evaluating needs the
-    weights alone, on any --data."""
-    cfg = run.cfg
-    check_same_model(ckpt, run.model, path)
-    load_weights(run.model, ckpt, path)
-    run.step, run.resumed_from = ckpt["step"], path
-    run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
-    if cfg.eval_only:  # its settings are the checkpoint's (settings.take_model_settings)
-        release(ckpt)
-        return
-    # The checkpoint's evaluations count for this run too, unless its step is now this run's end (a smaller
-    # --max-steps) and it was not validated there: the end always has a validation loss.
-    run.evaluated = ckpt["evaluated"] and (run.step < cfg.max_steps or run.val_step == run.step)
-    if run.step > cfg.max_steps:
-        raise UsageError(f"{path} is at step {run.step}, past --max-steps {cfg.max_steps}; pass a larger --max-steps "
-                         f"to train on, --resume an earlier checkpoint, or --no-resume to start over")
-    check_same_training(ckpt, cfg, run.stream, path)
-    if run.master:
-        say_schedule_change(ckpt["train_config"], cfg, run.step, run.recipe.get_lr)
-    run.stream.load_state_dict(ckpt["stream"])
-    load_optimizers(run.optimizers, run.model, ckpt, path, cfg.fsdp)
-    release(ckpt)
-    if ckpt["scaler"]:  # empty unless the run used fp16
-        run.scaler.load_state_dict(ckpt["scaler"])
-    rank = run.env.rank
-    if rank < len(ckpt["rng"]):
-        torch.set_rng_state(ckpt["rng"][rank]["cpu"])
-        if run.env.device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
-            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
-    # the same W&B run as the checkpoint's, unless this run branches it into another directory (log_dir.py's
-    # prepare_log_dir): W&B's step is the record's line in log.jsonl, which begins again there
-    run.log.wandb_id = ckpt["wandb_id"] if log_directory.is_log_dir_of(path, cfg.log_dir) else None
-    run.seconds_before = ckpt.get("trained_seconds", 0.0)  # not kept before the training time was
-
-
-def say_schedule_change(saved, cfg, step, get_lr):
-    """One line, if the learning rate of the steps from step on differs from what the schedule of the checkpoint's
-    settings (saved) gives them, as with a larger --max-steps: the settings that make it, and what the rate does next,
-    as a share of each parameter group's peak (the recipes' get_lr scale with it)."""
-    before = SimpleNamespace(**{**asdict(cfg), **saved})  # a setting the checkpoint lacks is this run's
-
-    def share(s, schedule):
-        return f"{100 * get_lr(s, 1.0, schedule):.3g}%"
-
-    steps = range(step, cfg.max_steps)
-    if all(get_lr(s, 1.0, before) == get_lr(s, 1.0, cfg) for s in steps):
-        return
-    changes = []
-    for key in ("max_steps", "warmup_steps", "min_lr_ratio", "cooldown_frac"):
-        old, new = getattr(before, key), getattr(cfg, key)
-        if old != new or key in ("max_steps", "warmup_steps"):
-            changes.append(f"{settings.flag(key)} {new} ({'as before' if old == new else f'was {old}'})")
-    peak = max(steps, key=lambda s: get_lr(s, 1.0, cfg))
-    rise = f", up to {share(peak, cfg)} at step {peak}" if peak not in (step, steps[-1]) else ""
-    print(f"the schedule changes on resuming: {', '.join(changes)}; the learning rate goes from "
-          f"{share(step - 1, before)} of its peak at step {step - 1} to {share(step, cfg)} at step {step}{rise}, then "
-          f"to {share(steps[-1], cfg)} at step {steps[-1]}")
-
-
-def finished(run):
-    """Whether the resumed checkpoint is the end of this run, evaluated: then there is nothing left to do."""
-    done = run.step == run.cfg.max_steps and run.evaluated and not run.cfg.eval_only
-    if done and run.master:
-        print(f"{run.resumed_from} is the end of this run (step {run.step}, val loss {run.val_loss:.4f}): nothing left "
-              f"to do; pass a larger --max-steps to train on, or --no-resume to start over")
-    return done
+def val_loss_in_words(ckpt):
+    """The validation loss of the checkpoint's weights, in words: a signal may have saved them before their
+    evaluation."""
+    step, val_step, val_loss = ckpt["step"], ckpt["val_step"], ckpt["val_loss"]
+    if val_loss is None:
+        return "not evaluated"
+    if val_step == step:
+        return f"val loss {val_loss:.4f}"
+    return f"not evaluated; val loss {val_loss:.4f} at step {val_step}"

@@ -1,7 +1,8 @@
 """
 Files: JSON read from files that may be damaged, files written whole or not at all (and what to say when a disk, a
 quota or a file-size limit stops a write), the open-file limit and descriptors kept for a save, checksums that files
-are read back against, and directory locks.
+are read back against, and a directory or a cache file held by one process at a time, its lock file naming the holder
+(the lock taken with locks.lock).
 """
 
 import contextlib
@@ -15,12 +16,9 @@ import socket
 import zipfile
 import zlib
 
-from machinery.errors import UsageError
+from machinery import locks
+from machinery.errors import UsageError, chain
 
-try:
-    import fcntl
-except ImportError:  # Windows: two runs in one directory are not caught there
-    fcntl = None
 try:
     import resource  # here, not where it is used: a process at its open-file limit can import nothing
 except ImportError:  # Windows: an open-file limit is not named
@@ -72,15 +70,14 @@ NO_ROOM = {
 def no_room(error):
     """What stopped a write for lack of room (disk full, quota, file-size limit), in words; None if something else.
     torch.save raises a RuntimeError that keeps the OSError as its context."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in NO_ROOM:
-            return NO_ROOM[error.errno]
+    for link in chain(error):
+        if isinstance(link, OSError) and link.errno in NO_ROOM:
+            return NO_ROOM[link.errno]
         # torch.distributed.checkpoint's CheckpointException: each failed rank's (exception, traceback)
-        for failure, _ in getattr(error, "failures", {}).values():
+        for failure, _ in getattr(link, "failures", {}).values():
             reason = no_room(failure)
             if reason:
                 return reason
-        error = error.__cause__ or error.__context__
     return None
 
 
@@ -146,26 +143,6 @@ def append_line(path, line, if_no_room):
             raise
     finally:
         os.close(fd)
-
-
-def free_mib(directory):
-    return shutil.disk_usage(directory).free / 2**20
-
-
-def tensor_bytes(obj):
-    """About the size of obj saved: the bytes of the tensors in it, each storage once (tied weights share one)."""
-    storages, todo = {}, [obj]
-    while todo:
-        obj = todo.pop()
-        if hasattr(obj, "to_local"):  # a DTensor: this rank's slice
-            obj = obj.to_local()
-        if hasattr(obj, "untyped_storage"):  # a tensor
-            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-    return sum(storages.values())
 
 
 def remove(path):
@@ -266,15 +243,10 @@ def zip_record_checks(path):
 
 def lock_holder(lock_path):
     """Who holds the lock file at lock_path (directory_lock's), in words; None if no process does."""
-    if fcntl is None:
-        return None
     try:
-        with open(lock_path) as lock_file:
-            try:
-                fcntl.lockf(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a read lock: only a writer's lock stops it
-            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: a writer holds it
+        with open(lock_path) as lock_file:  # closing it lets go of the lock taken here
+            if locks.lock(lock_file, exclusive=False, wait=False, record=True) is False:  # only a writer's stops it
                 return holder_of(lock_file)
-            fcntl.lockf(lock_file, fcntl.LOCK_UN)
     except OSError:  # no lock file: nobody holds it
         pass
     return None
@@ -312,11 +284,10 @@ def directory_lock(directory, refusal, unwritable):
         raise UsageError(unwritable.format(reason=reason)) from None
     with lock_file:
         try:
-            if fcntl and refusal:
-                try:
-                    fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except (BlockingIOError, PermissionError):
-                    raise UsageError(refusal.format(holder=holder_of(lock_file))) from None
+            taken = locks.lock(lock_file, wait=False, record=True) if refusal else None
+            if taken is False:
+                raise UsageError(refusal.format(holder=holder_of(lock_file)))
+            if taken:
                 lock_file.truncate(0)
                 lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}")
                 lock_file.flush()
@@ -340,6 +311,5 @@ def waiting_for_lock(path, unwritable):
     except OSError as e:
         raise UsageError(unwritable.format(reason=e.strerror or e)) from None
     with lock_file:
-        if fcntl:
-            fcntl.lockf(lock_file, fcntl.LOCK_EX)
+        locks.lock(lock_file, record=True)
         yield

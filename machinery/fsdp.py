@@ -5,8 +5,7 @@ node and replicates across them (HSDP: a 2-D mesh of replicas x shards), so that
 only the gradients' all-reduce; where each node has one process, it shards over all of them. What it holds:
 
 - the refusals: what FSDP cannot run with; and the mesh: how many processes each tensor is split over (--fsdp-shards);
-- shard_model: which modules become groups of their own, and in which precision their weights are gathered;
-- ShardedMuon: torch's Muon (the modern recipe's, variations/modern.py) for matrices split over the ranks.
+- shard_model: which modules become groups of their own, and in which precision their weights are gathered.
 
 Its checkpoints, each slice of the weights and optimizer state written once, by the first replica's ranks, are
 sharded_checkpoints.py's.
@@ -24,12 +23,6 @@ from machinery.errors import UsageError
 # torch.distributed's FSDP and DTensor modules take over a second to import, which every launch of the trainer would
 # pay, each process under torchrun too: only --fsdp needs them, so the functions here import them, and builds without
 # torch.distributed never do.
-try:  # torch.optim.Muon's own steps (torch 2.9 and later), so that ShardedMuon's update is exactly Muon's; private
-    from torch.optim._muon import _adjust_lr as muon_lr_scale
-    from torch.optim._muon import _zeropower_via_newtonschulz as orthogonalize
-except ImportError:  # --fsdp --recipe modern is refused then (modern.check_settings); nothing else needs them
-    muon_lr_scale = orthogonalize = None
-
 
 def check_settings(cfg, env):
     """Refuses, in one line, what --fsdp cannot run with (nothing without --fsdp); returns the line that names the
@@ -141,36 +134,3 @@ def shard_model(model, cfg, env):
         fully_shard(block, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)  # the head's backward comes first: no gather of it again
     return model
-
-
-class ShardedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch.optim.Muon is new in torch 2.9
-    """torch's Muon for matrices that FSDP shards over the ranks, row blocks of each to each rank. Orthogonalizing an
-    update needs the whole matrix: every rank gathers each matrix's update in bf16 (the precision the orthogonalization
-    runs in, so it is the same as Muon's unsharded), orthogonalizes it (all ranks the same work), and applies its own
-    rows. Under HSDP the gather is within the shard group, and every replica, holding the same all-reduced gradients
-    and momentum, computes the same update. The momentum stays sharded: it is elementwise. The arithmetic is on each
-    rank's plain local rows: DTensor's operations each cost a dispatch in Python, and a step makes several for every
-    matrix of the model."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        from torch.distributed.tensor import DTensor
-
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:  # torch's name; a DTensor like p, so checkpoints save it sharded
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                momentum, grad = state["momentum_buffer"].to_local(), p.grad.to_local()  # this rank's rows
-                momentum.lerp_(grad, 1 - group["momentum"])
-                update = grad.lerp(momentum, group["momentum"]) if group["nesterov"] else momentum
-                whole = DTensor.from_local(update.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
-                                           stride=p.stride()).full_tensor()  # (out, in), gathered on every rank
-                whole = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                weights, shard_dim = p.to_local(), p.device_mesh.ndim - 1  # HSDP's mesh is (replicate, shard)
-                first_row = p.device_mesh.get_local_rank(shard_dim) * -(-p.shape[0] // p.device_mesh.size(shard_dim))
-                weights.mul_(1 - group["lr"] * group["weight_decay"])
-                weights.add_(whole[first_row:first_row + weights.shape[0]],
-                             alpha=-muon_lr_scale(group["lr"], group["adjust_lr_fn"], p.shape))

@@ -1,29 +1,29 @@
 """
-The log directory of a run: its lock, which keeps a second run out; what a fresh start moves aside, whole or not at
-all, and what a resume abandons (the checkpoints after the one it resumed from).
+The log directory of a run: its lock, which keeps a second run out (locked); what a fresh start moves aside, whole or
+not at all, and what a resume abandons (the checkpoints after the one it resumed from), once every rank has read its
+checkpoint (move_aside_for_run).
 """
 
 import contextlib
 import os
-import signal
 import time
 
+import torch.distributed as dist
+
 from machinery import files
-from machinery.checkpoint_files import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step, unread
+from machinery.checkpoints import ABANDONED, CHECKPOINT, PARTIAL, checkpoint_paths, checkpoint_step, is_log_dir_of
 from machinery.errors import UsageError
+from machinery.locks import without_readers
+from machinery.ranks import failing_together
+from machinery.run_log import LOG_FILE
+from machinery.signals import StoppedBySignal, StopSignals
 
-try:
-    import fcntl
-except ImportError:  # Windows: two runs in one directory are not caught there
-    fcntl = None
-
-LOG_FILE = "log.jsonl"  # the run's record (RunLog)
 # What a run writes in its log directory, as regexes of names: a fresh start moves an earlier run's aside, and every
 # other file there (the shell's out.txt, the user's notes) stays where it is, untouched.
 RUN_FILES = [r"log\.jsonl", r"curves\.png", CHECKPOINT, PARTIAL, ABANDONED, r"wandb"]
 
 
-def lock_log_dir(log_dir, exclusive):
+def lock(log_dir, exclusive):
     """The log directory, locked for this run if exclusive: a second run in it would move the first's files aside, or
     resume from its live checkpoints, and prune them. --eval-only, which only appends its lines to log.jsonl, may run
     beside the training it evaluates. Also checks now that the run can write there, and append to its log.jsonl (in a
@@ -40,6 +40,16 @@ def lock_log_dir(log_dir, exclusive):
     return files.directory_lock(log_dir, refusal if exclusive else None,
                                    f"--log-dir {log_dir}: cannot write in it ({{reason}}); pass a directory this run "
                                    f"may write to")
+
+
+@contextlib.contextmanager
+def locked(cfg, env):
+    """Rank 0 holds the log directory's lock (lock) while inside; every rank stops if it cannot."""
+    with contextlib.ExitStack() as held:
+        with failing_together():
+            if env.rank == 0:
+                held.enter_context(lock(cfg.log_dir, exclusive=not cfg.eval_only))
+        yield
 
 
 def unused_name(path):
@@ -65,36 +75,6 @@ def aside_directory(log_dir):
     return aside
 
 
-class StoppedBySignal(Exception):
-    """SIGINT or SIGTERM, come while StopSignals raises them."""
-
-
-class StopSignals:
-    """While inside, the first SIGINT or SIGTERM raises StoppedBySignal unless deferred is set; any other is only kept
-    (their names, in caught) for after. Their handlers are given back on leaving. SIGTERM's own would end the process
-    at once, and SIGINT's KeyboardInterrupt print a traceback, wherever they came."""
-
-    def __init__(self):
-        self.deferred, self.caught = False, []
-
-    def __enter__(self):
-        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig, handler in self.handlers.items():
-            if handler != signal.SIG_IGN:  # a background job's SIGINT, which its shell ignores: left so
-                signal.signal(sig, self.on_signal)
-        return self
-
-    def __exit__(self, *exception):
-        for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
-
-    def on_signal(self, signum, frame):
-        self.caught.append(signal.Signals(signum).name)
-        if not self.deferred:
-            self.deferred = True  # once: a second signal never cuts short the handling of the first
-            raise StoppedBySignal
-
-
 def move_old_run_aside(log_dir, why="starting fresh"):
     """Moves the files an earlier run wrote in log_dir into a new directory (aside_directory), saying why: all of them,
     or none if a signal comes before the first is moved, or an error stops it. Half of them moved would be two runs,
@@ -103,9 +83,9 @@ def move_old_run_aside(log_dir, why="starting fresh"):
     if not old:
         return
     with StopSignals() as signals, contextlib.ExitStack() as held:
-        try:  # first, every file unread (not a checkpoint that --eval-only, say, is loading): the wait a signal stops
+        try:  # first, no file held by a reader (a checkpoint --eval-only, say, is loading): the wait a signal stops
             for path in old:
-                held.enter_context(unread(path, wait=True))
+                held.enter_context(without_readers(path, wait=True))
             signals.deferred = True  # from here on, the renames: none waits, and none is left half done
         except StoppedBySignal:
             raise UsageError(f"{why}: stopped by {signals.caught[0]} before the old run's files were moved aside; "
@@ -127,16 +107,7 @@ def move_old_run_aside(log_dir, why="starting fresh"):
     print(f"{why}: moved the old run's files ({names}) from {log_dir} aside to {aside}")
 
 
-def is_log_dir_of(path, log_dir):
-    """Whether log_dir is the directory of the checkpoint at path, by whatever path (a link to it or to the
-    directory, another mount)."""
-    try:
-        return os.path.samefile(os.path.dirname(os.path.realpath(path)), log_dir)
-    except OSError:
-        return False
-
-
-def prepare_log_dir(log_dir, resumed_from, resumed_step):
+def move_aside_old_files(log_dir, resumed_from, resumed_step):
     """A fresh run (resumed_from None) moves an earlier run's files aside, and so does a run resumed from another
     directory's checkpoint: a run in log_dir is another one, which it must neither prune nor continue the log of. A
     run resumed from a checkpoint of log_dir moves aside the checkpoints newer than its own (abandoned, or
@@ -152,6 +123,22 @@ def prepare_log_dir(log_dir, resumed_from, resumed_step):
     for path in checkpoint_paths(log_dir):
         if checkpoint_step(path) > resumed_step:
             aside = unused_name(path + ".abandoned")  # resuming twice from one checkpoint abandons a step twice
-            with unread(path, wait=True):
+            with without_readers(path, wait=True):
                 os.rename(path, aside)
             print(f"moved {path} aside to {aside}: this run continues from step {resumed_step}")
+
+
+def move_aside_for_run(run):
+    """Readies the log directory for the run (move_aside_old_files), once every rank has read its checkpoint: rank 0
+    moves an old run's files aside, or the checkpoints past the one it resumed from; every rank stops if it cannot.
+    --eval-only moves nothing."""
+    cfg, env = run.cfg, run.env
+    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
+        dist.barrier()
+    with failing_together():
+        if run.master and not cfg.eval_only:
+            try:
+                move_aside_old_files(cfg.log_dir, run.resumed_from, run.step)
+            except OSError as e:
+                raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
+                                 f"write to")

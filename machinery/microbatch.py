@@ -7,81 +7,32 @@ leaves the others waiting in a collective. The accumulation steps rise to match:
 --total-batch-size tokens (train_gpt2.TokenStream cuts any micro-batch out of the same stream), on the same schedule.
 On a CPU, where a step larger than the machine's memory gets the process killed with no error to catch, the memory
 model (step_memory.py) chooses first: the largest micro-batch whose estimated step fits in what the machine can give
-(within_cpu_memory). The tries then run in the heap mode the run keeps (keep_freed_memory): freed memory kept in the
-heap (faster) where there is room for it, or given back to the system, as under an address-space limit
-(address_space_limited).
+(within_cpu_memory, memory.available). The tries then run in the heap mode the run keeps (memory.keep_freed_memory):
+freed memory kept in the heap (faster) where there is room for it, or given back to the system, as under an
+address-space limit.
 
 With --grow-batch-size (on by default on CUDA), a B that fits at once goes up instead, to the next divisor of the batch
 at least twice as large, while a try of it fits on every rank: fewer accumulation steps.
 
-Also what an out-of-memory error is, whichever allocator raised it, and what a run says when one comes later. Such an
-error (an evaluation, a fragmented allocator) is recorded in the log directory (RECORD), so that the next start with the
-same model on no more memory chooses a smaller micro-batch, not the same one again. It never imports train_gpt2: the run
+Also what a run says when an out-of-memory error (memory.out_of_memory_in) comes later. Such an error (an evaluation,
+a fragmented allocator) is recorded in the log directory (RECORD), so that the next start with the same model on no
+more memory chooses a smaller micro-batch, not the same one again. It never imports train_gpt2: the run
 and the step's pieces are handed over.
 """
 
 import contextlib
-import ctypes
 import dataclasses
-import errno
 import gc
 import json
 import os
-import re
-import resource
-import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from machinery import checkpoint_files, files, ranks, step_memory
+from machinery import checkpoints, files, memory, ranks, step_memory
 from machinery.errors import UsageError
 
-GIB = 2**30
 RECORD = "out_of_memory.json"  # in the log directory: the micro-batches that ran out of memory after they were chosen
-
-
-OUT_OF_MEMORY_MESSAGES = r"can't allocate memory|out of memory|_STATUS_ALLOC_FAILED"  # CPU's; CUDA's, MPS's; cuBLAS's
-
-
-def out_of_memory_in(error):
-    """The allocator's refusal that error is, or was raised from (a compiler's error may wrap it): CUDA's
-    torch.OutOfMemoryError, the CPU's and MPS's RuntimeError, a CUDA library's failed allocation (cuBLAS's first
-    handle in the backward's thread, under a capped memory: seen on an H100), Python's MemoryError (numpy's too), the
-    kernel's ENOMEM; None if there is none."""
-    while error is not None:
-        if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or getattr(error, "errno", None) == errno.ENOMEM:
-            return error
-        if isinstance(error, RuntimeError) and re.search(OUT_OF_MEMORY_MESSAGES, str(error)):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def is_out_of_memory(error):
-    return out_of_memory_in(error) is not None
-
-
-def memory_of(device):
-    """How much memory this process may use on device: its bytes, and in words ('23.6 GiB of cuda:0', '6.0 GiB of
-    address space (ulimit -v)'), on rank r of several ('... on rank 1')."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-        size, what = fraction * torch.cuda.get_device_properties(device).total_memory, str(device)
-    elif device.type == "mps":
-        size, what = torch.mps.recommended_max_memory(), "mps"
-    elif address_space_limited():
-        size, what = resource.getrlimit(resource.RLIMIT_AS)[0], "address space (ulimit -v)"
-    else:
-        size, what = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "RAM"
-    on_rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
-    return size, f"{size / GIB:.1f} GiB of {what}{on_rank}"
-
-
-def memory_in_words(device):
-    return memory_of(device)[1]
 
 
 def next_smaller(batch_size, sequences_per_step):
@@ -132,7 +83,7 @@ def try_step(run, batch_size, gradient_sync):
             loss.backward()
 
     forward_and_backward()
-    if env.device_type == "cpu" and not address_space_limited():
+    if env.device_type == "cpu" and not memory.address_space_limited():
         return  # only an allocation larger than the system grants fails there, and the first pass made the largest
     with optimizer_state_held(run.optimizers, env.device):
         for p in run.model.parameters():
@@ -145,8 +96,8 @@ def step_fits(run, batch_size, gradient_sync):
     try:
         try_step(run, batch_size, gradient_sync)
         fits = True
-    except Exception as e:  # any allocator's error: see is_out_of_memory
-        if not is_out_of_memory(e):
+    except Exception as e:  # any allocator's error: see memory.is_out_of_memory
+        if not memory.is_out_of_memory(e):
             raise
         fits = False
     for p in run.model.parameters():
@@ -183,7 +134,7 @@ def search(run, gradient_sync):
     """The micro-batch (--batch-size, or less), and the lines that say why it is less."""
     cfg, env = run.cfg, run.env
     if env.device_type == "cpu":
-        keep_freed_memory(not address_space_limited())
+        memory.keep_freed_memory(not memory.address_space_limited())
     if not cfg.fit_batch_size:
         return cfg.batch_size, []
     sequences_per_step = cfg.total_batch_size // (cfg.seq_len * env.world_size)
@@ -234,19 +185,11 @@ def grow(run, batch_size, sequences_per_step, ceiling, gradient_sync, said):
     return batch_size, said + ([f"micro-batch {batch_size}, as given: {failed} (--grow-batch-size)"] if failed else [])
 
 
-def address_space_limited():
-    """Whether this process's address space is limited (ulimit -v, prlimit --as). Freed memory kept in the heap, as a
-    CPU run keeps it to be faster, takes up to twice the address space a step uses, by an amount that varies from run
-    to run with the heap's fragments: no try can say whether it fits under such a limit, so there the tries and the
-    run give freed memory back to the system, and what a try measures is what the run takes."""
-    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
-
-
 def where_it_does_not_fit(run, batch_size, gradient_sync):
     """None if a try of batch_size fits on every rank; else, on every rank, the memory of the first rank it did not
     fit on, in words. The ranks vote, so that none is left waiting in a collective."""
     fits = step_fits(run, batch_size, gradient_sync)
-    where = ranks.first_error_of_any_rank(None if fits else memory_in_words(run.env.device))
+    where = ranks.first_error_of_any_rank(None if fits else memory.in_words(run.env.device))
     if where is not None:
         forget_try(run)  # on every rank, the ranks whose own try fitted too
     return where
@@ -272,82 +215,6 @@ def smaller_step(cfg, env):
 HEAP_KEPT = 2.5  # freed memory kept in the heap took up to 2.2 times the step's own (docs/LOG.md, 2026-11-29)
 
 
-def memory_available(env):
-    """The memory this process can still take, in bytes, and in words: the least of the machine's (MemAvailable), its
-    cgroup's (memory.max, v1's memory.limit_in_bytes) and its address space's (ulimit -v), the first two shared with
-    the other processes of this node (torchrun's LOCAL_WORLD_SIZE); (None, None) where none can be read."""
-    share = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # all of them, without torchrun
-    on_rank = f" on rank {env.rank}" if env.world_size > 1 else ""
-    each = f" for each of {share} processes" if share > 1 else ""
-    found = [(room // share, f"{gib(room // share)} available{each} ({what}){on_rank}") for room, what in
-             (machine_room(), cgroup_room()) if room is not None]
-    if address_space_limited():
-        with open("/proc/self/statm") as f:  # its first field: the pages of address space in use
-            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        room = max(0, resource.getrlimit(resource.RLIMIT_AS)[0] - used)
-        found.append((room, f"{gib(room)} of address space left (ulimit -v){on_rank}"))
-    return min(found, default=(None, None))
-
-
-def gib(size):
-    return f"{size / GIB:.2f} GiB"
-
-
-def machine_room():
-    """MemAvailable of /proc/meminfo in bytes, and where it comes from; (None, None) where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None, None
-    return kib << 10, "MemAvailable in /proc/meminfo"
-
-
-CGROUPS = (("0::", "/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),  # v2
-           (":memory:", "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-            "total_inactive_file"))  # v1
-
-
-def cgroup_room():
-    """The least memory left under the limits of this process's cgroups (its own and those above it, v2's or v1's):
-    the limit less what the cgroup uses but its page cache, which it can give back; and the file of that limit.
-    (None, None) where no limit is set, or none can be read."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            own = f.read().splitlines()
-    except OSError:
-        return None, None
-    rooms = []
-    for marker, mount, limit_name, usage_name, cache_name in CGROUPS:
-        path = next((line.split(marker, 1)[1] for line in own if marker in line), None)
-        while path is not None:
-            directory = os.path.join(mount, path.lstrip("/"))
-            limit, usage = (read_number(os.path.join(directory, name)) for name in (limit_name, usage_name))
-            if limit is not None and usage is not None and limit < 2**60:  # v1's "no limit" is near 2**63
-                cache = read_stat(os.path.join(directory, "memory.stat"), cache_name)
-                rooms.append((max(0, limit - usage + cache), os.path.join(directory, limit_name)))
-            path = None if path in ("/", "") else os.path.dirname(path)
-    return min(rooms, default=(None, None))
-
-
-def read_number(path):
-    """The number a cgroup file holds, or None: no such file, or "max" (no limit)."""
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def read_stat(path, name):
-    """The value of name in a cgroup's memory.stat, or 0."""
-    try:
-        with open(path) as f:
-            return next((int(line.split()[1]) for line in f if line.split()[:1] == [name]), 0)
-    except (OSError, ValueError):
-        return 0
-
-
 def cpu_step(run, batch_size, seq_len=None):
     """What a training step of batch_size sequences (of seq_len tokens, the run's if None) adds to this process's
     memory: the memory model's eager step (step_memory.eager_step_bytes)."""
@@ -360,22 +227,22 @@ def cpu_step(run, batch_size, seq_len=None):
 def heap_for(step, room):
     """Whether freed memory is kept in the heap (faster) for a step of step bytes in room: True where HEAP_KEPT times
     it fits, and no address-space limit counts the heap's free blocks; False where only the step fits; None if not."""
-    if HEAP_KEPT * step <= room and not address_space_limited():
+    if HEAP_KEPT * step <= room and not memory.address_space_limited():
         return True
     return False if step <= room else None
 
 
 def within_cpu_memory(run, batch_size, sequences_per_step, said):
     """The largest micro-batch up to batch_size, halved as the tries halve it, whose step fits in the memory this CPU
-    can give (memory_available), the least of every rank's, and said with the line that says why if it is less; the
+    can give (memory.available), the least of every rank's, and said with the line that says why if it is less; the
     heap's way set for it (heap_for). Raises UsageError on every rank, naming the flags that fit, where not even one
     sequence's step fits on some rank. Where the machine says nothing of its memory, batch_size."""
-    room, where = memory_available(run.env)
+    room, where = memory.available(run.env)
     fits, why = batch_size, None
     while room is not None and heap_for(cpu_step(run, fits), room) is None and fits > 1:
         larger, fits = fits, next_smaller(fits, sequences_per_step)
-        why = (f"micro-batch {fits} on this CPU: a step of {larger} needs about {gib(cpu_step(run, larger))} more "
-               f"(the memory model), and {where}; --batch-size {fits} starts there")
+        why = (f"micro-batch {fits} on this CPU: a step of {larger} needs about {memory.gib(cpu_step(run, larger))} "
+               f"more (the memory model), and {where}; --batch-size {fits} starts there")
     refusal = None
     if room is not None and heap_for(cpu_step(run, fits), room) is None:
         refusal = nothing_fits_this_cpu(run, where, room)
@@ -387,11 +254,11 @@ def within_cpu_memory(run, batch_size, sequences_per_step, said):
         return batch_size, said
     step = cpu_step(run, batch_size)
     keep = heap_for(step, room)
-    keep_freed_memory(keep)
+    memory.keep_freed_memory(keep)
     said = said + ([why] if why else [])
-    if not keep and not address_space_limited():
+    if not keep and not memory.address_space_limited():
         said = said + [f"freed memory is given back to the system (slower): kept in the heap, it can take "
-                       f"{HEAP_KEPT:g} times the step's {gib(step)}, more than the {where}"]
+                       f"{HEAP_KEPT:g} times the step's {memory.gib(step)}, more than the {where}"]
     return batch_size, said
 
 
@@ -401,9 +268,9 @@ def nothing_fits_this_cpu(run, where, room):
     cfg = run.cfg
     shorter = next((seq_len for seq_len in (cfg.seq_len >> k for k in range(1, 16)) if seq_len >= 1 and
                     heap_for(cpu_step(run, 1, seq_len), room) is not None), None)
-    fit = f"--seq-len {shorter} fits (about {gib(cpu_step(run, 1, shorter))}); or " if shorter else ""
+    fit = f"--seq-len {shorter} fits (about {memory.gib(cpu_step(run, 1, shorter))}); or " if shorter else ""
     return (f"out of memory: a training step of this {cfg.n_layer}-layer, width-{cfg.n_embd} model needs about "
-            f"{gib(cpu_step(run, 1))} more at micro-batch 1 of {cfg.seq_len} tokens (the memory model, "
+            f"{memory.gib(cpu_step(run, 1))} more at micro-batch 1 of {cfg.seq_len} tokens (the memory model, "
             f"docs/memory.md), and {where}; {fit}train a smaller model: --preset shakespeare (the quick start's), "
             f"or --model, --n-layer, --n-embd")
 
@@ -480,9 +347,9 @@ def possible(record):
 def recorded_on_this_rank(run):
     """The record of the smallest micro-batch that ran out of memory in a run of this step shape, on as much memory
     as this rank's or more (to the 0.1 GiB its words give), in this rank's view of the log directory; or None."""
-    shape, defaults, memory = step_shape(run), step_defaults(run), memory_of(run.env.device)[0]
-    held = [r for r in read_records(run.cfg.log_dir)
-            if same_step(r.get("shape"), shape, defaults) and round(memory / GIB, 1) <= round(r["memory"] / GIB, 1)]
+    shape, defaults, size = step_shape(run), step_defaults(run), memory.of_device(run.env.device)[0]
+    held = [r for r in read_records(run.cfg.log_dir) if same_step(r.get("shape"), shape, defaults)
+            and round(size / memory.GIB, 1) <= round(r["memory"] / memory.GIB, 1)]
     return min(held, key=lambda r: r["micro_batch"], default=None)
 
 
@@ -514,7 +381,7 @@ def record_out_of_memory(run):
     next start of such a step on no more memory starts below it: the path, or None if it cannot be written. The rank
     that ran out of memory writes it (rank 0 may be waiting in a collective with it), and every rank reads it."""
     path = os.path.join(run.cfg.log_dir, RECORD)
-    size, words = memory_of(run.env.device)
+    size, words = memory.of_device(run.env.device)
     records = read_records(run.cfg.log_dir) + [{"micro_batch": run.micro_batch, "step": run.step, "memory": size,
                                                "memory_words": words, "shape": step_shape(run)}]
     try:
@@ -533,22 +400,22 @@ def out_of_memory_in_one_line(cfg, run=None):
     chooses a smaller one."""
     try:
         yield
-    except Exception as e:  # any allocator's error: see is_out_of_memory
-        if isinstance(e, UsageError) or not is_out_of_memory(e):  # a UsageError: the line of an inner one already
+    except Exception as e:  # any allocator's error: see memory.is_out_of_memory
+        if isinstance(e, UsageError) or not memory.is_out_of_memory(e):  # a UsageError: an inner one's line already
             raise
         raise UsageError(out_of_memory_later(e, cfg, run)) from None
 
 
 def out_of_memory_later(error, cfg, run):
     """out_of_memory_in_one_line's line."""
-    error = out_of_memory_in(error)
+    error = memory.out_of_memory_in(error)
     device = f"cuda:{torch.cuda.current_device()}" if isinstance(error, torch.cuda.OutOfMemoryError) else (
         "mps" if "MPS" in str(error) else "cpu")
     reason = files.first_line(error)
-    what = f"out of memory in {memory_in_words(device)}" + (f" ({reason})" if reason else "")
+    what = f"out of memory in {memory.in_words(device)}" + (f" ({reason})" if reason else "")
     if cfg.sample or cfg.export_hf:  # --sample draws its samples --batch-size at a time
         return f"{what}; pass a smaller --batch-size" if cfg.sample else what
-    latest = checkpoint_files.latest_checkpoint(cfg.log_dir)
+    latest = checkpoints.latest_checkpoint(cfg.log_dir)
     what += f"; the latest checkpoint, {latest}, is kept" if latest else "; no checkpoint was written yet"
     if run is None:  # before the micro-batch was chosen: the model, its checkpoint, the data
         return what
@@ -563,20 +430,3 @@ def out_of_memory_later(error, cfg, run):
     if recorded is None:
         return f"{what}; pass a --batch-size below {run.micro_batch}"
     return f"{what}; run the same command again: it chooses a micro-batch below {run.micro_batch} ({recorded} says why)"
-
-
-# -----------------------------------------------------------------------------
-# The CPU heap
-
-def keep_freed_memory(keep):
-    """On Linux, glibc gives every freed block over 32 MB back to the OS, and the next step faults its pages back in,
-    zeroed: on a CPU, GPT-2's 50257-wide logits made that 40% of a small model's step. keep: freed memory stays in the
-    heap. Not keep, where memory is tight: every block over 1 MiB is mapped on its own and given back once freed, so
-    that no free block in the heap counts against the memory left (glibc's default keeps up to 32 MB ones)."""
-    libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-    if hasattr(libc, "mallopt"):
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-        libc.mallopt(M_MMAP_MAX, 0 if keep else 1 << 16)  # keep: no block gets an mmap of its own
-        if not keep:
-            libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30 if keep else 1 << 20)  # the heap's free top goes back past this

@@ -7,7 +7,7 @@ which never runs distributed, should not wait a second to import it.
 import contextlib
 import re
 
-from machinery.errors import UsageError
+from machinery.errors import UsageError, chain
 
 
 def before_any_process_group():
@@ -43,10 +43,9 @@ def dead_peer(error):
     from) is a collective that broke as that rank's process died; else None."""
     import torch.distributed as dist  # here, not at the top: see the module's docstring
 
-    while error is not None:
-        if isinstance(error, RuntimeError) and re.search(PEER_DIED, str(error)):
+    for link in chain(error):
+        if isinstance(link, RuntimeError) and re.search(PEER_DIED, str(link)):
             return f"rank {1 - dist.get_rank()}" if dist.get_world_size() == 2 else "another rank"
-        error = error.__cause__ or error.__context__
     return None
 
 

@@ -1,7 +1,7 @@
 """
-What a run of train_gpt2.py says and records: its first lines (what it runs, the model, the data), the log
-directory readied, each record's line in log.jsonl and W&B (run_log.RunLog), MFU, and how the run ended. Only
-rank 0 prints and writes. It never imports train_gpt2: the run is handed over.
+What a run of train_gpt2.py says and records: its first lines (what it runs, the model, the data), each record's line
+in log.jsonl and W&B (run_log.RunLog), MFU, and how the run ended. Only rank 0 prints and writes. It never imports
+train_gpt2: the run is handed over.
 """
 
 import contextlib
@@ -15,15 +15,15 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from machinery import checkpoint_files, files, log_directory, settings
-from machinery.checkpoint_files import latest_checkpoint
+from machinery import checkpoints, files, settings
+from machinery.checkpoints import latest_checkpoint
 from machinery.errors import UsageError
-from machinery.log_directory import LOG_FILE
 from machinery.ranks import failing_together
 from machinery.tokenizer import GPT2_VOCAB
+
+LOG_FILE = "log.jsonl"  # the run's record (RunLog), in its log directory
 
 
 def report(run, record, line=None):
@@ -95,20 +95,10 @@ def what_runs(run):
     return f"{start} for {cfg.max_steps} steps"
 
 
-def start(run, micro_batch_said, recipe_named):
-    """Readies the log directory (a fresh start moves an old run aside) and says what is being run, and how its
-    micro-batch was chosen (micro_batch_said: microbatch.largest_that_fits's line, if any); recipe_named: what the
-    model line adds for the recipe (its Recipe's named)."""
+def first_lines(run, micro_batch_said):
+    """Says what is being run (the model, with what its recipe adds, run.recipe.named; the data), and how its
+    micro-batch was chosen (micro_batch_said: microbatch.largest_that_fits's line, if any)."""
     cfg, env = run.cfg, run.env
-    if env.world_size > 1:  # every rank has read its checkpoint before rank 0 moves any file
-        dist.barrier()
-    with failing_together():
-        if run.master and not cfg.eval_only:
-            try:
-                log_directory.prepare_log_dir(cfg.log_dir, run.resumed_from, run.step)
-            except OSError as e:
-                raise UsageError(f"--log-dir {cfg.log_dir}: cannot use it ({e}); pass a directory this run may "
-                                 f"write to")
     if not run.master:
         return
     print(what_runs(run))
@@ -116,12 +106,12 @@ def start(run, micro_batch_said, recipe_named):
     padded = f" (and {padding} rows of vocabulary padding, never predicted)" if padding else ""
     compiled = "on" if cfg.compile else "off"
     print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {parameters(run.model) / 1e6:.2f}M "
-          f"parameters{padded}{recipe_named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, "
+          f"parameters{padded}{run.recipe.named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, "
           f"compile {compiled}")
     if cfg.eval_only:
         print(f"data: {cfg.data}, {len(run.val):,} validation tokens | micro-batch {run.micro_batch} x {cfg.seq_len}")
     else:
-        train_tokens = sum(len(shard) for shard in run.stream.shards)
+        train_tokens = sum(run.stream.lengths)
         print(f"data: {cfg.data}, {train_tokens:,} training tokens | batch {cfg.total_batch_size:,} tokens = "
               f"{run.micro_batch} x {cfg.seq_len} x {run.accumulation_steps} accumulation steps x {env.world_size} "
               f"process(es)")
@@ -190,8 +180,8 @@ def finish(run, stopped_by_signal):
     cfg = run.cfg
     if not run.master:
         return
-    last = checkpoint_files.latest_checkpoint(cfg.log_dir)
-    saved = last is not None and checkpoint_files.checkpoint_step(last) == run.step
+    last = checkpoints.latest_checkpoint(cfg.log_dir)
+    saved = last is not None and checkpoints.checkpoint_step(last) == run.step
     skipped = ""
     if saved and run.nonfinite_since is not None:
         skipped = f" ({skipped_in_words(run.nonfinite_since, run.step - 1)})"

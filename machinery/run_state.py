@@ -1,7 +1,7 @@
 """
 A training run of train_gpt2.py, and the only code that changes where it stands. Its parts (the settings, the data,
 the model, the optimizers, ...) are what train_gpt2.set_up made; its state (the step, the latest evaluation, a streak
-of non-finite steps, the clock, a stop signal) is written here alone, and by checkpoints.restore from a checkpoint.
+of non-finite steps, the clock, a stop signal) is written here alone, and by resume.restore from a checkpoint.
 
 The training loop (train_gpt2.train) calls it around the lecture's step: before_step (is there a step to take; a
 checkpoint due), read_step (the step's batches, voted on by every rank), after_step (the log line, the step counted, a
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from machinery import checkpoints, files, microbatch, ranks, run_log, settings
-from machinery.checkpoint_files import checkpoint_path, latest_checkpoint
+from machinery import checkpoints, files, microbatch, ranks, resume, run_log, settings, signals
+from machinery.checkpoints import checkpoint_path, latest_checkpoint
 from machinery.errors import DataError, UsageError
 
 
@@ -44,7 +44,8 @@ class Run:
     scaler: torch.amp.GradScaler
     autocast_ctx: object
     log: run_log.RunLog
-    micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py)
+    micro_batch: int = 0  # sequences per forward pass: --batch-size, or less if that did not fit (microbatch.py);
+    # until it is chosen, the one the resumed checkpoint trained with (0: none, or not kept)
     step: int = 0  # optimizer steps taken
     evaluated: bool = False  # the evaluations due at step are done
     val_loss: Optional[float] = None  # the latest
@@ -55,7 +56,7 @@ class Run:
     first_step: int = 0  # the step this launch began at
     saved_step: Optional[int] = None  # the step of the latest checkpoint this launch wrote or resumed from
     saved_evaluated: bool = False  # whether that checkpoint holds its step's evaluations
-    stop_signal: Optional[list] = None  # the stop signals caught (checkpoints.catch_stop_signals)
+    caught_signals: Optional[list] = None  # the stop signals caught so far (signals.record_stop_signals)
     descriptors: Optional[files.DescriptorReserve] = None  # kept for saving (checkpoints.ready_to_save)
     stopped: bool = False  # every rank voted to stop on a signal
     launch_start: Optional[float] = None  # when this launch began to train (time.perf_counter())
@@ -74,17 +75,23 @@ class Run:
         return self.seconds_before + time.perf_counter() - self.launch_start
 
     # -------------------------------------------------------------------------
-    # Setting out
+    # Setting out (train_gpt2.set_up calls these in this order)
 
-    def launch(self, gradient_sync, trained_with=None):
-        """The micro-batch chosen (microbatch.largest_that_fits; trained_with: the resumed checkpoint's), the log
-        directory readied and the run's first lines said; from here on a stop signal ends the run with a checkpoint,
-        and the launch's clock runs."""
-        self.micro_batch, said = microbatch.largest_that_fits(self, gradient_sync, trained_with)
-        # before every rank waits for rank 0 to move an old run aside: a signal then stops the run at its first step,
-        # or at once where it comes in rank 0's wait for a reader (move_old_run_aside), never with a traceback
-        self.stop_signal = None if self.cfg.eval_only else checkpoints.catch_stop_signals()
-        run_log.start(self, said, self.recipe.named)
+    def choose_micro_batch(self, gradient_sync):
+        """Sets the micro-batch that fits (microbatch.largest_that_fits), which it compares with the one the resumed
+        checkpoint trained with (as restore set it), and returns the lines that say how it was chosen (or None)."""
+        self.micro_batch, said = microbatch.largest_that_fits(self, gradient_sync, self.micro_batch or None)
+        return said
+
+    def catch_stop_signals(self):
+        """From here on, SIGTERM and SIGINT end the run after its step, with a checkpoint (--eval-only catches none).
+        Caught before every rank waits for rank 0 to move an old run aside: a signal then stops the run at its first
+        step, or at once where it comes in rank 0's wait for a reader (move_old_run_aside), never with a traceback."""
+        self.caught_signals = None if self.cfg.eval_only else signals.record_stop_signals()
+
+    def start_training(self):
+        """Notes where this launch starts (its first step, the checkpoint it resumed from), takes what a save needs
+        (checkpoints.ready_to_save), and starts the launch's clock."""
         self.first_step, self.saved_step = self.step, self.resumed_from and self.step
         self.saved_evaluated = self.evaluated  # the resumed checkpoint's, as restore set it
         self.descriptors = checkpoints.ready_to_save(self.cfg)
@@ -93,13 +100,20 @@ class Run:
     # -------------------------------------------------------------------------
     # Evaluations
 
+    def evaluations_due(self):
+        """Whether the validation loss (with samples) is due at this step, and the benchmarks that are, of those on."""
+        cfg, step = self.cfg, self.step
+        final = cfg.eval_only or step == cfg.max_steps
+        return (final or (cfg.eval_every > 0 and step % cfg.eval_every == 0),
+                [module for module in self.benchmarks if final or step % getattr(cfg, module.EVERY) == 0])
+
     def begin_evaluation(self, due):
         """Whether to run the evaluations due (due: whether any is) at this step: not twice, and not once a stop
         signal is voted for first (a preempted run saves before a long evaluation, as SIGKILL follows soon)."""
         if self.evaluated or self.stopped:
             return False
         if due:
-            self.stopped = ranks.any_rank(bool(self.stop_signal), self.env.device)
+            self.stopped = ranks.any_rank(bool(self.caught_signals), self.env.device)
             if self.stopped:
                 return False
         self.evaluated = True  # also when none was due: nothing is left to evaluate at this step
@@ -111,12 +125,12 @@ class Run:
         the model that evaluates (self.compiled; each rank runs as many): one ends the evaluations there, left for the
         resumed run. The final ones (HellaSwag, CORE) take minutes, longer than a cluster's grace period between
         SIGTERM and SIGKILL."""
-        if self.stop_signal is None:  # --eval-only catches no signal
+        if self.caught_signals is None:  # --eval-only catches no signal
             yield
             return
 
         def vote(module, args):
-            if ranks.any_rank(bool(self.stop_signal), self.env.device):
+            if ranks.any_rank(bool(self.caught_signals), self.env.device):
                 raise StopVoted
 
         hook = self.compiled.register_forward_pre_hook(vote, prepend=True)  # before FSDP's, which gathers weights
@@ -188,7 +202,7 @@ class Run:
         run_log.log_step(self, result, self.optimizers[0].param_groups[0]["lr"], now - self.step_start, left)
         self.stop_if_diverging()
         self.step, self.evaluated = self.step + 1, False
-        self.stopped = ranks.any_rank(bool(self.stop_signal), self.env.device)
+        self.stopped = ranks.any_rank(bool(self.caught_signals), self.env.device)
         if self.step == self.cfg.max_steps:  # the final evaluations can outlast a preemption's grace period
             self.save_where_it_stops()
 
@@ -260,12 +274,10 @@ class Run:
             self.prune()
 
     @contextlib.contextmanager
-    def running(self):
-        """While the run trains or evaluates: its W&B run open (--wandb-project), and its errors ended in one line,
-        every rank's: a shard gone bad (after saving the run), running out of memory, a rank that died. The
-        descriptors kept for saving are let go after."""
-        with contextlib.closing(self.descriptors), run_log.wandb(self), \
-                ranks.failing_alone(lambda: checkpoints.how_to_resume(self.cfg)), \
+    def errors_in_one_line(self):
+        """While the run trains or evaluates, its errors end in one line, every rank's: a shard gone bad (after saving
+        the run), running out of memory, a rank that died. The descriptors kept for saving are let go after."""
+        with contextlib.closing(self.descriptors), ranks.failing_alone(lambda: resume.how_to_resume(self.cfg)), \
                 microbatch.out_of_memory_in_one_line(self.cfg, self), self.saved_if_data_fails():
             yield
 
@@ -286,5 +298,5 @@ class Run:
                 raise DataError(f"{e}; the run is saved at step {self.step}: once that is mended, "
                                 f"{settings.resume_command(self.cfg)} resumes from "
                                 f"{checkpoint_path(self.cfg.log_dir, self.step, self.cfg.fsdp)}") from None
-            how = ranks.every_rank(checkpoints.how_to_resume(self.cfg) if self.master else None)[0]
+            how = ranks.every_rank(resume.how_to_resume(self.cfg) if self.master else None)[0]
             raise DataError(f"{e}; once that is mended: {how}") from None

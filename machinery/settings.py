@@ -68,6 +68,7 @@ class Recipe(NamedTuple):
     hf_format: tuple  # hf_format.Format: the class of transformers its model is, and its files (--export-hf)
     from_pretrained: Callable  # (--init-from's name or directory, GPTConfig, cache_dir) -> its model, with its weights
     named: str  # what the run's model line adds after the parameters: "" for GPT-2's, the default
+    schedule: tuple = ()  # its own settings its get_lr reads, besides --max-steps, --warmup-steps, --min-lr-ratio
 
     def rate_flags(self):
         """The flags of its learning rates (its settings named *_lr): what to lower when a run diverges."""
@@ -506,7 +507,7 @@ def fit_warmup(draft, resumed):
     """A run no longer than its warmup never reaches its peak learning rate, nor decays: a preset's warmup (715 steps
     for FineWeb) is cut to a tenth of a shorter run, and a --warmup-steps given that long is warned about. A resumed
     run (resumed: its checkpoint's settings) keeps its own warmup, not the file's again: raising --max-steps would put
-    its rate back into a warmup; its new schedule is said once restored (checkpoints.say_schedule_change). Returns the
+    its rate back into a warmup; its new schedule is said once restored (resume.say_schedule_change). Returns the
     lines to say."""
     if resumed is not None and "warmup_steps" not in draft.given:
         draft.set("warmup_steps", resumed["warmup_steps"], "the checkpoint", said=False)

@@ -10,6 +10,7 @@ import os
 import warnings
 
 from machinery import files, ranks
+from machinery.errors import chain
 
 # torch.distributed's checkpoint modules take over a second to import, which every launch of the trainer would pay:
 # only sharded checkpoints need them, so the functions here import them (checkpoint_modules)
@@ -90,9 +91,7 @@ def written_bytes(contents, shards):
 
 def os_error_in(error):
     """The first OSError with an errno in error's chain (torch.save's RuntimeError keeps it as its context), or None."""
-    while error is not None and not (isinstance(error, OSError) and error.errno):
-        error = error.__cause__ or error.__context__
-    return error
+    return next((e for e in chain(error) if isinstance(e, OSError) and e.errno), None)
 
 
 def keeping_errno(write):

@@ -90,7 +90,7 @@ def activation_bytes(recipe, n_layer, n_embd, batch_size, seq_len, saved=SAVED_P
 
 def logits_bytes(recipe, batch_size, seq_len, vocab_size):
     """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (SAVED_PER_TOKEN). GPT-2's compiled loss writes their
-    gradient over them (losses.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
+    gradient over them (train_gpt2.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
     F.cross_entropy's backward, whose gradient sits beside them where the step is one compiled graph (DDP's layout);
     under FSDP, whose groups compile as graphs of their own, none was measured (docs/LOG.md, 2026-11-25)."""
     saved = SAVED_PER_TOKEN[recipe][2] * batch_size * seq_len * vocab_size

@@ -12,7 +12,7 @@ import pytest
 
 import train_gpt2
 from helpers import TINY, expect_usage_error, run_main, start_script, wait_for_step, write_shards
-from machinery import checkpoint_files, checkpoints, files
+from machinery import checkpoints, files, locks, resume
 
 SHARDED = ["--max-steps", "8", "--checkpoint-every", "4", "--fsdp"]
 
@@ -23,7 +23,7 @@ def sharded(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     args, log_dir = TINY + ["--data", write_shards(root / "data")], root / "log"
     train_gpt2.main([str(a) for a in args + SHARDED + ["--log-dir", log_dir]])  # it exits on an error alone
-    assert checkpoint_files.checkpoint_paths(log_dir) == [str(log_dir / name) for name in ("ckpt_000004.dcp",
+    assert checkpoints.checkpoint_paths(log_dir) == [str(log_dir / name) for name in ("ckpt_000004.dcp",
                                                                                           "ckpt_000008.dcp")]
     return args, log_dir
 
@@ -102,12 +102,12 @@ def test_the_training_prunes_a_checkpoint_only_once_no_reader_holds_it(tmp_path,
     for step in (4, 8):
         path = tmp_path / name.replace("4", str(step))
         path.mkdir() if name.endswith(".dcp") else path.write_bytes(b"x")
-    held = checkpoint_files.CheckpointReadLock(str(tmp_path / name))
-    checkpoint_files.prune_checkpoints(tmp_path, keep=1)  # at once: the training never waits for a reader
-    assert len(checkpoint_files.checkpoint_paths(tmp_path)) == 2
+    held = locks.ReadLock(str(tmp_path / name))
+    checkpoints.prune_checkpoints(tmp_path, keep=1)  # at once: the training never waits for a reader
+    assert len(checkpoints.checkpoint_paths(tmp_path)) == 2
     held.release()
-    checkpoint_files.prune_checkpoints(tmp_path, keep=1)
-    assert [os.path.basename(p) for p in checkpoint_files.checkpoint_paths(tmp_path)] == [name.replace("4", "8")]
+    checkpoints.prune_checkpoints(tmp_path, keep=1)
+    assert [os.path.basename(p) for p in checkpoints.checkpoint_paths(tmp_path)] == [name.replace("4", "8")]
 
 
 def waiting_for_lock(path):
@@ -126,9 +126,9 @@ def test_a_reader_that_chose_a_checkpoint_being_pruned_picks_again(sharded, tmp_
     latest = str(log_dir / "ckpt_000008.dcp")
     cfg = types.SimpleNamespace(resume="auto", eval_only=True, init_from="scratch", log_dir=str(log_dir))
     chosen = []
-    with checkpoint_files.unread(latest, wait=False) as unheld:  # the training, deleting it
+    with locks.without_readers(latest, wait=False) as unheld:  # the training, deleting it
         assert unheld
-        reader = threading.Thread(target=lambda: chosen.append(checkpoints.find_resume_checkpoint(cfg, 0, 1)))
+        reader = threading.Thread(target=lambda: chosen.append(resume.find_resume_checkpoint(cfg, 0, 1)))
         reader.start()
         deadline = time.time() + 30
         while not waiting_for_lock(latest):
@@ -150,11 +150,11 @@ def test_saving_a_step_again_waits_for_the_reader_of_its_old_checkpoint(tmp_path
                 f.write(content)
         return save
 
-    checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(b"old"), size=3, keep=2, rank=0)
-    held = checkpoint_files.CheckpointReadLock(str(tmp_path / "ckpt_000010.dcp"))
+    checkpoints.write_sharded_checkpoint(str(tmp_path), 10, saving(b"old"), size=3, keep=2, rank=0)
+    held = locks.ReadLock(str(tmp_path / "ckpt_000010.dcp"))
     t0 = time.perf_counter()  # before the timer starts: its 0.5 s are all within what is measured
     threading.Timer(0.5, held.release).start()
-    checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(b"new"), size=3, keep=2, rank=0)
+    checkpoints.write_sharded_checkpoint(str(tmp_path), 10, saving(b"new"), size=3, keep=2, rank=0)
     assert time.perf_counter() - t0 >= 0.5
     assert "waiting for a process that is loading" in capsys.readouterr().out
     assert os.listdir(tmp_path) == ["ckpt_000010.dcp"]

@@ -10,9 +10,9 @@ import torch
 import train_gpt2
 from helpers import chunked_case, float64_loss_and_grads, reference, tiny_gpt, with_loud_padding
 from machinery.tokenizer import GPT2_VOCAB
-from train_gpt2 import TrainConfig
+from train_gpt2 import TrainConfig, cross_entropy
 from variations import speedups
-from variations.losses import chunked_cross_entropy, cross_entropy
+from variations.losses import chunked_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -23,7 +23,8 @@ from helpers import (
     val_records,
     write_shards,
 )
-from machinery import checkpoint_files, errors, fsdp, log_directory, settings, sharded_checkpoints
+from machinery import checkpoints, errors, log_directory, settings, sharded_checkpoints
+from variations import modern
 
 # 20 steps of 512 tokens: 2 accumulation steps of 4 x 32 in each of 2 processes, so that FSDP's reduce is skipped on
 # the first micro-step of each; a checkpoint every 10 steps; 12 validation sequences, in batches of 4: 2 for rank 0
@@ -69,7 +70,7 @@ def test_fsdp_trains_as_ddp_does(runs):
     assert abs(val_records(ddp)[10]["val_loss"] - val_records(ddp)[0]["val_loss"]) > 1e-3
     for step, record in val_records(ddp).items():
         assert val_records(fsdp)[step]["val_loss"] == pytest.approx(record["val_loss"], abs=1e-5), step
-    assert checkpoint_files.checkpoint_paths(dirs["fsdp"]) == [str(dirs["fsdp"] / "ckpt_000010.dcp"),
+    assert checkpoints.checkpoint_paths(dirs["fsdp"]) == [str(dirs["fsdp"] / "ckpt_000010.dcp"),
                                                        str(dirs["fsdp"] / "ckpt_000020.dcp")]
     files = os.listdir(dirs["fsdp"] / "ckpt_000020.dcp")
     assert {"run.pt", ".metadata"} <= set(files) and len([f for f in files if f.endswith(".distcp")]) == 2
@@ -173,7 +174,7 @@ def test_weights_not_finite_in_one_ranks_slice_alone_are_never_saved(runs, tmp_p
     assert [line for line in result.stderr.splitlines() if line] == [
         "error: the run is not saved at step 2: its weights are not finite (the steps since 0 were non-finite, their "
         "updates skipped). Lower the learning rate (--max-lr) and start again"] * 2
-    assert checkpoint_files.checkpoint_paths(log_dir) == []
+    assert checkpoints.checkpoint_paths(log_dir) == []
 
 
 @pytest.mark.parametrize("flags, fragments", [
@@ -188,7 +189,7 @@ def test_settings_fsdp_cannot_honour_are_refused(shards, tmp_path, capsys, flags
 def test_a_torch_without_muons_own_steps_refuses_sharding_it(shards, tmp_path, capsys, monkeypatch):
     """ShardedMuon takes the steps of Muon's update from torch's private module: a torch that moved them refuses
     --fsdp --recipe modern in one line, and everything else still runs."""
-    monkeypatch.setattr(fsdp, "orthogonalize", None)
+    monkeypatch.setattr(modern, "orthogonalize", None)
     expect_usage_error(TINY + ["--data", shards, "--fsdp", "--recipe", "modern", "--log-dir", tmp_path], capsys,
                        "--fsdp --recipe modern shards Muon", "drop --fsdp")
 
@@ -224,9 +225,9 @@ def test_sharded_checkpoint_directories_are_pruned_and_recognised(tmp_path):
     for name in ("ckpt_000005.dcp", "ckpt_000010.dcp", "ckpt_000015.dcp", "ckpt_000020.dcp.tmp"):
         os.makedirs(tmp_path / name)
         (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
-    assert checkpoint_files.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt_000015.dcp")
-    checkpoint_files.prune_checkpoints(tmp_path, keep=2)
-    log_directory.prepare_log_dir(tmp_path, str(tmp_path / "ckpt_000015.dcp"), 15)
+    assert checkpoints.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt_000015.dcp")
+    checkpoints.prune_checkpoints(tmp_path, keep=2)
+    log_directory.move_aside_old_files(tmp_path, str(tmp_path / "ckpt_000015.dcp"), 15)
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000010.dcp", "ckpt_000015.dcp"]
 
 
@@ -240,7 +241,7 @@ def test_a_sharded_checkpoint_saved_again_at_its_step_replaces_the_old(tmp_path,
         return save
 
     for content in (b"first", b"second"):
-        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, rank=0)
+        checkpoints.write_sharded_checkpoint(str(tmp_path), 10, saving(content), size=5, keep=2, rank=0)
     assert os.listdir(tmp_path) == ["ckpt_000010.dcp"]
     assert (tmp_path / "ckpt_000010.dcp" / "run.pt").read_bytes() == b"second"
     assert "saved" in capsys.readouterr().out
@@ -252,5 +253,5 @@ def test_a_rank_that_cannot_see_the_checkpoint_directory_stops_the_run(tmp_path)
     saved = []
     with pytest.raises(errors.UsageError, match="does not see the checkpoint directory .*ckpt_000010.dcp.tmp that "
                                                   "rank 0 made; put --log-dir on a file system that every node shares"):
-        checkpoint_files.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, rank=1)
+        checkpoints.write_sharded_checkpoint(str(tmp_path), 10, saved.append, size=5, keep=2, rank=1)
     assert saved == [] and os.listdir(tmp_path) == []

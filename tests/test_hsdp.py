@@ -34,7 +34,7 @@ from helpers import (
     val_records,
     write_shards,
 )
-from machinery import errors, files, fsdp, settings, sharded_checkpoints
+from machinery import checkpoints, errors, fsdp, settings, sharded_checkpoints
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
@@ -135,7 +135,7 @@ def test_hsdp_on_two_nodes_trains_as_ddp_does_and_writes_each_slice_once(runs):
     sizes = {name: os.path.getsize(checkpoint / name) for name in os.listdir(checkpoint) if name.endswith(".distcp")}
     assert sizes["__2_0.distcp"] == sizes["__3_0.distcp"] == 0, sizes
     whole = load_ckpt(ddp / "ckpt_000008.pt")
-    one_copy = files.tensor_bytes({"model": whole["model"], "optimizers": whole["optimizers"]})
+    one_copy = checkpoints.tensor_bytes({"model": whole["model"], "optimizers": whole["optimizers"]})
     assert one_copy < sum(sizes.values()) < 1.5 * one_copy  # two copies would be twice one
 
 

@@ -13,7 +13,7 @@ from helpers import (
     start_script,
     wait_for_step,
 )
-from machinery.checkpoint_files import checkpoint_paths
+from machinery.checkpoints import checkpoint_paths
 
 LONG_RUN = ["--max-steps", "100000", "--checkpoint-every", "2", "--keep-checkpoints", "3"]
 

@@ -25,8 +25,9 @@ from helpers import (
     with_loud_padding,
 )
 from machinery.tokenizer import GPT2_VOCAB
+from train_gpt2 import CrossEntropyWithPointwiseBackward
 from variations import losses
-from variations.losses import ChunkedCrossEntropy, CrossEntropyWithPointwiseBackward, chunked_cross_entropy
+from variations.losses import ChunkedCrossEntropy, chunked_cross_entropy
 
 LOSSES = ["full", "chunked"]
 

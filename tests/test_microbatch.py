@@ -36,7 +36,7 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
-from machinery import checkpoint_files, microbatch
+from machinery import checkpoints, memory, microbatch
 from variations import speedups
 
 LIMITED = os.path.join(REPO, "tests", "scripts", "limited_memory.py")
@@ -95,16 +95,16 @@ def test_what_runs_out_of_memory():
         except Exception as e:
             return e
 
-    assert microbatch.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert microbatch.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."))
-    assert microbatch.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.2 GB)"))
+    assert memory.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert memory.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."))
+    assert memory.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.2 GB)"))
     # on an H100 capped to 37 GiB, the search's try of 64 (the backward's first cuBLAS handle)
-    assert microbatch.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+    assert memory.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
                                                     "`cublasCreate(handle)`"))
-    assert microbatch.is_out_of_memory(raised(RuntimeError("compiled graph failed"), MemoryError()))
-    assert microbatch.is_out_of_memory(OSError(12, "Cannot allocate memory"))
-    assert not microbatch.is_out_of_memory(RuntimeError("shape '[4, 32]' is invalid for input of size 100"))
-    assert not microbatch.is_out_of_memory(OSError(28, "No space left on device"))
+    assert memory.is_out_of_memory(raised(RuntimeError("compiled graph failed"), MemoryError()))
+    assert memory.is_out_of_memory(OSError(12, "Cannot allocate memory"))
+    assert not memory.is_out_of_memory(RuntimeError("shape '[4, 32]' is invalid for input of size 100"))
+    assert not memory.is_out_of_memory(OSError(28, "No space left on device"))
 
 
 def test_a_batch_that_does_not_fit_trains_smaller_on_the_same_tokens(shards, tmp_path, capsys):
@@ -204,9 +204,9 @@ def test_gpt2_on_ones_own_data_is_refused_where_it_does_not_fit_and_the_small_pr
 def test_the_memory_a_cpu_can_give_is_the_machines_available_memory(tmp_path):
     """With no limit of its own (no address-space limit, no cgroup's here), what the trainer compares a CPU step with is
     the machine's available memory, as `free` reads it (to 64 MiB: other processes allocate meanwhile)."""
-    if microbatch.address_space_limited() or microbatch.cgroup_room()[0] is not None or not shutil.which("free"):
+    if memory.address_space_limited() or memory.cgroup_room()[0] is not None or not shutil.which("free"):
         pytest.skip("this machine limits the process itself, or has no free(1)")
-    room, where = microbatch.memory_available(train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
+    room, where = memory.available(train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
     free = subprocess.run(["free", "-b"], capture_output=True, text=True, check=True).stdout.splitlines()
     available = int(free[1].split()[6])  # Mem: total used free shared buff/cache available
     assert abs(room - available) < 64 << 20 and where.endswith("available (MemAvailable in /proc/meminfo)"), where
@@ -441,6 +441,6 @@ def test_a_rank_killed_outright_leaves_the_other_one_line(shards, tmp_path):
         code = ranks.wait(60)
     finally:
         ranks.kill()
-    latest = checkpoint_files.latest_checkpoint(log)
+    latest = checkpoints.latest_checkpoint(log)
     check_usage_error(code, open(tmp_path / "out.txt").read(), open(tmp_path / "err.txt").read(), "error: rank 1 died",
                       f"the latest checkpoint, {latest}, is kept: run the same command again to resume from it")

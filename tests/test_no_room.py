@@ -21,7 +21,7 @@ from helpers import (
     script_env,
     write_shards,
 )
-from machinery.checkpoint_files import checkpoint_paths, checkpoint_step
+from machinery.checkpoints import checkpoint_paths, checkpoint_step
 
 
 def test_a_disk_that_fills_while_the_log_is_appended_stops_the_run_in_one_line(shards, tmp_path):

@@ -26,7 +26,7 @@ from helpers import (
     train_records,
     write_shards,
 )
-from machinery import checkpoint_files
+from machinery import checkpoints
 from variations import modern
 
 CONSTANT_LR = ["--warmup-steps", "0", "--min-lr-ratio", "1", "--max-lr", "1e-2"]  # the same lr whatever --max-steps
@@ -117,10 +117,10 @@ def test_too_many_bad_steps_stop_the_run(shards, tmp_path, capsys, monkeypatch, 
     assert sorted(records) == list(range(bad[-1] + 1))  # stopped right after the third bad step
     assert [s for s, r in records.items() if r.get("skipped")] == bad
     if first_bad == 3:  # no checkpoint of step 4: the step before it was non-finite
-        assert [os.path.basename(p) for p in checkpoint_files.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt"]
+        assert [os.path.basename(p) for p in checkpoints.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt"]
         assert "--resume" not in line
     else:  # ckpt 4, written before step 4, holds the weights that went non-finite: kept, and named as such
-        assert [os.path.basename(p) for p in checkpoint_files.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt",
+        assert [os.path.basename(p) for p in checkpoints.checkpoint_paths(str(log_dir))] == ["ckpt_000002.pt",
                                                                                             "ckpt_000004.pt"]
         assert f"--resume {good}: the later checkpoints hold the weights that went non-finite" in line
     last_good = load_ckpt(good)
@@ -154,7 +154,7 @@ def test_a_stop_signal_after_a_skipped_step_saves_its_weights_and_says_so(shards
     last = out.strip().splitlines()[-1]  # as the checkpoints written say: it said so with none written
     assert last == (f"stopped by signal at step 6, checkpoint saved (step 5 was non-finite, skipped: the weights saved "
                     f"are step 5's); resume with the same command (it picks up {log_dir})"), last
-    assert checkpoint_files.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 5), checkpoint_path(log_dir, 6)]
+    assert checkpoints.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 5), checkpoint_path(log_dir, 6)]
     saved, before = load_ckpt(checkpoint_path(log_dir, 6)), load_ckpt(checkpoint_path(log_dir, 5))
     assert_tensors_equal(saved["model"], before["model"])
 
@@ -196,7 +196,7 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path, capsys):
     expect_usage_error(args + ["--max-steps", "3"], capsys, not_finite, "Lower the learning rate (--max-lr)")
     expect_usage_error(args + ["--max-steps", "10"], capsys, "holds token id 200", f"; saving the run failed too: "
                        f"{not_finite}")
-    assert checkpoint_files.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 2)]
+    assert checkpoints.checkpoint_paths(log_dir) == [checkpoint_path(log_dir, 2)]
 
 
 # Weights that really diverge (a learning rate of 1e20, not a patched loss)
@@ -218,14 +218,14 @@ def test_a_diverging_run_keeps_the_last_checkpoint_that_trains_and_names_it(shar
     args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "1"] + SCHEDULE_OFF
     code, out, err = run_main(args + ["--max-steps", "6", "--max-lr", "1e-3"], capsys)
     assert code == 0, err
-    assert [checkpoint_files.checkpoint_step(p) for p in checkpoint_files.checkpoint_paths(log_dir)] == [5, 6]
+    assert [checkpoints.checkpoint_step(p) for p in checkpoints.checkpoint_paths(log_dir)] == [5, 6]
 
     # the step from 6 has a finite loss and takes the weights to ~1e20; every step after it is non-finite
     code, out, err = run_main(args + ["--max-steps", "30", "--max-lr", "1e20", "--eval-every", "1"], capsys)
     line = check_usage_error(code, out, err, "5 steps in a row had a non-finite loss", "(last: step 11)",
                              f"resume from {checkpoint_path(log_dir, 6)}", f"--resume {checkpoint_path(log_dir, 6)}")
     # the checkpoint of step 7 was written before its step showed its weights non-finite; none after, none pruned
-    assert [checkpoint_files.checkpoint_step(p) for p in checkpoint_files.checkpoint_paths(log_dir)] == [5, 6, 7], line
+    assert [checkpoints.checkpoint_step(p) for p in checkpoints.checkpoint_paths(log_dir)] == [5, 6, 7], line
 
     records = strict_records(log_dir)
     diverged = [r for r in records if r.get("step", 0) >= 7 and ("val_loss" in r or "train_loss" in r)]

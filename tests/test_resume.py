@@ -49,11 +49,11 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
-from machinery import checkpoint_files, log_directory, settings
+from machinery import checkpoints, locks, log_directory, settings
 
 
 def checkpoint_names(log_dir):
-    return [os.path.basename(p) for p in checkpoint_files.checkpoint_paths(str(log_dir))]
+    return [os.path.basename(p) for p in checkpoints.checkpoint_paths(str(log_dir))]
 
 
 def assert_optimizers_equal(a, b, exact=True, atol=1e-5):
@@ -345,7 +345,7 @@ def fresh_start_waiting_for_a_reader(shards, tmp_path, capsys, nproc):
     args = TINY + ["--data", shards, "--log-dir", log_dir, "--checkpoint-every", "2", "--max-steps", "4"]
     assert run_main(args, capsys)[0] == 0
     before = {name: (log_dir / name).read_bytes() for name in ("ckpt_000002.pt", "ckpt_000004.pt", "log.jsonl")}
-    reader = checkpoint_files.CheckpointReadLock(checkpoint_path(log_dir, 4))
+    reader = locks.ReadLock(checkpoint_path(log_dir, 4))
     with open(tmp_path / "out.txt", "w") as out:
         process = start_command(script_command(args + ["--no-resume"], nproc), tmp_path, script_env(), stdout=out,
                                 stderr=subprocess.STDOUT)

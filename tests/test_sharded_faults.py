@@ -29,7 +29,7 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
-from machinery import checkpoint_files, checkpoints, sharded_checkpoints
+from machinery import checkpoints, sharded_checkpoints
 
 FSDP = ["--fsdp", "--checkpoint-every", "2", "--keep-checkpoints", "3"]
 
@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
     args = TINY + ["--data", write_shards(root / "data"), *FSDP]
     result = run_script(args + ["--max-steps", "6", "--log-dir", root / "run"], cwd=root, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert checkpoint_files.checkpoint_paths(root / "run") == [str(root / "run" / f"ckpt_00000{step}.dcp")
+    assert checkpoints.checkpoint_paths(root / "run") == [str(root / "run" / f"ckpt_00000{step}.dcp")
                                                                for step in (2, 4, 6)]
     (root / "run.out").write_text(result.stdout)
     return args, root / "run"

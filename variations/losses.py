@@ -1,5 +1,6 @@
 """
-Cross-entropies with gradients of their own, for GPT-2's model in train_gpt2.py and the modern recipe's in modern.py.
+The cross-entropy of --loss chunked, for GPT-2's model in train_gpt2.py and the modern recipe's in modern.py, and the
+modern recipe's soft-cap (GPT-2's full loss is train_gpt2.py's own).
 
 --loss chunked: the output layer's matmul and the cross-entropy a chunk of rows at a time, so that no (B*T, V) tensor
 ever exists: at micro-batch 64 x 1024 and GPT-2's 50304-wide vocabulary, the full loss holds 6.1 GiB of bf16 logits
@@ -12,11 +13,6 @@ compiled, each chunk is compiled on its own. A loop that the compiler traces is 
 inductor, free to order and fuse the chunks' independent kernels, ran every chunk's matmul first and all their
 softmaxes in one fused kernel: every chunk's logits and gradient were alive at once (39.7 GiB at micro-batch 64 on an
 H100, against the full loss's 28.95; docs/LOG.md, 2026-11-27, has the evidence).
-
-The full loss, compiled (cross_entropy_with_pointwise_backward): F.cross_entropy's backward is a reduction over each
-row (the log-softmax's), which inductor fuses with the gradient it writes, so the gradient gets a (B*T, V) buffer of
-its own beside the saved logits: 6 GiB more at micro-batch 64. Here the forward keeps each row's log-sum-exp, so the
-backward is pointwise, and inductor writes the gradient over the logits it no longer needs.
 """
 
 import math
@@ -113,33 +109,3 @@ def chunked_cross_entropy(x, weight, targets, mask=None, cap=None, chunk_rows=CH
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     need_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation needs none
     return ChunkedCrossEntropy.apply(x, weight, targets, mask, cap, dtype, chunk_rows, need_grads)
-
-
-class CrossEntropyWithPointwiseBackward(torch.autograd.Function):
-    """F.cross_entropy(logits, targets, ignore_index=-1), the log-sum-exp of each row kept for a pointwise backward."""
-
-    @staticmethod
-    def forward(ctx, logits, targets):
-        logits_fp32 = logits.float()  # (N, V) as autocast's cross-entropy computes: compile fuses the cast away
-        lse = logits_fp32.logsumexp(dim=-1)  # (N,)
-        valid = targets != -1  # (N,)
-        target_logits = logits_fp32.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)  # (N,)
-        n_valid = valid.sum()
-        ctx.save_for_backward(logits, targets, lse, n_valid)
-        return ((lse - target_logits) * valid).sum() / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        logits, targets, lse, n_valid = ctx.saved_tensors
-        is_target = torch.arange(logits.size(1), device=logits.device) == targets[:, None]  # (N, V), -1 rows: none
-        scale = (targets != -1)[:, None] * (grad_loss / n_valid)  # (N, 1): the rows left out get no gradient
-        softmax = (logits.float() - lse[:, None]).exp()  # (N, V), 0 for the padding ids at -inf
-        return ((softmax - is_target.float()) * scale).to(logits.dtype), None
-
-
-def cross_entropy(logits, targets):
-    """The mean cross-entropy of logits (N, V) over the targets (N,) that are not -1. Compiled, its backward writes the
-    gradient over the logits (CrossEntropyWithPointwiseBackward); eager, F.cross_entropy's own kernels need less."""
-    if torch.compiler.is_compiling():
-        return CrossEntropyWithPointwiseBackward.apply(logits, targets)
-    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-1)

@@ -11,7 +11,8 @@ work unchanged), and each change says what it replaces there and where it comes 
 - zero-initialised output projections and head; an untied head (modded-nanogpt, after Zhang et al. 2019, Fixup)
 - logits soft-capped at 15 (Gemma 2, Google DeepMind 2024)
 - Muon for the blocks' matrices (Jordan et al. 2024), Adam (0.8, 0.95) for the embedding and head at rates of their
-  own (modded-nanogpt, nanochat), instead of AdamW for all
+  own (modded-nanogpt, nanochat), instead of AdamW for all; under --fsdp, Muon on matrices split over the ranks
+  (ShardedMuon)
 - a constant learning rate, then a linear cool-down, instead of warmup and a cosine (Hägele et al. 2024)
 
 Its model is transformers' NanoChatForCausalLM, so --export-hf writes it as one, which --init-from DIR reads back
@@ -28,11 +29,17 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from machinery import fsdp, hf_format, settings
+from machinery import hf_format, settings
 from machinery.errors import UsageError
 from machinery.settings import setting
 from machinery.tokenizer import GPT2_VOCAB
 from variations.losses import chunked_cross_entropy, soft_cap
+
+try:  # torch.optim.Muon's own steps (torch 2.9 and later), so that ShardedMuon's update is exactly Muon's; private
+    from torch.optim._muon import _adjust_lr as muon_lr_scale
+    from torch.optim._muon import _zeropower_via_newtonschulz as orthogonalize
+except ImportError:  # --fsdp --recipe modern is refused then (check_settings)
+    muon_lr_scale = orthogonalize = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,7 @@ def check_settings(cfg, given):
     if not hasattr(torch.optim, "Muon"):
         raise UsageError(f"--recipe modern needs torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: "
                          f"upgrade torch, or drop --recipe modern")
-    if cfg.fsdp and fsdp.orthogonalize is None:
+    if cfg.fsdp and orthogonalize is None:
         raise UsageError(f"--fsdp --recipe modern shards Muon with the steps of torch.optim.Muon's own update, which "
                          f"this torch ({torch.__version__}) does not have where it looked (torch.optim._muon); use the "
                          f"torch that requirements.txt names, or drop --fsdp")
@@ -215,13 +222,46 @@ class GPT(nn.Module):
 # Optimization
 
 
+class ShardedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch.optim.Muon is new in torch 2.9
+    """torch's Muon for matrices that FSDP shards over the ranks, row blocks of each to each rank. Orthogonalizing an
+    update needs the whole matrix: every rank gathers each matrix's update in bf16 (the precision the orthogonalization
+    runs in, so it is the same as Muon's unsharded), orthogonalizes it (all ranks the same work), and applies its own
+    rows. Under HSDP the gather is within the shard group, and every replica, holding the same all-reduced gradients
+    and momentum, computes the same update. The momentum stays sharded: it is elementwise. The arithmetic is on each
+    rank's plain local rows: DTensor's operations each cost a dispatch in Python, and a step makes several for every
+    matrix of the model."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.distributed.tensor import DTensor
+
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:  # torch's name; a DTensor like p, so checkpoints save it sharded
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                momentum, grad = state["momentum_buffer"].to_local(), p.grad.to_local()  # this rank's rows
+                momentum.lerp_(grad, 1 - group["momentum"])
+                update = grad.lerp(momentum, group["momentum"]) if group["nesterov"] else momentum
+                whole = DTensor.from_local(update.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
+                                           stride=p.stride()).full_tensor()  # (out, in), gathered on every rank
+                whole = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                weights, shard_dim = p.to_local(), p.device_mesh.ndim - 1  # HSDP's mesh is (replicate, shard)
+                first_row = p.device_mesh.get_local_rank(shard_dim) * -(-p.shape[0] // p.device_mesh.size(shard_dim))
+                weights.mul_(1 - group["lr"] * group["weight_decay"])
+                weights.add_(whole[first_row:first_row + weights.shape[0]],
+                             alpha=-muon_lr_scale(group["lr"], group["adjust_lr_fn"], p.shape))
+
+
 def make_optimizers(model, cfg, fused):
     """Muon for the blocks' matrices: their momentum orthogonalized, so that every direction of a matrix learns at
     the same rate (Jordan et al. 2024). Adam for the embedding and the output layer, which are lookups and a
     classifier rather than maps between hidden spaces, each at a rate of its own. (GPT-2: AdamW for all.) Each
     parameter group keeps its peak learning rate as max_lr, which the schedule scales."""
     matrices = list(model.transformer.h.parameters())  # all of the blocks' parameters: they have no biases
-    muon_class = fsdp.ShardedMuon if cfg.fsdp else torch.optim.Muon  # sharded by --fsdp: fsdp.py's
+    muon_class = ShardedMuon if cfg.fsdp else torch.optim.Muon  # sharded by --fsdp
     muon = muon_class([{"params": matrices, "max_lr": cfg.muon_lr}], lr=cfg.muon_lr, momentum=0.95, weight_decay=0.0)
     adam = torch.optim.Adam([{"params": [model.transformer.wte.weight], "max_lr": cfg.embed_lr},
                              {"params": [model.lm_head.weight], "max_lr": cfg.head_lr}],
@@ -259,4 +299,4 @@ def from_pretrained(directory, config, cache_dir=None):
 
 RECIPE = settings.Recipe(model=GPT, optimizers=make_optimizers, get_lr=get_lr, presets=PRESETS, settings=SETTINGS,
                          check_settings=check_settings, hf_format=HF_FORMAT, from_pretrained=from_pretrained,
-                         named=", the modern recipe")
+                         named=", the modern recipe", schedule=("cooldown_frac",))

@@ -1,5 +1,5 @@
 """Prints, as JSON, [the page faults of 5 tensors of 100 MB, each written in full and freed (as a step's logits are),
-by default; the same once microbatch.keep_freed_memory(True) keeps freed memory in the heap]:
+by default; the same once memory.keep_freed_memory(True) keeps freed memory in the heap]:
 
     python tests/scripts/page_faults_of_freed_tensors.py"""
 import ctypes
@@ -17,7 +17,7 @@ import torch  # noqa: E402 (after the prctl, which covers the memory torch maps 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import train_gpt2  # noqa: E402, F401 (the trainer's imports, as a run has them: they shape the heap the test measures)
-from machinery import microbatch  # noqa: E402
+from machinery import memory  # noqa: E402
 
 
 def page_faults():
@@ -28,6 +28,6 @@ def page_faults():
 
 
 default = page_faults()
-microbatch.keep_freed_memory(True)
+memory.keep_freed_memory(True)
 page_faults()  # the heap grows to hold one
 print(json.dumps([default, page_faults()]))

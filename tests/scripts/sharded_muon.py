@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import train_gpt2  # noqa: E402
-from machinery import fsdp  # noqa: E402
+from variations import modern  # noqa: E402
 
 SHAPES = [(7, 5), (6, 10), (16, 8), (3, 12), (1, 9)]  # (out, in): 7, 3 and 1 rows split 4 + 3, 2 + 1 and 1 + 0
 
@@ -30,7 +30,7 @@ for layer in sharded:
     fully_shard(layer)
 settings = dict(lr=0.05, momentum=0.95, weight_decay=0.1)
 reference = torch.optim.Muon(whole.parameters(), **settings)
-mine = fsdp.ShardedMuon(sharded.parameters(), **settings)
+mine = modern.ShardedMuon(sharded.parameters(), **settings)
 generator = torch.Generator().manual_seed(1)
 for _ in range(3):
     for p, q in zip(whole.parameters(), sharded.parameters()):

@@ -1,0 +1,51 @@
+"""
+The stop signals, SIGTERM and SIGINT (a cluster's preemption, Ctrl-C): recorded for the training loop, which ends the
+run after its step with a checkpoint (record_stop_signals), or raised where a wait must stop and a move must not be cut
+in half (StopSignals).
+"""
+
+import signal
+
+
+def record_stop_signals():
+    """SIGTERM and SIGINT (preemption, Ctrl-C) end the run after the step in progress, with a checkpoint; a second one
+    kills it. Returns the list the signals are recorded in."""
+    caught = []
+
+    def on_signal(signum, frame):
+        caught.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return caught
+
+
+class StoppedBySignal(Exception):
+    """SIGINT or SIGTERM, come while StopSignals raises them."""
+
+
+class StopSignals:
+    """While inside, the first SIGINT or SIGTERM raises StoppedBySignal unless deferred is set; any other is only kept
+    (their names, in caught) for after. Their handlers are given back on leaving. SIGTERM's own would end the process
+    at once, and SIGINT's KeyboardInterrupt print a traceback, wherever they came."""
+
+    def __init__(self):
+        self.deferred, self.caught = False, []
+
+    def __enter__(self):
+        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig, handler in self.handlers.items():
+            if handler != signal.SIG_IGN:  # a background job's SIGINT, which its shell ignores: left so
+                signal.signal(sig, self.on_signal)
+        return self
+
+    def __exit__(self, *exception):
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+
+    def on_signal(self, signum, frame):
+        self.caught.append(signal.Signals(signum).name)
+        if not self.deferred:
+            self.deferred = True  # once: a second signal never cuts short the handling of the first
+            raise StoppedBySignal
