@@ -31,8 +31,12 @@ from torch.nn import functional as F
 from evaluation import core_score, hellaswag
 from machinery import checkpoint_commands, fsdp, hf_format, log_directory, microbatch, ranks, resume, run_log, settings
 from machinery.checkpoints import saved_model_config
+from machinery.checks import check_paths, require
 from machinery.downloads import hub_weights
+from machinery.environment import check_device, processes
 from machinery.errors import DataError, UsageError
+from machinery.presets import presets_help
+from machinery.resolution import draft_settings, final_settings
 from machinery.run_state import Run
 from machinery.settings import setting
 from machinery.shard_files import SHARD_SUFFIXES, open_shard, shard_paths
@@ -55,11 +59,12 @@ MODEL_SIZES = {  # n_layer, n_head, n_embd of OpenAI's four GPT-2 models
 }
 
 
-@dataclass(frozen=True)  # the run's settings are decided once (settings.resolve), then never assigned
+@dataclass(frozen=True)  # the run's settings are decided once (final_config), then never assigned
 class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (--muon-lr, ...) and speed-ups' too
     # data and outputs
-    data: str = setting("edu_fineweb10B", "a directory of *train* and *val* shards (.npy or .bin), or a text file")
-    log_dir: str = setting("log", "where log.jsonl and checkpoints go")
+    data: str = setting("edu_fineweb10B", "a directory of *train* and *val* shards (.npy or .bin), or a text file",
+                        path=True)
+    log_dir: str = setting("log", "where log.jsonl and checkpoints go", path=True)
     model: str = setting("gpt2", "size preset for --n-layer/--n-head/--n-embd", list(MODEL_SIZES))
     preset: str = setting("auto", "shakespeare: the quick start's SHAKESPEARE on any --data", ["auto", "shakespeare"])
     # model (model=True: GPTConfig's, kept in checkpoints and exports)
@@ -74,7 +79,8 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
     recipe: str = setting("gpt2", "gpt2: GPT-2 exactly; modern: rotary, QK-norm, ReLU², an untied zero-init head, "
                           "logit soft-cap, Muon, a constant rate then a cool-down (modern.py)", ["gpt2", "modern"],
                           model=True)
-    init_from: str = setting("scratch", "random weights, OpenAI's (gpt2, gpt2-medium, ...) or an --export-hf directory")
+    init_from: str = setting("scratch", "random weights, OpenAI's (gpt2, gpt2-medium, ...) or an --export-hf directory",
+                             path=True)
     # batch: total_batch_size = batch_size * seq_len * accumulation steps * processes
     batch_size: int = setting(64, "micro-batch: sequences per forward pass in each process, halved until a step fits")
     fit_batch_size: bool = setting(True, "try a step of --batch-size first, halving it until one fits in memory "
@@ -94,21 +100,25 @@ class TrainConfig(speedups.Settings, modern.Settings):  # the modern recipe's (-
     # evaluation, samples, checkpoints
     eval_every: int = setting(250, "steps between validation and samples (0: only at the end)")
     val_tokens: int = setting(10485760, "validation tokens: a fixed set, the same for any number of processes")
-    hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)")
-    hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet")
-    core_every: int = setting(2000, "steps between CORE evaluations (0: never; the default is 0 without CUDA)")
+    hellaswag_every: int = setting(250, "steps between HellaSwag evaluations (0: never; the default is 0 without CUDA)",
+                                   benchmark="HellaSwag")
+    hellaswag_file: str = setting("", "a local hellaswag_val.jsonl, for machines with no internet", path=True)
+    core_every: int = setting(2000, "steps between CORE evaluations (0: never; the default is 0 without CUDA)",
+                              benchmark="CORE")
     core_max_per_task: int = setting(0, "examples a CORE task (0: nanochat's 500 in training, all at the end)")
-    core_data: str = setting("", "a local CORE bundle (an unzipped eval_bundle.zip), for machines with no internet")
-    cache_dir: str = setting("", "for downloads (empty: $GPT2_CACHE_DIR, else ~/.cache/train_gpt2)")
+    core_data: str = setting("", "a local CORE bundle (an unzipped eval_bundle.zip), for machines with no internet",
+                             path=True)
+    cache_dir: str = setting("", "for downloads (empty: $GPT2_CACHE_DIR, else ~/.cache/train_gpt2)", path=True)
     eval_only: bool = setting(False, "evaluate the latest checkpoint in --log-dir (or --resume's), log it, and stop")
     prompt: str = setting("Hello, I'm a language model,", "prompt of the samples")
     num_samples: int = setting(4, "samples printed at each evaluation")
     max_new_tokens: int = setting(32, "length of each sample")
-    sample: str = setting("", "print samples from this checkpoint and exit, with no training")
-    export_hf: str = setting("", "write the latest checkpoint in --log-dir (or --resume's) here, for transformers")
+    sample: str = setting("", "print samples from this checkpoint and exit, with no training", path=True)
+    export_hf: str = setting("", "write the latest checkpoint in --log-dir (or --resume's) here, for transformers",
+                             path=True)
     checkpoint_every: int = setting(2500, "steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)")
     keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep")
-    resume: str = setting("auto", "auto: the latest checkpoint in --log-dir; or a checkpoint's path")
+    resume: str = setting("auto", "auto: the latest checkpoint in --log-dir; or a checkpoint's path", path=True)
     max_bad_steps: int = setting(5, "stop after this many steps in a row with a non-finite loss or gradient norm")
     # experiment tracking
     wandb_project: str = setting("", "also log to this Weights & Biases project (empty: off; pip install wandb)")
@@ -153,7 +163,7 @@ PRESETS = dict(SHAKESPEARE=SHAKESPEARE, SHAKESPEARE_FINETUNE=SHAKESPEARE_FINETUN
 def parse_args(argv=None):
     """Returns the config and the names of the settings given on the command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=settings.presets_help(PRESETS, RECIPES), argument_default=argparse.SUPPRESS)
+                                     epilog=presets_help(PRESETS, RECIPES), argument_default=argparse.SUPPRESS)
     for f in settings.in_order(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
@@ -503,7 +513,8 @@ def get_lr(step, max_lr, cfg):
 # The one place a recipe is chosen (--recipe): its model, optimizers, schedule, presets, refusals and export.
 RECIPES = {
     "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
-                            settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: None,
+                            settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: require(
+                                cfg, ("weight_decay",), lambda v: v >= 0, "zero or more"),
                             hf_format=hf_format.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
     "modern": modern.RECIPE,
 }
@@ -538,10 +549,10 @@ class Env(NamedTuple):
 def set_up_distributed(device="auto", fsdp=False):
     """One process per GPU under torchrun (RANK, LOCAL_RANK, WORLD_SIZE), or a single process; in a process group
     if there are several, or for FSDP, which shards over one even in a single process."""
-    rank, local_rank, world_size = settings.processes()
+    rank, local_rank, world_size = processes()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    settings.check_device(device, local_rank, world_size, fsdp)
+    check_device(device, local_rank, world_size, fsdp)
     if device == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -736,19 +747,19 @@ def evaluate(run):
 # The run: its settings resolved, then set up from them (Run), and restored from its checkpoint
 
 
-def layered_config(flags, given, env):
-    """The settings as the layers before the checkpoint's make them (settings.layered: the presets, the model preset,
-    the device): they say where the run's log directory and checkpoint are."""
-    return settings.layered(flags, given, env, RECIPES, MODEL_SIZES, PRESETS)
+def draft_config(flags, given, env):
+    """The settings as the layers before the checkpoint's make them (resolution.draft_settings: the presets, the model
+    preset, the device): they say where the run's log directory and checkpoint are."""
+    return draft_settings(flags, given, env, RECIPES, MODEL_SIZES, PRESETS)
 
 
-def resolve_config(draft, env, ckpt=None, ckpt_path=None):
-    """The run's settings (settings.resolve: draft's, then what the checkpoint resumed keeps, all checked), frozen;
-    rank 0 prints the lines that say which are not their defaults, and why."""
+def final_config(draft, env, ckpt=None, ckpt_path=None):
+    """The run's settings (resolution.final_settings: draft's, then what the checkpoint resumed keeps, all checked),
+    frozen; rank 0 prints the lines that say which are not their defaults, and why."""
     resumed = None if ckpt is None else (ckpt["train_config"],
                                          asdict(saved_model_config(ckpt, GPTConfig, ckpt_path)), ckpt_path)
-    checks = (fsdp.check_settings, speedups.check, run_log.check_settings)  # refusals before anything is read
-    cfg, lines = settings.resolve(draft, env, RECIPES, checks, resumed)
+    checks = (core_score.check, fsdp.check_settings, speedups.check, run_log.check_settings)  # before anything is read
+    cfg, lines = final_settings(draft, env, RECIPES, checks, resumed)
     if env.rank == 0 and lines:
         print("\n".join(lines))
     return cfg
@@ -759,7 +770,7 @@ def set_up(draft, env):
     optimizers, all restored from the run's checkpoint if it has one (in draft's log directory); None if that
     checkpoint is the run's end, evaluated."""
     ckpt, ckpt_path = resume.find_resume_checkpoint(draft, env.rank, env.world_size)
-    cfg = resolve_config(draft, env, ckpt, ckpt_path)
+    cfg = final_config(draft, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
     benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core_score) if getattr(cfg, module.EVERY)}
@@ -807,7 +818,7 @@ def start(flags, given):
     process group down: a DDP model still alive then would keep gloo's threads running at exit, which can abort it."""
     env = set_up_distributed(flags.device, flags.fsdp)
     with ranks.failing_together():  # a node whose files refuse the settings stops every rank, not itself alone
-        draft = layered_config(flags, given, env)  # where the run is: its log directory and checkpoint
+        draft = draft_config(flags, given, env)  # where the run is: its log directory and checkpoint
     with log_directory.locked(draft, env):
         run = set_up(draft, env)
         if run is not None:
@@ -822,7 +833,7 @@ def main(argv=None):
     signal_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     error = None
     try:
-        settings.check_paths(cfg, given, MODEL_SIZES)
+        check_paths(cfg, given, MODEL_SIZES)
         with microbatch.out_of_memory_in_one_line(cfg):
             if cfg.export_hf:
                 checkpoint_commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)

@@ -48,7 +48,7 @@ def main(argv=None):
         env = train_gpt2.set_up_distributed(cfg.device)
         cfg = dataclasses.replace(cfg, total_batch_size=cfg.batch_size * cfg.seq_len)  # one micro-batch per step
         # no data is read, but marking --data as given keeps the trainer from switching to its Shakespeare preset
-        cfg = train_gpt2.resolve_config(train_gpt2.layered_config(cfg, given | {"data"}, env), env)
+        cfg = train_gpt2.final_config(train_gpt2.draft_config(cfg, given | {"data"}, env), env)
     except UsageError as e:
         sys.exit(f"error: {e}")
     device, device_type = env.device, env.device_type

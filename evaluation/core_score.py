@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from machinery import downloads, files
+from machinery import checks, downloads, files
 from machinery.downloads import default_cache_dir
 from machinery.errors import BadFile, UsageError
 from machinery.ranks import failing_together
@@ -595,6 +595,11 @@ def evaluate(model, bundle, device, autocast_ctx, rank=0, world_size=1, max_per_
         offset += count
     core = sum(centered.values()) / len(centered)
     return Result(core, accuracy, centered, offset, time.perf_counter() - started, by_task)
+
+
+def check(cfg, env):
+    """Refuses a --core-max-per-task below zero, in one line, before the run reads anything (final_settings' checks)."""
+    checks.require(cfg, ("core_max_per_task",), lambda v: v >= 0, "zero or more")
 
 
 def load_run(cfg):

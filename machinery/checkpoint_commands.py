@@ -11,7 +11,18 @@ import os
 import shlex
 from dataclasses import asdict
 
-from machinery import checkpoints, files, hf_format, ranks, resume, run_log, settings, tokenizer
+from machinery import (
+    checkpoints,
+    checks,
+    environment,
+    files,
+    hf_format,
+    ranks,
+    resume,
+    run_log,
+    settings,
+    tokenizer,
+)
 from machinery.errors import UsageError
 
 
@@ -21,7 +32,7 @@ def sample(cfg, given, env, model_of, autocast_context, print_samples):
     print_samples asks of them, and rank 0 alone prints."""
     model, step, micro_batch = model_to_sample(cfg, env, model_of)
     rows = cfg.batch_size if "batch_size" in given or not micro_batch else micro_batch
-    autocast_ctx = autocast_context(env.device_type, settings.resolve_dtype(cfg.dtype, env.device_type))
+    autocast_ctx = autocast_context(env.device_type, environment.resolve_dtype(cfg.dtype, env.device_type))
     print_samples(model, cfg, tokenizer.gpt2_tokenizer(), env.device, autocast_ctx, cfg.seed, step, rows,
                   show=env.rank == 0)
 
@@ -29,8 +40,8 @@ def sample(cfg, given, env, model_of, autocast_context, print_samples):
 def model_to_sample(cfg, env, model_of):
     """The checkpoint of --sample PATH's model on this process's device, its step and its run's micro-batch (None if
     it kept none); rank 0 says which it is."""
-    settings.require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
-    settings.require(cfg, ("batch_size",), lambda v: v > 0, "positive")  # the samples made at a time
+    checks.require(cfg, ("num_samples", "max_new_tokens"), lambda v: v >= 0, "zero or more")
+    checks.require(cfg, ("batch_size",), lambda v: v > 0, "positive")  # the samples made at a time
     with ranks.failing_together():
         try:
             ckpt = checkpoints.load(cfg.sample)
@@ -51,7 +62,7 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
     Hugging Face model directory, which transformers loads as its own class of the model's recipe (GPT-2's:
     GPT2LMHeadModel; the modern one's: NanoChatForCausalLM); on the CPU, in one process: under torchrun, rank 0 writes
     it, and the other ranks end at once (each writing it, all but one would fail, finding it written)."""
-    if settings.processes()[0] != 0:
+    if environment.processes()[0] != 0:
         return
     hf_format.check_new_directory(cfg.export_hf)  # now, not after a long load
     if cfg.init_from != "scratch" and os.path.isdir(cfg.init_from):

@@ -13,11 +13,10 @@ sharded_checkpoints.py's.
 train_gpt2.py shards the model in one place (wrap_model), before its optimizers are made.
 """
 
-import os
-
 import torch
 import torch.distributed as dist
 
+from machinery import environment
 from machinery.errors import UsageError
 
 # torch.distributed's FSDP and DTensor modules take over a second to import, which every launch of the trainer would
@@ -45,7 +44,7 @@ def check_settings(cfg, env):
     if cfg.compile_mode == "reduce-overhead":
         raise UsageError("--compile-mode reduce-overhead cannot run with --fsdp: its CUDA graphs cannot hold FSDP's "
                          "gathers and reductions; pick another --compile-mode, or drop --fsdp")
-    per_node = processes_per_node(env.world_size)  # refused where it is no number, whether or not the mesh reads it
+    per_node = environment.processes_per_node(env.world_size)  # refused where it is no number, read by the mesh or not
     replicas, shards = mesh_shape(cfg, env)
     if shards == 1 and replicas > 1:
         return (f"HSDP: {replicas} replicas x 1 shard (--fsdp-shards 1): each process holds whole copies of the "
@@ -65,7 +64,7 @@ def default_shards(world_size):
     (torchrun's LOCAL_WORLD_SIZE), so that only the gradients' all-reduce crosses the slower links between nodes; or
     all of them (0) where a node has one process, as one GPU per node is: a group of one would shard nothing, and
     each rank would hold DDP's whole copies, which --fsdp is passed to avoid."""
-    per_node = processes_per_node(world_size)
+    per_node = environment.processes_per_node(world_size)
     if per_node == 1 and world_size > 1:
         return 0, "a node of one process, torchrun's LOCAL_WORLD_SIZE=1, shards nothing alone"
     return per_node, f"a node's {per_node} processes, torchrun's LOCAL_WORLD_SIZE={per_node}"
@@ -79,7 +78,7 @@ def shard_group_in_words(cfg, env):
 
 def mesh_shape(cfg, env):
     """(replicas, shards) of --fsdp's processes: each tensor split over a group of shards processes (--fsdp-shards,
-    its default filled in by settings.resolve: default_shards; 0: all of them), and each group a replica of the
+    its default filled in by final_settings: default_shards; 0: all of them), and each group a replica of the
     others. Refuses, in one line, a group size that does not divide the processes."""
     shards = cfg.fsdp_shards or env.world_size
     if env.world_size % shards:
@@ -87,15 +86,6 @@ def mesh_shape(cfg, env):
                          f"{env.world_size} process(es); pass --fsdp-shards with a divisor of {env.world_size}, or 0 "
                          f"to shard over all of them")
     return env.world_size // shards, shards
-
-
-def processes_per_node(world_size):
-    """torchrun's LOCAL_WORLD_SIZE, the processes of this node: world_size where it is unset (one node)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", str(world_size))
-    if not (value.isascii() and value.isdigit() and int(value) > 0):
-        raise UsageError(f"LOCAL_WORLD_SIZE={value!r} in the environment is not a positive whole number; torchrun "
-                         f"sets it for each process it starts: unset it")
-    return int(value)
 
 
 def device_mesh(cfg, env):

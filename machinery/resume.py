@@ -158,7 +158,7 @@ def restore(run, ckpt, path):
     checkpoints.load_weights(run.model, ckpt, path)
     run.step, run.resumed_from = ckpt["step"], path
     run.val_loss, run.val_step = ckpt["val_loss"], ckpt["val_step"]
-    if cfg.eval_only:  # its settings are the checkpoint's (settings.take_model_settings)
+    if cfg.eval_only:  # its settings are the checkpoint's (resolution.take_model_settings)
         checkpoints.release(ckpt)
         return
     # The checkpoint's evaluations count for this run too, unless its step is now this run's end (a smaller

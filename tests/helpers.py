@@ -73,11 +73,11 @@ def resolved(flags, env=None, trainer=train_gpt2):
     """The settings that trainer (train_gpt2, or an edited copy) resolves from flags for a new run on env (one CPU
     process unless given), printing its first lines."""
     env = env or trainer.Env(0, 0, 1, "cpu", "cpu")
-    return trainer.resolve_config(trainer.layered_config(*trainer.parse_args([str(f) for f in flags]), env), env)
+    return trainer.final_config(trainer.draft_config(*trainer.parse_args([str(f) for f in flags]), env), env)
 
 
 def past_flags(out):
-    """A run's printed lines but the flags given (settings.say_given's, continuations too): those that follow them."""
+    """A run's printed lines but the flags given (resolution.say_given's, continuations too): those that follow them."""
     return [line for line in out.splitlines() if not line.startswith(("flags given: ", "    "))]
 
 

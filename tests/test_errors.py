@@ -215,7 +215,9 @@ def test_a_rate_that_overflows_float32_is_refused(shards, tmp_path, capsys, flag
     assert code == 0 and "Traceback" not in err, (out, err)
 
 
-@pytest.mark.parametrize("name", settings.PATH_SETTINGS)
+# every path flag, named here as well as declared (path=True), so that a path left undeclared fails its test
+@pytest.mark.parametrize("name", ["data", "log_dir", "init_from", "hellaswag_file", "core_data", "cache_dir",
+                                  "sample", "export_hf", "resume"])
 def test_an_empty_path_is_refused(shards, tmp_path, capsys, monkeypatch, name):
     """As an unset shell variable gives it (`--export-hf "$OUT"`): an empty path means "off" or "the default" to some
     of these flags, and `--export-hf ""` trained (over the run in --log-dir). Refused before anything is written, in

@@ -42,7 +42,7 @@ from helpers import (
     write_jsonl,
     write_shards,
 )
-from machinery import checkpoint_commands, checkpoints, hf_format, settings
+from machinery import checkpoint_commands, checkpoints, hf_format, presets
 from machinery.errors import UsageError
 from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
 from train_gpt2 import GPT
@@ -206,10 +206,10 @@ def test_our_from_pretrained_reads_the_export_back(exports, name):
 
 @needs_muon
 def test_the_modern_recipe_reads_its_export_back(exports):
-    """modern.from_pretrained, of the model settings that the directory's config.json gives (settings.export_settings):
-    the same weights, the padding rows left at zero."""
+    """modern.from_pretrained, of the model settings that the directory's config.json gives
+    (presets.settings_of_export): the same weights, the padding rows left at zero."""
     ckpt, out, _ = exports["modern"]
-    model_settings = settings.export_settings(out, train_gpt2.RECIPES)
+    model_settings = presets.settings_of_export(out, train_gpt2.RECIPES)
     assert model_settings == dict(recipe="modern", n_layer=2, n_head=4, n_embd=64, block_size=BLOCK,
                                   vocab_size=GPT2_VOCAB, logit_softcap=15.0)
     padded = train_gpt2.GPTConfig(**dict(model_settings, vocab_size=PADDED))

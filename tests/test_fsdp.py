@@ -23,7 +23,7 @@ from helpers import (
     val_records,
     write_shards,
 )
-from machinery import checkpoints, errors, log_directory, settings, sharded_checkpoints
+from machinery import checkpoints, errors, log_directory, presets, sharded_checkpoints
 from variations import modern
 
 # 20 steps of 512 tokens: 2 accumulation steps of 4 x 32 in each of 2 processes, so that FSDP's reduce is skipped on
@@ -134,7 +134,7 @@ def test_sharded_checkpoint_is_read_by_eval_only_sample_and_export(runs, tmp_pat
     assert f"checkpoint of step 20 (val loss {final:.4f})" in out
     code, out, err = run_main(["--export-hf", tmp_path / "hf", "--log-dir", dirs["fsdp"]], capsys)
     assert code == 0, err
-    exported = settings.export_settings(str(tmp_path / "hf"), train_gpt2.RECIPES)
+    exported = presets.settings_of_export(str(tmp_path / "hf"), train_gpt2.RECIPES)
     assert exported.pop("recipe") == recipe
     config = train_gpt2.GPTConfig(recipe=recipe, **exported)
     exported = train_gpt2.RECIPES[recipe].from_pretrained(str(tmp_path / "hf"), config).state_dict()

@@ -34,7 +34,7 @@ from helpers import (
     val_records,
     write_shards,
 )
-from machinery import checkpoints, errors, fsdp, settings, sharded_checkpoints
+from machinery import checkpoints, errors, fsdp, resolution, sharded_checkpoints
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
@@ -291,16 +291,17 @@ def test_the_mesh_splits_each_tensor_over_its_shard_group_and_copies_it_over_the
 
 
 def mesh(monkeypatch, world_size, flags=(), local_world_size=None):
-    """fsdp.mesh_shape of --fsdp and flags as settings.resolve resolves them on world_size processes, local_world_size
-    of them a node (None: unset), and the mesh's line among the run's first lines (None if there is none)."""
+    """fsdp.mesh_shape of --fsdp and flags as resolution.final_settings resolves them on world_size processes,
+    local_world_size of them a node (None: unset), and the mesh's line among the run's first lines (None if there is
+    none)."""
     if local_world_size is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
     env = train_gpt2.Env(0, 0, world_size, "cpu", "cpu")
-    draft = train_gpt2.layered_config(*train_gpt2.parse_args([
+    draft = train_gpt2.draft_config(*train_gpt2.parse_args([
         *TINY, "--data", "unread", "--batch-size", "1", "--total-batch-size", "4096", "--fsdp", *map(str, flags)]), env)
-    cfg, lines = settings.resolve(draft, env, train_gpt2.RECIPES, (fsdp.check_settings,))
+    cfg, lines = resolution.final_settings(draft, env, train_gpt2.RECIPES, (fsdp.check_settings,))
     return fsdp.mesh_shape(cfg, env), next((line for line in lines if line.startswith(("HSDP", "FSDP"))), None)
 
 

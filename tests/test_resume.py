@@ -49,7 +49,7 @@ from helpers import (
     wait_for_step,
     write_shards,
 )
-from machinery import checkpoints, locks, log_directory, settings
+from machinery import checkpoints, locks, log_directory, resolution
 
 
 def checkpoint_names(log_dir):
@@ -947,8 +947,8 @@ def test_a_resumed_run_keeps_its_warmup_and_says_how_its_schedule_changes(shards
     assert load_ckpt(checkpoint_path(log_dir, 30))["train_config"]["warmup_steps"] == 2
     # the run's warmup, unless given, or too long for the run (its tenth then, as for a fresh start)
     for max_steps, warmup, given, kept in ((800, 2, {}, 2), (500, 715, {}, 50), (800, 2, {"warmup_steps": 50}, 50)):
-        draft = settings.Draft(train_gpt2.TrainConfig(max_steps=max_steps, **given), set(given))
-        settings.fit_warmup(draft, resumed={"warmup_steps": warmup})
+        draft = resolution.Draft(train_gpt2.TrainConfig(max_steps=max_steps, **given), set(given))
+        resolution.fit_warmup(draft, resumed={"warmup_steps": warmup})
         assert draft.done().warmup_steps == kept, (max_steps, warmup, given)
 
 

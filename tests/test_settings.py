@@ -344,7 +344,7 @@ def test_a_directory_with_shards_or_other_files_is_data(tmp_path, capsys, monkey
 
 
 def test_a_setting_assigned_once_the_settings_are_resolved_raises(shards, capsys):
-    """settings.resolve decides every setting; after it nothing may change one (it would be a silent change)."""
+    """final_settings decides every setting; after it nothing may change one (it would be a silent change)."""
     cfg = resolved(["--data", shards], train_gpt2.Env(0, 0, 1, "cpu", "cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_lr = 1e-3

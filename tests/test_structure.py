@@ -18,7 +18,7 @@ FOLDERS = ("machinery", "variations", "evaluation")
 MAY_IMPORT = {"machinery": {"machinery"}, "variations": {"machinery", "variations"},
               "evaluation": {"machinery", "evaluation"}}
 # what benchmarks/ may take from train_gpt2.py: every other name of it may change freely
-TRAINER_NAMES = {"TrainConfig", "parse_args", "layered_config", "resolve_config", "MODEL_SIZES", "PADDED_VOCAB",
+TRAINER_NAMES = {"TrainConfig", "parse_args", "draft_config", "final_config", "MODEL_SIZES", "PADDED_VOCAB",
                  "GPTConfig", "GPT", "model_of", "make_model", "make_optimizers", "set_lr", "set_up_distributed",
                  "tear_down_distributed", "set_tf32", "autocast_context", "compile_model", "train_step",
                  "evaluate_val", "SHAKESPEARE", "cross_entropy"}
@@ -130,7 +130,7 @@ def tiny_run(tmp_path):
     flags, given = train_gpt2.parse_args([str(a) for a in args])
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     env = train_gpt2.set_up_distributed(flags.device, flags.fsdp)
-    draft = train_gpt2.layered_config(flags, given, env)
+    draft = train_gpt2.draft_config(flags, given, env)
     try:
         with train_gpt2.log_directory.locked(draft, env):
             yield train_gpt2.set_up(draft, env)

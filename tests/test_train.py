@@ -35,7 +35,7 @@ from helpers import (
     train_records,
     val_records,
 )
-from machinery import settings
+from machinery import resolution
 from machinery.tokenizer import GPT2_VOCAB
 from train_gpt2 import TrainConfig, get_lr
 from variations import losses, modern
@@ -76,16 +76,16 @@ def test_a_run_shorter_than_the_warmup_gets_a_warmup_that_fits(shards, tmp_path,
     lrs = [r["lr"] for r in train_records(read_log(tmp_path / "log")).values()]
     # at the peak after 1 step, then down the cosine
     assert lrs[0] == pytest.approx(6e-4) and lrs[-1] == pytest.approx(6e-5)
-    draft = settings.Draft(TrainConfig(max_steps=50, warmup_steps=50), set())  # as long as the warmup: "shorter than"
-    lines = settings.fit_warmup(draft, resumed=None)
+    draft = resolution.Draft(TrainConfig(max_steps=50, warmup_steps=50), set())  # as long as the warmup: "shorter than"
+    lines = resolution.fit_warmup(draft, resumed=None)
     assert draft.done().warmup_steps == 5
     assert "--max-steps 50 is no longer than the 50 warmup steps: warming up for 5 steps" in "\n".join(lines)
-    draft = settings.Draft(TrainConfig(max_steps=10, warmup_steps=20), {"warmup_steps"})
-    lines = settings.fit_warmup(draft, resumed=None)
+    draft = resolution.Draft(TrainConfig(max_steps=10, warmup_steps=20), {"warmup_steps"})
+    lines = resolution.fit_warmup(draft, resumed=None)
     assert draft.done().warmup_steps == 20  # the user's choice stands, with a warning
     assert "warning: --warmup-steps 20 is not shorter than --max-steps 10" in "\n".join(lines)
-    draft = settings.Draft(TrainConfig(max_steps=5, warmup_steps=715), set())  # a tenth of 5 steps is none
-    lines = settings.fit_warmup(draft, resumed=None)
+    draft = resolution.Draft(TrainConfig(max_steps=5, warmup_steps=715), set())  # a tenth of 5 steps is none
+    lines = resolution.fit_warmup(draft, resumed=None)
     assert draft.done().warmup_steps == 0
     assert "--max-steps 5 is no longer than the 715 warmup steps: no warmup instead" in "\n".join(lines)
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from machinery import hf_format, settings
+from machinery import checks, hf_format, settings
 from machinery.errors import UsageError
 from machinery.settings import setting
 from machinery.tokenizer import GPT2_VOCAB
@@ -80,8 +80,8 @@ def check_settings(cfg, given):
         raise UsageError(f"--fsdp --recipe modern shards Muon with the steps of torch.optim.Muon's own update, which "
                          f"this torch ({torch.__version__}) does not have where it looked (torch.optim._muon); use the "
                          f"torch that requirements.txt names, or drop --fsdp")
-    settings.require(cfg, ("logit_softcap",), lambda v: v > 0, "positive")
-    settings.require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
+    checks.require(cfg, ("logit_softcap",), lambda v: v > 0, "positive")
+    checks.require(cfg, ("cooldown_frac",), lambda v: 0 < v <= 1, "above 0 and at most 1")
     head_size = cfg.n_embd // cfg.n_head
     if head_size % 2:  # rotate turns each value of a head's first half with its partner in the second
         raise UsageError(f"--recipe modern turns queries and keys in pairs of values (rotary positions), which needs "
@@ -288,7 +288,7 @@ HF_FORMAT = hf_format.nanochat(rope_theta=ROTARY_BASE, rms_norm_eps=torch.finfo(
 
 
 def from_pretrained(directory, config, cache_dir=None):
-    """The model of config (its recipe and shapes those of the export directory, settings.export_settings) with the
+    """The model of config (its recipe and shapes those of the export directory, presets.settings_of_export) with the
     export's weights; the token rows past GPT-2's, padding, zero."""
     model = GPT(config)
     with torch.no_grad():

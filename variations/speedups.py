@@ -1,8 +1,8 @@
 """
 Speed-ups past the lecture's, for train_gpt2.py, each behind a setting that is off by default until a GPU call ranks it
 against the trainer's defaults (benchmarks/speed_ladder.py --rungs, benchmarks/gpu_check.py): a winner becomes a
-default, a loser is removed. train_gpt2.TrainConfig inherits Settings, so each is a flag; settings.resolve refuses in
-one line one that cannot run here (check), and set_up switches on the rest for the run's process (apply).
+default, a loser is removed. train_gpt2.TrainConfig inherits Settings, so each is a flag; resolution.final_settings
+refuses in one line one that cannot run here (check), and set_up switches on the rest for the run's process (apply).
 
 - --coordinate-descent: inductor tunes each kernel's launch settings (longer compiles); not yet ranked
 - --fp8-head: the output layer's matmul, the model's largest, in float8 with a scale per row; its backward in bf16.
@@ -30,7 +30,7 @@ class Settings:
     coordinate_descent: bool = setting(False, "inductor tunes each kernel's launch settings by coordinate descent "
                                        "(longer compiles)", memory=True)
     fp8_head: bool = setting(False, "the output layer's matmul in float8 with a scale per row, its backward in bf16 "
-                             "(CUDA, compute capability 8.9 or later)", memory=True)
+                             "(CUDA, compute capability 8.9 or later)", memory=True, full_loss=True)
 
 
 def check(cfg, env):
@@ -62,7 +62,7 @@ def check_fp8_head(cfg, device):
 
 def apply(cfg, model):
     """Switches the speed-ups asked for on, in this process and on the model (its output layer in float8 with
-    --fp8-head); settings.resolve refused those that cannot run here, before anything was read."""
+    --fp8-head); final_settings refused those that cannot run here, before anything was read."""
     if cfg.coordinate_descent:
         from torch._inductor import config  # here: importing the compiler's configs takes a second or more
 

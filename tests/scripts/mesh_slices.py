@@ -26,7 +26,7 @@ def rows_held(whole, mine):
 
 def holdings(shards, env):
     flags, given = train_gpt2.parse_args(TINY + ["--fsdp-shards", shards])
-    cfg = train_gpt2.resolve_config(train_gpt2.layered_config(flags, given, env), env)
+    cfg = train_gpt2.final_config(train_gpt2.draft_config(flags, given, env), env)
     model = train_gpt2.make_model(cfg, env.device)
     whole = model.transformer.h[0].mlp.c_fc.weight.detach().clone()
     train_gpt2.wrap_model(model, cfg, env)
