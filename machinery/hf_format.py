@@ -27,18 +27,16 @@ from typing import Callable, NamedTuple
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tiktoken.load import load_tiktoken_bpe
 
-from machinery import files
+from machinery import files, tokenizer
 from machinery.errors import UsageError
-from machinery.tokenizer import EOT, GPT2_BPE_FILE, GPT2_VOCAB
+from machinery.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB
 
 try:
     import fcntl
 except ImportError:  # Windows
     fcntl = None
 
-EOT_TEXT = "<|endoftext|>"
 # the weights OpenAI's Conv1D stores (in, out), where nn.Linear has (out, in)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -346,88 +344,6 @@ def generation_config(vocab_size, block_size):
 
 
 # -----------------------------------------------------------------------------
-# The tokenizer's files
-
-
-def byte_stand_ins():
-    """GPT-2's printable character for each byte: vocab.json and merges.txt hold tokens as text, where a space,
-    which separates the two halves of a merge, or a control byte cannot stand for itself. Printable bytes keep their
-    own character; the others take the characters from 256 on (the space becomes "Ġ")."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = (b for b in range(256) if b not in printable)
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-def bpe_parts(token, ranks, max_rank):
-    """The parts that byte-pair merging of token's bytes ends with, using only the merges ranked below max_rank."""
-    parts = [bytes([b]) for b in token]
-    while True:
-        pairs = [(ranks.get(a + b, max_rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-        rank, i = min(pairs, default=(max_rank, 0))
-        if rank >= max_rank:
-            return parts
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-
-
-def recover_merges(ranks):
-    """GPT-2's merges in priority order, from its BPE ranks: each token of several bytes, in rank order, is the merge
-    of the two parts that merging its bytes with the lower ranks alone ends with."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) > 1:
-            left, right = bpe_parts(token, ranks, rank)  # two: the token itself is the next merge
-            merges.append((left, right))
-    return merges
-
-
-EOT_SPEC = {"content": EOT_TEXT, "single_word": False, "lstrip": False, "rstrip": False, "normalized": True,
-            "special": True}
-
-
-@functools.cache  # the same for every export, and a second or more of work: made once in a process
-def bpe_files():
-    """{file name: contents} of GPT-2's byte-pair encoding, from the shipped BPE ranks: vocab.json and merges.txt (what
-    GPT2Tokenizer reads), and the same in tokenizer.json (what the `tokenizers` library reads)."""
-    ranks = load_tiktoken_bpe(GPT2_BPE_FILE)
-    stand_in = byte_stand_ins()
-
-    def text(token):
-        return "".join(stand_in[b] for b in token)
-
-    vocab = {**{text(token): rank for token, rank in ranks.items()}, EOT_TEXT: EOT}
-    merges = [f"{text(left)} {text(right)}" for left, right in recover_merges(ranks)]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [{"id": EOT, **EOT_SPEC}],
-        "normalizer": None,
-        "pre_tokenizer": byte_level,  # with use_regex, GPT-2's split into words (tokenizer.py's pattern) comes first
-        "post_processor": byte_level, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
-                  "merges": merges},
-    }
-    return {
-        "vocab.json": json.dumps(vocab, ensure_ascii=False),
-        "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
-        "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
-    }
-
-
-def tokenizer_files(block_size):
-    """{file name: contents} of GPT-2's tokenizer: its byte-pair encoding (bpe_files), the context length, and the
-    special token."""
-    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
-    tokenizer_config = {
-        "tokenizer_class": "GPT2Tokenizer", **special, "add_prefix_space": False, "add_bos_token": False,
-        "model_max_length": block_size, "errors": "replace",
-        "clean_up_tokenization_spaces": False,  # decoding gives the text back as it was, " ." and " 's" included
-        "added_tokens_decoder": {str(EOT): EOT_SPEC},
-    }
-    return {**bpe_files(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
-            "special_tokens_map.json": json.dumps(special, indent=2)}
-
-
-# -----------------------------------------------------------------------------
 # The model card
 
 
@@ -642,7 +558,7 @@ def export(out_dir, fmt, state_dict, config, n_tokens, about):
         write_file(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))
         generation = generation_config(shape["vocab_size"], shape["block_size"])
         write_file(directory, "generation_config.json", json.dumps(generation, indent=2))
-        for name, contents in tokenizer_files(shape["block_size"]).items():
+        for name, contents in tokenizer.tokenizer_files(shape["block_size"]).items():
             write_file(directory, name, contents)
         write_file(directory, "README.md", model_card(fmt, shape, config, n_params, about))
 
