@@ -46,6 +46,7 @@ from variations.losses import chunked_cross_entropy
 
 HERE = os.path.dirname(os.path.realpath(__file__))  # this file's own directory, not a link's: input.txt lies there
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
+BENCHMARKS = (hellaswag, core_score)  # what a run can score (evaluation/), in the order of its lines and model card
 
 # -----------------------------------------------------------------------------
 # Settings: edit the defaults here, or pass any of them as a flag (n_layer -> --n-layer).
@@ -773,7 +774,7 @@ def set_up(draft, env):
     cfg = final_config(draft, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
-    benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core_score) if getattr(cfg, module.EVERY)}
+    benchmarks = {module: module.load_run(cfg) for module in BENCHMARKS if getattr(cfg, module.EVERY)}
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
     speedups.apply(cfg, model)  # each speed-up asked for: before the model compiles
     compiled = wrap_model(model, cfg, env)
@@ -836,7 +837,8 @@ def main(argv=None):
         check_paths(cfg, given, MODEL_SIZES)
         with microbatch.out_of_memory_in_one_line(cfg):
             if cfg.export_hf:
-                checkpoint_commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
+                checkpoint_commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, BENCHMARKS, model_of,
+                                              GPT.from_pretrained)
             elif cfg.sample:
                 env = set_up_distributed(cfg.device)
                 checkpoint_commands.sample(cfg, given, env, model_of, autocast_context, print_samples)

@@ -71,6 +71,8 @@ CORE_BUNDLE_SHA256 = "90a7c19e28ee7a52b4f6e1f87658deb9fde7f63deba2379045bdb1fe9e
 BUNDLE = "eval_bundle"  # the directory the zip holds, and its name in the cache
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 EVERY = "core_every"  # the training run's setting of the steps between its evaluations
+NAME, KEY = "CORE", "core"  # on a model card; the score its log records hold
+OPENAI_CORE = {"gpt2": 0.1139, "gpt2-medium": 0.1849, "gpt2-large": 0.2146, "gpt2-xl": 0.2565}  # as nanochat measured
 IN_TRAINING = 500  # examples a task in the evaluations during training, as nanochat's base_train
 SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234
 SHAPES = 3  # under torch.compile, rows are padded to block_size, block_size / 2, ..., one graph each
@@ -553,7 +555,7 @@ class Result(NamedTuple):
     #                 language modeling 1 if right
 
     def record(self):
-        return {"core": self.core, "core_accuracy": self.accuracy, "core_centered": self.centered,
+        return {KEY: self.core, "core_accuracy": self.accuracy, "core_centered": self.centered,
                 "core_examples": self.examples}
 
     def line(self):
@@ -617,3 +619,15 @@ def evaluate_run(run, bundle):
                       examples_per_task(cfg.core_max_per_task, final), cfg.block_size,
                       run.micro_batch * cfg.seq_len, cfg.compile)
     return result.record(), result.line()
+
+
+def card_line(record, published=None):
+    """A model card's line on CORE: the score of the weights' logged record (evaluate_run's, with its step), or of
+    OpenAI's weights named published as nanochat measured them; else how to measure it."""
+    if record is not None:
+        return (f"{record[KEY]:.4f} at step {record['step']}, on {record['core_examples']:,} examples of "
+                f"{len(record['core_accuracy'])} tasks, scored as nanochat scores it (train_gpt2.py's log.jsonl)")
+    if published in OPENAI_CORE:
+        return f"{OPENAI_CORE[published]}, as nanochat measured OpenAI's {published} (its 22 tasks)"
+    return ("not measured at these weights; `python train_gpt2.py --eval-only --init-from path/to/this/directory "
+            "--core-every 1` measures it (DCLM's CORE, as nanochat scores it)")

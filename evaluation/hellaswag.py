@@ -32,6 +32,7 @@ HELLASWAG_FILE = "hellaswag_val.jsonl"
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data"
 HELLASWAG_VAL_EXAMPLES = 10042
 EVERY = "hellaswag_every"  # the training run's setting of the steps between its evaluations
+NAME, KEY = "HellaSwag", "hellaswag_acc_norm"  # on a model card; the score its log records hold
 EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
 
 
@@ -203,5 +204,14 @@ def evaluate_run(run, prepared):
     per_batch = examples_per_batch(prepared, run.micro_batch * cfg.seq_len)
     acc_norm, acc, n = evaluate(run.compiled, prepared, env.device, run.autocast_ctx, env.rank, env.world_size,
                                 per_batch)
-    return ({"hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc},
-            f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+    return ({KEY: acc_norm, "hellaswag_acc": acc}, f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+
+
+def card_line(record, published=None):
+    """A model card's line on HellaSwag: the scores of the weights' logged record (evaluate_run's, with its step), or
+    None; and how lm-evaluation-harness measures it. Of OpenAI's weights (published, their name) it quotes none."""
+    lm_eval = "`lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks hellaswag` measures it"
+    if record is None:
+        return f"not measured at these weights; {lm_eval}"
+    return (f"acc_norm {record[KEY]:.4f}, acc {record['hellaswag_acc']:.4f} at step {record['step']}, as "
+            f"train_gpt2.py scores it (its log.jsonl); {lm_eval} the harness's way")

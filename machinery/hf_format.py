@@ -28,9 +28,9 @@ from typing import Callable, NamedTuple
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from machinery import files, tokenizer
+from machinery import files, model_card, tokenizer
 from machinery.errors import UsageError
-from machinery.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB
+from machinery.tokenizer import EOT, GPT2_VOCAB
 
 try:
     import fcntl
@@ -344,93 +344,6 @@ def generation_config(vocab_size, block_size):
 
 
 # -----------------------------------------------------------------------------
-# The model card
-
-
-OPENAI_CORE = {"gpt2": 0.1139, "gpt2-medium": 0.1849, "gpt2-large": 0.2146, "gpt2-xl": 0.2565}  # as nanochat measured
-
-
-def published_facts(name):
-    """The model card's facts of OpenAI's own weights: their CORE as nanochat measured it."""
-    measured = OPENAI_CORE.get(name)
-    return dict(source=f"OpenAI's {name}, as published", trained="WebText, by OpenAI",
-                validation="not evaluated by train_gpt2.py", hellaswag=None,
-                core=None if measured is None else f"{measured}, as nanochat measured OpenAI's {name} (its 22 tasks)")
-
-
-def name_only(path):
-    """The last part of a path, which the model card gives for it (edu_fineweb10B of /scratch/alice/edu_fineweb10B/):
-    hf upload publishes the card, where the directories above would tell only the layout of the user's machine."""
-    return os.path.basename(os.path.normpath(path))
-
-
-def checkpoint_facts(source, step, train_config, validation, hellaswag, start, core_record=None):
-    """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config that
-    started from start (--init-from's weights in words, or None); hellaswag, core_record: their logged records at
-    that step, or None. The checkpoint and the data are named, not where they lay."""
-    batch = train_config["total_batch_size"]
-    fine_tuned = "" if start is None else f", fine-tuning {start}"
-    return dict(source=f"the checkpoint {name_only(source)} (step {step} of {train_config['max_steps']})",
-                trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {name_only(train_config['data'])}"
-                        f"{fine_tuned}",
-                validation=validation, hellaswag=hellaswag, core=core_record and core_in_words(core_record))
-
-
-def core_in_words(record):
-    """A logged CORE record, for the model card."""
-    return (f"{record['core']:.4f} at step {record['step']}, on {record['core_examples']:,} examples of "
-            f"{len(record['core_accuracy'])} tasks, scored as nanochat scores it (train_gpt2.py's log.jsonl)")
-
-
-def model_card(fmt, shape, model_config, n_params, about):
-    """README.md: what the model is, what it was trained on and how well, what loads it and how to use it, and how
-    it was made."""
-    vocab = shape["vocab_size"]
-    if vocab < GPT2_VOCAB:
-        vocab_note = (f"Its vocabulary is GPT-2's first {vocab} token ids (trained with `--vocab-size {vocab}`): the "
-                      f"tokenizer is GPT-2's whole, and text that tokenizes to an id of {vocab} or more is outside "
-                      f"the model (its embedding has no row for it, and no logit scores it); it knows no "
-                      f"`{EOT_TEXT}`, so config.json names no bos or eos token.")
-    else:
-        vocab_note = f"Its vocabulary and tokenizer are GPT-2's, {GPT2_VOCAB:,} tokens with `{EOT_TEXT}` ({EOT})."
-    lm_eval = "`lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks hellaswag` measures it"
-    hellaswag = about["hellaswag"]
-    if hellaswag is None:
-        hellaswag = f"not measured at these weights; {lm_eval}"
-    else:
-        hellaswag = (f"acc_norm {hellaswag['hellaswag_acc_norm']:.4f}, acc {hellaswag['hellaswag_acc']:.4f} at step "
-                     f"{hellaswag['step']}, as train_gpt2.py scores it (its log.jsonl); {lm_eval} the harness's way")
-    needs = f"- needs: {fmt.needs}\n" if fmt.needs else ""
-    core_unmeasured = ("not measured at these weights; `python train_gpt2.py --eval-only --init-from "
-                       "path/to/this/directory --core-every 1` measures it (DCLM's CORE, as nanochat scores it)")
-    return f"""---
-library_name: transformers
-pipeline_tag: text-generation
-tags:
-- {fmt.model_type}
-- train_gpt2
----
-
-# {fmt.architecture} from train_gpt2.py
-
-{fmt.about(shape, model_config, n_params)} {vocab_note}
-
-- weights: {about["source"]}
-- trained on: {about["trained"]}
-- validation: {about["validation"]}
-- HellaSwag: {hellaswag}
-- CORE: {about["core"] or core_unmeasured}
-{needs}
-```python
-from transformers import pipeline
-print(pipeline("text-generation", model="path/to/this/directory")("Hello, I'm a language model,")[0]["generated_text"])
-```
-
-Made with `{about["command"]}`.
-"""
-
-
-# -----------------------------------------------------------------------------
 # The directory, whole or not at all
 
 
@@ -543,8 +456,8 @@ def write_directory(out_dir, fill):
 def export(out_dir, fmt, state_dict, config, n_tokens, about):
     """Writes out_dir as the Hugging Face model of Format fmt: the weights of train_gpt2.py's state_dict in its
     layout, the shapes of its model config (dict) with its first n_tokens token ids (the padding rows are left out),
-    GPT-2's tokenizer, and a model card with about's facts: source, trained, validation, hellaswag, core, command.
-    Returns the number of parameters."""
+    GPT-2's tokenizer, and a model card of about (model_card.model_card's: the facts, the benchmarks' lines, the
+    command). Returns the number of parameters."""
     weights = fmt.layout(state_dict, n_tokens)
     shape = dict({k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}, vocab_size=n_tokens)
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
@@ -560,7 +473,7 @@ def export(out_dir, fmt, state_dict, config, n_tokens, about):
         write_file(directory, "generation_config.json", json.dumps(generation, indent=2))
         for name, contents in tokenizer.tokenizer_files(shape["block_size"]).items():
             write_file(directory, name, contents)
-        write_file(directory, "README.md", model_card(fmt, shape, config, n_params, about))
+        write_file(directory, "README.md", model_card.model_card(fmt, shape, config, n_params, about))
 
     write_directory(out_dir, fill)
     return n_params

@@ -37,7 +37,7 @@ from helpers import (
     tiny_gpt,
     write_shards,
 )
-from machinery import downloads, hf_format
+from machinery import downloads
 from machinery.errors import UsageError
 from machinery.tokenizer import EOT, gpt2_tokenizer
 
@@ -367,8 +367,8 @@ def test_training_evaluates_every_n_steps_and_at_the_end(bundle, checkpoint, tmp
 
 
 def test_model_cards_of_openais_weights_give_nanochats_measure():
-    assert hf_format.published_facts("gpt2")["core"].startswith("0.1139, as nanochat measured OpenAI's gpt2")
-    assert hf_format.published_facts("random weights")["core"] is None
+    assert core_score.card_line(None, published="gpt2").startswith("0.1139, as nanochat measured OpenAI's gpt2")
+    assert core_score.card_line(None, published="random weights").startswith("not measured at these weights")
 
 
 # -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from helpers import (
     write_jsonl,
     write_shards,
 )
-from machinery import checkpoint_commands, checkpoints, hf_format, presets, tokenizer
+from machinery import checkpoint_commands, checkpoints, hf_format, model_card, presets, tokenizer
 from machinery.errors import UsageError
 from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
 from train_gpt2 import GPT
@@ -294,7 +294,8 @@ def quick_start_export(tmp_path_factory):
     torch.manual_seed(0)
     model = train_gpt2.model_of(train_gpt2.GPTConfig(**shapes))
     out = str(tmp_path_factory.mktemp("quick_start") / "hf")
-    about = dict(hf_format.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1")
+    about = dict(model_card.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1",
+                 scores=[(b.NAME, b.card_line(None, published="random weights")) for b in train_gpt2.BENCHMARKS])
     gpt2 = train_gpt2.RECIPES["gpt2"].hf_format
     hf_format.export(out, gpt2, model.state_dict(), asdict(model.config), model.n_tokens, about)
     return out

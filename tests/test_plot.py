@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import plot
+from evaluation import core_score
 from helpers import REPO, run_command
-from machinery import hf_format
 
 PLOT = os.path.join(REPO, "plot.py")
 
@@ -131,11 +131,11 @@ def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
 
 
 def test_core_has_a_row_of_its_own_with_gpt2s_lines(tmp_path):
-    """CORE against the step, under HellaSwag, with GPT-2 124M's line (nanochat's measure, as hf_format.py has it, or
+    """CORE against the step, under HellaSwag, with GPT-2 124M's line (nanochat's measure, as core_score.py has it, or
     the log's own of --eval-only --init-from gpt2) and GPT-2 1.5B's; without HellaSwag points, right under the
     losses."""
     pytest.importorskip("matplotlib")
-    openai = hf_format.OPENAI_CORE
+    openai = core_score.OPENAI_CORE
     assert (plot.GPT2_124M_CORE, plot.GPT2_XL_CORE) == (openai["gpt2"], openai["gpt2-xl"])
     core_lines = [{"step": step, "tokens": step * 1024, "core": 0.01 * step, "core_accuracy": {"copa": 0.5},
                    "core_centered": {"copa": 0.0}, "core_examples": 100} for step in (0, 2)]
