@@ -66,7 +66,7 @@ def export_hf(cfg, argv, recipes, benchmarks, model_of, from_pretrained):
     gives each of benchmarks' scores (evaluation/'s modules) that the run logged at the checkpoint's step."""
     if environment.processes()[0] != 0:
         return
-    hf_format.check_new_directory(cfg.export_hf)  # now, not after a long load
+    files.refuse_unless_new_directory(cfg.export_hf, "--export-hf")  # now, not after a long load
     if cfg.init_from != "scratch" and os.path.isdir(cfg.init_from):
         raise UsageError(f"--export-hf: --init-from {cfg.init_from} is a Hugging Face model directory already; copy "
                          f"it, or export a checkpoint of a run that starts from it")

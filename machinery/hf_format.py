@@ -15,14 +15,10 @@ into a new directory beside the one asked for, renamed into place once whole. It
 never transformers, and never imports train_gpt2 (which imports it).
 """
 
-import contextlib
 import functools
 import json
 import os
 import re
-import shutil
-import signal
-import uuid
 from typing import Callable, NamedTuple
 
 from safetensors import SafetensorError
@@ -31,11 +27,6 @@ from safetensors.torch import load_file, save_file
 from machinery import files, model_card, tokenizer
 from machinery.errors import UsageError
 from machinery.tokenizer import EOT, GPT2_VOCAB
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
 
 # the weights OpenAI's Conv1D stores (in, out), where nn.Linear has (out, in)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -344,14 +335,7 @@ def generation_config(vocab_size, block_size):
 
 
 # -----------------------------------------------------------------------------
-# The directory, whole or not at all
-
-
-def check_new_directory(out_dir):
-    """Refuses an out_dir that holds anything: an export never mixes its files with others, nor replaces them."""
-    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
-        raise UsageError(f"--export-hf {out_dir}: it exists and is not an empty directory; pass a new one (or "
-                         f"delete it)")
+# The export
 
 
 def save_weights(weights, path):
@@ -365,92 +349,6 @@ def save_weights(weights, path):
         if code is None:
             raise
         raise OSError(int(code[1]), os.strerror(int(code[1])), path) from e
-
-
-def write_file(directory, name, contents):
-    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-        f.write(contents)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)  # as Ctrl-C's KeyboardInterrupt, deletes the temporary directory; 143: SIGTERM's
-
-
-def lock(fd, wait):
-    """Takes an exclusive lock (flock) of the open directory fd: True if taken. The kernel drops it when its process
-    ends, even by SIGKILL. A file system that cannot lock a directory (NFS) says False: nothing there is ever taken
-    for a killed export's."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        return True
-    except OSError:
-        return False
-
-
-def remove_killed_exports(out):
-    """Deletes the temporary directories beside out that exports to it killed outright (kill -9) left: those that hold
-    files and no lock. A running export locks its own before it writes into it, so that an empty one may be an
-    export's that is starting, and stays."""
-    parent = os.path.dirname(out)
-    for name in sorted(os.listdir(parent)):
-        if re.fullmatch(re.escape(os.path.basename(out)) + r"\.[0-9a-f]{8}\.tmp", name):
-            path = os.path.join(parent, name)
-            with contextlib.suppress(OSError):  # gone meanwhile: another export removed or finished it
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    if lock(fd, wait=False) and os.listdir(path):
-                        shutil.rmtree(path)
-                        print(f"removed {path}, left by an export to {out} that was killed")
-                finally:
-                    os.close(fd)
-
-
-@contextlib.contextmanager
-def locked_directory(path):
-    """Makes the directory path, locked while inside (where there is flock: not on Windows, where a killed export's
-    directory stays), and deletes it if anything is raised inside, while still locked."""
-    os.mkdir(path)  # not tempfile.mkdtemp's 0700: the umask's permissions, as any directory the user makes
-    fd = os.open(path, os.O_RDONLY) if fcntl else None
-    try:
-        if fcntl:
-            lock(fd, wait=True)  # waits only while another export looks whether this one is a killed one's
-        yield
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def write_directory(out_dir, fill):
-    """Makes out_dir with fill(directory), whole or not at all: fill writes into a new directory beside out_dir,
-    OUT_DIR.<random>.tmp, which is synced, then renamed to it. A failed or interrupted fill (an error, Ctrl-C,
-    SIGTERM) leaves no out_dir, and deletes the temporary one; one that a process killed outright left is deleted by
-    the next export to out_dir."""
-    check_new_directory(out_dir)
-    out = os.path.abspath(out_dir)
-    previous = signal.signal(signal.SIGTERM, exit_on_signal)
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        if fcntl:
-            remove_killed_exports(out)
-        temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
-        with locked_directory(temp):
-            fill(temp)
-            files.sync_directory(temp)
-            os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
-    except BaseException as e:
-        files.raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
-        if isinstance(e, OSError):
-            check_new_directory(out_dir)  # another export to it finished first
-            raise UsageError(f"--export-hf {out_dir}: cannot write it ({e}); pass a directory you may write to")
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    files.sync_directory(os.path.dirname(out))
 
 
 def export(out_dir, fmt, state_dict, config, n_tokens, about):
@@ -468,12 +366,12 @@ def export(out_dir, fmt, state_dict, config, n_tokens, about):
         save_weights(weights, path)
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
         files.sync_file(path)
-        write_file(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))
+        files.write_text(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))
         generation = generation_config(shape["vocab_size"], shape["block_size"])
-        write_file(directory, "generation_config.json", json.dumps(generation, indent=2))
+        files.write_text(directory, "generation_config.json", json.dumps(generation, indent=2))
         for name, contents in tokenizer.tokenizer_files(shape["block_size"]).items():
-            write_file(directory, name, contents)
-        write_file(directory, "README.md", model_card.model_card(fmt, shape, config, n_params, about))
+            files.write_text(directory, name, contents)
+        files.write_text(directory, "README.md", model_card.model_card(fmt, shape, config, n_params, about))
 
-    write_directory(out_dir, fill)
+    files.write_directory(out_dir, fill, "--export-hf", "an export")
     return n_params
