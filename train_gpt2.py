@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from evaluation import core_score, hellaswag
-from machinery import checkpoint_commands, fsdp, hf_format, log_directory, microbatch, ranks, resume, run_log, settings
+from machinery import checkpoint_commands, fsdp, log_directory, microbatch, ranks, resume, run_log, settings
 from machinery.checkpoints import saved_model_config
 from machinery.checks import check_paths, require
 from machinery.downloads import hub_weights
@@ -41,7 +41,7 @@ from machinery.run_state import Run
 from machinery.settings import setting
 from machinery.shard_files import SHARD_SUFFIXES, open_shard, shard_paths
 from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
-from variations import modern, speedups
+from variations import hf_layouts, modern, speedups
 from variations.losses import chunked_cross_entropy
 
 HERE = os.path.dirname(os.path.realpath(__file__))  # this file's own directory, not a link's: input.txt lies there
@@ -337,11 +337,11 @@ class GPT(nn.Module):
         local = os.path.isdir(name)
         path = os.path.join(name, "model.safetensors") if local else hub_weights(f"openai-community/{name}", cache_dir)
         if config is None:
-            config = GPTConfig(**(hf_format.read_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
+            config = GPTConfig(**(hf_layouts.gpt2_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
         model = cls(config)
         with torch.no_grad():  # the keys and shapes checked, OpenAI's Conv1D weights transposed for nn.Linear
             fix = "export it again" if local else "delete it to download it again"
-            hf_format.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
+            hf_layouts.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
         return model
 
 
@@ -516,7 +516,7 @@ RECIPES = {
     "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
                             settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: require(
                                 cfg, ("weight_decay",), lambda v: v >= 0, "zero or more"),
-                            hf_format=hf_format.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
+                            hf_format=hf_layouts.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
     "modern": modern.RECIPE,
 }
 
