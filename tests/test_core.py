@@ -25,7 +25,7 @@ from test_hellaswag import TINY_MODEL, checkpoint_holding
 from torch._dynamo.testing import CompileCounter
 
 import train_gpt2
-from evaluation import core_score
+from evaluation import core_bundle, core_score
 from helpers import (
     REPO,
     TINY,
@@ -392,7 +392,7 @@ def served_bundle(bundle, static_server, monkeypatch):
     www, base_url = static_server
     path = zipped(bundle, www)
     monkeypatch.setenv("CORE_BUNDLE_URL", f"{base_url}/eval_bundle.zip")
-    monkeypatch.setattr(core_score, "CORE_BUNDLE_SHA256", downloads.sha256_of(path))
+    monkeypatch.setattr(core_bundle, "CORE_BUNDLE_SHA256", downloads.sha256_of(path))
     return static_server
 
 
@@ -427,7 +427,7 @@ def test_a_run_waits_for_anothers_download(bundle, served_bundle, tmp_path):
 def test_offline_and_bad_downloads_are_one_line_and_cache_nothing(bundle, served_bundle, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setattr(downloads, "RETRYING", downloads.Retrying(delay=0))  # offline: 10 retries, at once here
-    monkeypatch.setattr(core_score, "CORE_BUNDLE_SHA256", "0" * 64)  # a mirror's other bundle, or a damaged download
+    monkeypatch.setattr(core_bundle, "CORE_BUNDLE_SHA256", "0" * 64)  # a mirror's other bundle, or a damaged download
     url = re.escape(os.environ["CORE_BUNDLE_URL"])
     with pytest.raises(UsageError, match=rf"^downloaded {url} is not a valid CORE bundle \(its sha256 is "
                                          rf"[0-9a-f]{{64}}, not 0{{64}}\); nothing was cached; retry, or pass "
