@@ -177,27 +177,27 @@ def read_examples(path, kind, label, fix):
     needs = ", ".join(text_fields + ((options, "gold") if options else ()))
     examples = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    example = files.parse_json(line)
-                    if not isinstance(example, dict):
-                        raise ValueError("not a JSON object")
-                    example = dict(example, **{field: text(example[field]) for field in text_fields})
-                    if options:
-                        if not isinstance(example[options], list):  # a string's letters would be its options
-                            raise ValueError(f"its {options} is a {type(example[options]).__name__}, not a list")
-                        example[options] = [text(option) for option in example[options]]
-                        gold = example["gold"]
-                        if not (isinstance(gold, int) and not isinstance(gold, bool)
-                                and 0 <= gold < len(example[options])):
-                            raise ValueError(f"its gold {gold!r} is not the index of one of its {options}")
-                except (ValueError, KeyError, TypeError) as e:
-                    raise UsageError(f"CORE task {label}: {path}: line {line_number} is not a {kind} example ({e}; "
-                                     f"it needs {needs}); {fix}")
-                examples.append(example)
+        for line_number, example, error in files.json_lines(path):
+            if isinstance(error, UnicodeDecodeError):
+                raise error  # the file cannot be read as text: below
+            try:
+                if error is not None:
+                    raise error
+                if not isinstance(example, dict):
+                    raise ValueError("not a JSON object")
+                example = dict(example, **{field: text(example[field]) for field in text_fields})
+                if options:
+                    if not isinstance(example[options], list):  # a string's letters would be its options
+                        raise ValueError(f"its {options} is a {type(example[options]).__name__}, not a list")
+                    example[options] = [text(option) for option in example[options]]
+                    gold = example["gold"]
+                    if not (isinstance(gold, int) and not isinstance(gold, bool)
+                            and 0 <= gold < len(example[options])):
+                        raise ValueError(f"its gold {gold!r} is not the index of one of its {options}")
+            except (ValueError, KeyError, TypeError) as e:
+                raise UsageError(f"CORE task {label}: {path}: line {line_number} is not a {kind} example ({e}; "
+                                 f"it needs {needs}); {fix}")
+            examples.append(example)
     except FileNotFoundError:
         raise UsageError(f"CORE task {label}: its file {path} is missing; {fix}")
     except (OSError, UnicodeDecodeError) as e:

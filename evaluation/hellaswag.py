@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from machinery.downloads import default_cache_dir, download_once_per_node
 from machinery.errors import BadFile, UsageError
-from machinery.files import parse_json
+from machinery.files import json_lines
 from machinery.tokenizer import gpt2_tokenizer
 
 # the validation split is the one everybody reports (the test split has no labels)
@@ -43,24 +43,18 @@ EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
 def parse_examples(path, expected_count=None):
     """The examples of a HellaSwag jsonl file: one JSON object per line with ctx, 4 endings, label. Raises BadFile."""
     examples = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    example = parse_json(line)
-                except ValueError as e:
-                    raise BadFile(f"line {line_number} is not valid JSON ({e})")
-                if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
-                        and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
-                        and all(isinstance(ending, str) for ending in example["endings"])
-                        and type(example.get("label")) is int and 0 <= example["label"] <= 3):  # true is no label
-                    raise BadFile(f"line {line_number} is not a HellaSwag example: it needs a string 'ctx', "
-                                  f"a list of 4 string 'endings' and an integer 'label' in 0..3")
-                examples.append(example)
-    except UnicodeDecodeError as e:
-        raise BadFile(f"it is not UTF-8 text ({e})")
+    for line_number, example, error in json_lines(path):
+        if isinstance(error, UnicodeDecodeError):
+            raise BadFile(f"it is not UTF-8 text ({error})")
+        if error is not None:
+            raise BadFile(f"line {line_number} is not valid JSON ({error})")
+        if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
+                and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
+                and all(isinstance(ending, str) for ending in example["endings"])
+                and type(example.get("label")) is int and 0 <= example["label"] <= 3):  # true is no label
+            raise BadFile(f"line {line_number} is not a HellaSwag example: it needs a string 'ctx', "
+                          f"a list of 4 string 'endings' and an integer 'label' in 0..3")
+        examples.append(example)
     if not examples:
         raise BadFile("it has no examples")
     if expected_count is not None and len(examples) != expected_count:

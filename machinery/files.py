@@ -50,17 +50,29 @@ def parse_json(text):
         raise ValueError("nested too deep to parse") from None
 
 
+def json_lines(path, skip_blank=True):
+    """(line number, its JSON value, the ValueError that says why it holds none, or None) for each line of a
+    JSON-lines file, but blank ones unless skip_blank is False. Decoded line by line: bytes that are not UTF-8 damage
+    their line only (a UnicodeDecodeError), which a reader may skip, or refuse as it refuses a file not UTF-8."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            value = error = None
+            try:
+                text = line.decode("utf-8")
+                if skip_blank and not text.strip():
+                    continue
+                value = parse_json(text)
+            except ValueError as e:  # a UnicodeDecodeError is one
+                error = e
+            yield number, value, error
+
+
 def json_records(path):
     """(line number, the JSON object it holds) for each line of a JSON-lines file such as log.jsonl, with None for a
-    line that holds none: the last line of a run killed mid-write, a damaged block. Its readers skip such a line and
-    read the rest."""
-    with open(path, "rb") as f:  # decoded line by line: bytes that are not UTF-8 damage their line only
-        for number, line in enumerate(f, start=1):
-            try:
-                record = parse_json(line.decode("utf-8"))
-            except ValueError:
-                record = None
-            yield number, record if isinstance(record, dict) else None
+    line that holds none: the last line of a run killed mid-write, a damaged block, a blank line. Its readers skip
+    such a line and read the rest."""
+    for number, value, _ in json_lines(path, skip_blank=False):
+        yield number, value if isinstance(value, dict) else None
 
 
 # -----------------------------------------------------------------------------

@@ -490,6 +490,8 @@ def rewrite(path, change):
     (lambda d: rewrite(d / "eval_data/synthetic/arc_like.jsonl",  # a RecursionError traceback
                        lambda t: t.replace("\n", "\n" + "[" * 100000 + "]" * 100000 + "\n", 1)),
      ["arc_like.jsonl: line 2 is not a multiple_choice example (", "; it needs query, choices, gold)"]),
+    (lambda d: open(d / "eval_data/synthetic/arc_like.jsonl", "ab").write(b'{"query": "\xff"}\n'),  # not UTF-8
+     ["CORE task arc_like: cannot read ", "arc_like.jsonl ('utf-8' codec can't decode byte 0xff in position "]),
     (lambda d: os.remove(d / "core.yaml"), ["no core.yaml in it; pass --core-data the eval_bundle directory"]),
     (lambda d: rewrite(d / "core.yaml", lambda t: t + "  - [unclosed"), ["cannot read ", "core.yaml ("]),
     (lambda d: rewrite(d / "core.yaml", lambda t: t + "-\n  label: " + "[" * 1000 + "]" * 1000),  # a traceback

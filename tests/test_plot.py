@@ -65,6 +65,17 @@ def test_a_line_that_is_not_utf8_is_skipped_as_damaged_lines_are(tmp_path, capsy
     assert sorted(run.curves["train_loss"]) == [0, 1, 3]  # the lines after them are read
 
 
+def test_a_blank_line_is_counted_with_the_damaged_ones(tmp_path, capsys):
+    """A blank line holds no record: it is named as a damaged line is (the readers of data files skip blank lines)."""
+    write_log(tmp_path, run_log(range(2)))
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"step": 2, "tokens": 3072, "train_loss": 9.0}) + "\n")
+    (run,) = plot.read_runs([str(tmp_path)], None)
+    warning = f"warning: skipped 1 line(s) of {tmp_path / 'log.jsonl'} that are not log records (line 5)\n"
+    assert capsys.readouterr().out == warning
+    assert sorted(run.curves["train_loss"]) == [0, 1, 2]
+
+
 def test_a_line_nested_too_deep_or_of_an_impossible_step_is_skipped_and_named(tmp_path):
     """A damaged log.jsonl stopped plot.py with a traceback: a line of 200,000 ['s (RecursionError), a step of -1 (the
     train line's tokens per step divided by zero), a loss of 10**400 (OverflowError: no float holds it). The first
