@@ -25,7 +25,7 @@ def gpt2_tokenizer():
     parsing its 50,000 ranks takes a noticeable fraction of a second, and evaluations and samples ask for it often."""
     ranks = load_tiktoken_bpe(GPT2_BPE_FILE)
     pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    return tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks, special_tokens={EOT_TEXT: EOT})
+    return tiktoken.Encoding("r50k_base", pat_str=pattern, mergeable_ranks=ranks, special_tokens={EOT_TEXT: EOT})
 
 
 # -----------------------------------------------------------------------------
