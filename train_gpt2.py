@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from evaluation import core_score, hellaswag
-from machinery import checkpoint_commands, fsdp, hf_format, log_directory, microbatch, ranks, resume, run_log, settings
+from machinery import checkpoint_commands, fsdp, log_directory, microbatch, ranks, resume, run_log, settings
 from machinery.checkpoints import saved_model_config
 from machinery.checks import check_paths, require
 from machinery.downloads import hub_weights
@@ -41,11 +41,12 @@ from machinery.run_state import Run
 from machinery.settings import setting
 from machinery.shard_files import SHARD_SUFFIXES, open_shard, shard_paths
 from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
-from variations import modern, speedups
+from variations import hf_layouts, modern, speedups
 from variations.losses import chunked_cross_entropy
 
 HERE = os.path.dirname(os.path.realpath(__file__))  # this file's own directory, not a link's: input.txt lies there
 PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128: matmuls of that width run faster on GPUs
+BENCHMARKS = (hellaswag, core_score)  # what a run can score (evaluation/), in the order of its lines and model card
 
 # -----------------------------------------------------------------------------
 # Settings: edit the defaults here, or pass any of them as a flag (n_layer -> --n-layer).
@@ -336,11 +337,11 @@ class GPT(nn.Module):
         local = os.path.isdir(name)
         path = os.path.join(name, "model.safetensors") if local else hub_weights(f"openai-community/{name}", cache_dir)
         if config is None:
-            config = GPTConfig(**(hf_format.read_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
+            config = GPTConfig(**(hf_layouts.gpt2_shape(name, LAYER_NORM_EPS) if local else MODEL_SIZES[name]))
         model = cls(config)
         with torch.no_grad():  # the keys and shapes checked, OpenAI's Conv1D weights transposed for nn.Linear
             fix = "export it again" if local else "delete it to download it again"
-            hf_format.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
+            hf_layouts.load_gpt2_layout(path, model.state_dict(), model.n_tokens, name, fix)
         return model
 
 
@@ -515,7 +516,7 @@ RECIPES = {
     "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
                             settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: require(
                                 cfg, ("weight_decay",), lambda v: v >= 0, "zero or more"),
-                            hf_format=hf_format.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
+                            hf_format=hf_layouts.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
     "modern": modern.RECIPE,
 }
 
@@ -773,7 +774,7 @@ def set_up(draft, env):
     cfg = final_config(draft, env, ckpt, ckpt_path)
     set_tf32(cfg.dtype != "fp32")
     stream, val = load_data(cfg)
-    benchmarks = {module: module.load_run(cfg) for module in (hellaswag, core_score) if getattr(cfg, module.EVERY)}
+    benchmarks = {module: module.load_run(cfg) for module in BENCHMARKS if getattr(cfg, module.EVERY)}
     model = make_model(cfg, env.device, pretrained=ckpt is None and cfg.init_from != "scratch")
     speedups.apply(cfg, model)  # each speed-up asked for: before the model compiles
     compiled = wrap_model(model, cfg, env)
@@ -836,7 +837,8 @@ def main(argv=None):
         check_paths(cfg, given, MODEL_SIZES)
         with microbatch.out_of_memory_in_one_line(cfg):
             if cfg.export_hf:
-                checkpoint_commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, model_of, GPT.from_pretrained)
+                checkpoint_commands.export_hf(cfg, argv or sys.argv[1:], RECIPES, BENCHMARKS, model_of,
+                                              GPT.from_pretrained)
             elif cfg.sample:
                 env = set_up_distributed(cfg.device)
                 checkpoint_commands.sample(cfg, given, env, model_of, autocast_context, print_samples)

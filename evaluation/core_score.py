@@ -9,15 +9,8 @@ task's accuracy centered on its random baseline b, (acc - b) / (1 - b). nanochat
     python train_gpt2.py --eval-only --init-from hf/run1 --core-every 1
 
 What is nanochat's, as read in karpathy/nanochat (nanochat/core_eval.py, scripts/base_eval.py, nanochat/tokenizer.py;
-scripts/base_train.py's CORE settings as its forks quote them) and, for the bundle's format, in mlfoundations/dclm
-(eval/*.yaml, eval/eval_meta_data_v1.csv):
-- the bundle: eval_bundle.zip (CORE_BUNDLE_URL, nanochat's EVAL_BUNDLE_URL; CORE_BUNDLE_SHA256, the sha256 that
-  several projects using it pin: there was no internet here to fetch it),
-  holding eval_bundle/core.yaml, whose `icl_tasks` each give a label, a dataset_uri under eval_data/, num_fewshot (a
-  list: its first number), an icl_task_type (multiple_choice, schema or language_modeling) and an optional
-  continuation_delimiter (" " if not given); eval_meta_data.csv, whose "Random baseline" of each "Eval Task" is in
-  percent; and the task files, a JSON example a line: multiple choice {query, choices, gold}, schema {context_options,
-  continuation, gold}, language modeling {context, continuation}.
+scripts/base_train.py's CORE settings as its forks quote them):
+- the bundle: eval_bundle.zip, its tasks, their random baselines and their examples (core_bundle.py reads it).
 - the examples: a task's lines shuffled by random.Random(1337), then the first max_per_task (nanochat's training
   scores 500 a task every 2000 steps; base_eval every one). The few-shot examples of the example at index i of that
   list are random.Random(1234 + i).sample() of the others' indices, so a subset's prompts are not the whole task's.
@@ -45,14 +38,9 @@ would make it the special token).
 """
 
 import collections.abc
-import csv
 import math
-import os
 import random
-import shutil
 import time
-import uuid
-import zipfile
 from typing import NamedTuple
 
 import numpy as np
@@ -60,31 +48,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from machinery import checks, downloads, files
+from evaluation import core_bundle
+from machinery import checks
 from machinery.downloads import default_cache_dir
-from machinery.errors import BadFile, UsageError
-from machinery.ranks import failing_together
+from machinery.errors import UsageError
 from machinery.tokenizer import EOT, gpt2_tokenizer
 
-CORE_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
-CORE_BUNDLE_SHA256 = "90a7c19e28ee7a52b4f6e1f87658deb9fde7f63deba2379045bdb1fe9ea5d200"
-BUNDLE = "eval_bundle"  # the directory the zip holds, and its name in the cache
-TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 EVERY = "core_every"  # the training run's setting of the steps between its evaluations
+NAME, KEY = "CORE", "core"  # on a model card; the score its log records hold
+OPENAI_CORE = {"gpt2": 0.1139, "gpt2-medium": 0.1849, "gpt2-large": 0.2146, "gpt2-xl": 0.2565}  # as nanochat measured
 IN_TRAINING = 500  # examples a task in the evaluations during training, as nanochat's base_train
 SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234
 SHAPES = 3  # under torch.compile, rows are padded to block_size, block_size / 2, ..., one graph each
 SCORED = 4  # under torch.compile, a pass of n tokens scores n / SCORED at most, those logits alone computed
-
-
-class Task(NamedTuple):
-    label: str
-    kind: str  # its icl_task_type
-    num_fewshot: int
-    delimiter: str  # between a prompt's context and its continuation
-    baseline: float  # the accuracy of guessing, in [0, 1)
-    examples: list  # of dicts, in the file's order
-    path: str
 
 
 class Bundle(NamedTuple):
@@ -99,15 +75,15 @@ def examples_per_task(max_per_task, final):
 
 
 # -----------------------------------------------------------------------------
-# The bundle: downloaded once, read, checked
+# The bundle's tasks, each with enough examples for the evaluations asked for
 
 
 def load(directory, cache_dir, max_per_task):
     """The bundle's tasks from directory, or downloaded once into cache_dir ("" for either: the default), each
     checked to hold enough examples for the evaluations that --core-max-per-task max_per_task asks for."""
-    path = directory or fetch_bundle(cache_dir or default_cache_dir())
+    path = directory or core_bundle.fetch(cache_dir or default_cache_dir())
     fix = f"delete {path} to download it again" if not directory else "fix it, or pass --core-data a good copy"
-    tasks = read_bundle(path, fix)
+    tasks = core_bundle.read(path, fix)
     for task in tasks:
         if not task.examples:
             raise UsageError(f"CORE task {task.label}: {task.path} holds no examples; {fix}")
@@ -118,178 +94,6 @@ def load(directory, cache_dir, max_per_task):
                 raise UsageError(f"CORE task {task.label} ({task.path}) is {task.num_fewshot}-shot, and an evaluation "
                                  f"draws from {count} examples of it: each needs {task.num_fewshot} others; {why}")
     return Bundle(tasks, {})
-
-
-def fetch_bundle(cache_dir):
-    """The bundle's directory in cache_dir, downloaded (CORE_BUNDLE_URL, or $CORE_BUNDLE_URL's mirror) and unpacked
-    once per node, and once for the runs that share the cache: the first holds a lock that the others wait on."""
-    directory, zip_path = os.path.join(cache_dir, BUNDLE), os.path.join(cache_dir, f"{BUNDLE}.zip")
-    url = os.environ.get("CORE_BUNDLE_URL", CORE_BUNDLE_URL)
-    with failing_together():  # also the wait: it ends once every node's bundle is there
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not os.path.isdir(directory):
-            unwritable = (f"cannot write to the cache directory {cache_dir} ({{reason}}); pass --cache-dir or set "
-                          f"$GPT2_CACHE_DIR to a writable directory, or pass --core-data DIR")
-            with files.waiting_for_lock(os.path.join(cache_dir, f"{BUNDLE}.lock"), unwritable):
-                if not os.path.isdir(directory):  # another run may have unpacked it while this one waited
-                    if not os.path.exists(zip_path):  # one left by a run stopped while unpacking was checked
-                        print(f"downloading {url} to {zip_path}")
-                        downloads.download(url, zip_path, check_zip, "CORE bundle",
-                                          f"pass --core-data DIR (an unzipped copy of {os.path.basename(url)})")
-                    unpack(zip_path, directory)
-    return directory
-
-
-def check_zip(path):
-    """Raises BadFile unless path is the bundle's zip: its checksum, and its core.yaml in eval_bundle/."""
-    digest = downloads.sha256_of(path)
-    if digest != CORE_BUNDLE_SHA256:
-        raise BadFile(f"its sha256 is {digest}, not {CORE_BUNDLE_SHA256}")
-    try:
-        with zipfile.ZipFile(path) as bundle:
-            if f"{BUNDLE}/core.yaml" not in bundle.namelist():
-                raise BadFile(f"it holds no {BUNDLE}/core.yaml")
-    except zipfile.BadZipFile as e:
-        raise BadFile(f"not a zip file ({e})")
-
-
-def unpack(zip_path, directory):
-    """The zip's eval_bundle/ into directory, whole or not at all; the zip is deleted once it is there."""
-    temp = f"{directory}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with zipfile.ZipFile(zip_path) as bundle:
-            bundle.extractall(temp)
-        os.rename(os.path.join(temp, BUNDLE), directory)
-        os.remove(zip_path)
-    except OSError as e:
-        files.raise_if_no_room(e, directory, lambda: "make room in the cache directory, or pass --core-data DIR")
-        raise UsageError(f"cannot unpack {zip_path} into {directory} ({e}); pass --cache-dir or set "
-                         f"$GPT2_CACHE_DIR to a writable directory, or pass --core-data DIR") from None
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def read_bundle(directory, fix):
-    """The tasks of the bundle in directory, as its core.yaml lists them, with their baselines and examples. Raises
-    UsageError, naming the file (and line) and ending with fix, what to do about it."""
-    config_path, meta_path = os.path.join(directory, "core.yaml"), os.path.join(directory, "eval_meta_data.csv")
-    if not os.path.isfile(config_path):
-        raise UsageError(f"CORE bundle {directory}: no core.yaml in it; pass --core-data the eval_bundle directory "
-                         f"that eval_bundle.zip unpacks to")
-    baselines = read_baselines(meta_path, fix)
-    tasks, numbers = [], {}  # numbers: the task number of each label
-    for number, entry in enumerate(read_config(config_path, fix), start=1):
-        where = f"{config_path}: task {number}"
-        if not (isinstance(entry, dict) and isinstance(entry.get("label"), str)
-                and isinstance(entry.get("dataset_uri"), str)):
-            raise UsageError(f"{where} needs a label and a dataset_uri; {fix}")
-        label, kind = entry["label"], entry.get("icl_task_type")
-        if label in numbers:  # a label names a task's baseline and its scores: the second would take the first's
-            raise UsageError(f"{where} has the label {label}, as task {numbers[label]} has; each task needs a label "
-                             f"of its own, naming its row of {meta_path} (its random baseline); {fix}")
-        numbers[label] = number
-        if kind not in TASK_TYPES:
-            raise UsageError(f"{where} ({label}) has icl_task_type {kind!r}; CORE knows {', '.join(TASK_TYPES)}; "
-                             f"{fix}")
-        shots = entry.get("num_fewshot")
-        shots = shots[0] if isinstance(shots, list) and shots else shots
-        delimiter = entry.get("continuation_delimiter", " ")
-        if not (isinstance(shots, int) and not isinstance(shots, bool) and shots >= 0 and isinstance(delimiter, str)):
-            raise UsageError(f"{where} ({label}) needs num_fewshot, a number of examples from 0 (as [10]), and a "
-                             f"continuation_delimiter that is text, if any; {fix}")
-        if label not in baselines:
-            raise UsageError(f"{where} ({label}) is not in {meta_path} (its \"Eval Task\" column): no random baseline "
-                             f"to center it on; {fix}")
-        path = os.path.join(directory, "eval_data", entry["dataset_uri"])
-        tasks.append(Task(label, kind, shots, delimiter, baselines[label], read_examples(path, kind, label, fix),
-                          path))
-    return tasks
-
-
-def read_config(path, fix):
-    """core.yaml's icl_tasks."""
-    try:
-        import yaml
-    except ImportError:
-        raise UsageError("the CORE evaluation reads its bundle's core.yaml with PyYAML, which is not installed: "
-                         "pip install pyyaml")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:  # RecursionError: nested too deep
-        raise UsageError(f"cannot read {path} ({files.first_line(e)}); {fix}")
-    if not (isinstance(config, dict) and isinstance(config.get("icl_tasks"), list) and config["icl_tasks"]):
-        raise UsageError(f"{path} lists no icl_tasks; {fix}")
-    return config["icl_tasks"]
-
-
-def read_baselines(path, fix):
-    """eval_meta_data.csv's random baseline of each task, as a fraction."""
-    baselines = {}
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            rows = csv.DictReader(f)
-            if not {"Eval Task", "Random baseline"} <= set(rows.fieldnames or ()):
-                raise UsageError(f"{path} has no \"Eval Task\" and \"Random baseline\" columns; {fix}")
-            for row in rows:
-                try:
-                    baseline = float(row["Random baseline"])
-                except (TypeError, ValueError):
-                    baseline = math.nan
-                if not 0 <= baseline < 100:
-                    raise UsageError(f"{path}: line {rows.line_num} has no random baseline from 0 to 100 (percent); "
-                                     f"{fix}")
-                baselines[row["Eval Task"]] = baseline / 100
-    except FileNotFoundError:
-        raise UsageError(f"CORE bundle {os.path.dirname(path)}: no eval_meta_data.csv in it; {fix}")
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise UsageError(f"cannot read {path} ({e}); {fix}")
-    return baselines
-
-
-# the fields of an example of each kind: (text fields, the list of options, or None)
-FIELDS = {"multiple_choice": (("query",), "choices"), "schema": (("continuation",), "context_options"),
-          "language_modeling": (("context", "continuation"), None)}
-
-
-def read_examples(path, kind, label, fix):
-    """A task file's examples, each checked to have its kind's fields; numbers in the text fields become text, as
-    nanochat's templates render them."""
-    text_fields, options = FIELDS[kind]
-    needs = ", ".join(text_fields + ((options, "gold") if options else ()))
-    examples = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    example = files.parse_json(line)
-                    if not isinstance(example, dict):
-                        raise ValueError("not a JSON object")
-                    example = dict(example, **{field: text(example[field]) for field in text_fields})
-                    if options:
-                        if not isinstance(example[options], list):  # a string's letters would be its options
-                            raise ValueError(f"its {options} is a {type(example[options]).__name__}, not a list")
-                        example[options] = [text(option) for option in example[options]]
-                        gold = example["gold"]
-                        if not (isinstance(gold, int) and not isinstance(gold, bool)
-                                and 0 <= gold < len(example[options])):
-                            raise ValueError(f"its gold {gold!r} is not the index of one of its {options}")
-                except (ValueError, KeyError, TypeError) as e:
-                    raise UsageError(f"CORE task {label}: {path}: line {line_number} is not a {kind} example ({e}; "
-                                     f"it needs {needs}); {fix}")
-                examples.append(example)
-    except FileNotFoundError:
-        raise UsageError(f"CORE task {label}: its file {path} is missing; {fix}")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"CORE task {label}: cannot read {path} ({e}); {fix}")
-    return examples
-
-
-def text(value):
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise TypeError(f"{value!r} is not text")
-    return str(value)
 
 
 # -----------------------------------------------------------------------------
@@ -553,7 +357,7 @@ class Result(NamedTuple):
     #                 language modeling 1 if right
 
     def record(self):
-        return {"core": self.core, "core_accuracy": self.accuracy, "core_centered": self.centered,
+        return {KEY: self.core, "core_accuracy": self.accuracy, "core_centered": self.centered,
                 "core_examples": self.examples}
 
     def line(self):
@@ -617,3 +421,15 @@ def evaluate_run(run, bundle):
                       examples_per_task(cfg.core_max_per_task, final), cfg.block_size,
                       run.micro_batch * cfg.seq_len, cfg.compile)
     return result.record(), result.line()
+
+
+def card_line(record, published=None):
+    """A model card's line on CORE: the score of the weights' logged record (evaluate_run's, with its step), or of
+    OpenAI's weights named published as nanochat measured them; else how to measure it."""
+    if record is not None:
+        return (f"{record[KEY]:.4f} at step {record['step']}, on {record['core_examples']:,} examples of "
+                f"{len(record['core_accuracy'])} tasks, scored as nanochat scores it (train_gpt2.py's log.jsonl)")
+    if published in OPENAI_CORE:
+        return f"{OPENAI_CORE[published]}, as nanochat measured OpenAI's {published} (its 22 tasks)"
+    return ("not measured at these weights; `python train_gpt2.py --eval-only --init-from path/to/this/directory "
+            "--core-every 1` measures it (DCLM's CORE, as nanochat scores it)")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from machinery.downloads import default_cache_dir, download_once_per_node
 from machinery.errors import BadFile, UsageError
-from machinery.files import parse_json
+from machinery.files import json_lines
 from machinery.tokenizer import gpt2_tokenizer
 
 # the validation split is the one everybody reports (the test split has no labels)
@@ -32,6 +32,7 @@ HELLASWAG_FILE = "hellaswag_val.jsonl"
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data"
 HELLASWAG_VAL_EXAMPLES = 10042
 EVERY = "hellaswag_every"  # the training run's setting of the steps between its evaluations
+NAME, KEY = "HellaSwag", "hellaswag_acc_norm"  # on a model card; the score its log records hold
 EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
 
 
@@ -42,24 +43,18 @@ EXAMPLES_PER_BATCH = 8  # x4 endings = 32 rows per forward pass
 def parse_examples(path, expected_count=None):
     """The examples of a HellaSwag jsonl file: one JSON object per line with ctx, 4 endings, label. Raises BadFile."""
     examples = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    example = parse_json(line)
-                except ValueError as e:
-                    raise BadFile(f"line {line_number} is not valid JSON ({e})")
-                if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
-                        and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
-                        and all(isinstance(ending, str) for ending in example["endings"])
-                        and type(example.get("label")) is int and 0 <= example["label"] <= 3):  # true is no label
-                    raise BadFile(f"line {line_number} is not a HellaSwag example: it needs a string 'ctx', "
-                                  f"a list of 4 string 'endings' and an integer 'label' in 0..3")
-                examples.append(example)
-    except UnicodeDecodeError as e:
-        raise BadFile(f"it is not UTF-8 text ({e})")
+    for line_number, example, error in json_lines(path):
+        if isinstance(error, UnicodeDecodeError):
+            raise BadFile(f"it is not UTF-8 text ({error})")
+        if error is not None:
+            raise BadFile(f"line {line_number} is not valid JSON ({error})")
+        if not (isinstance(example, dict) and isinstance(example.get("ctx"), str)
+                and isinstance(example.get("endings"), list) and len(example["endings"]) == 4
+                and all(isinstance(ending, str) for ending in example["endings"])
+                and type(example.get("label")) is int and 0 <= example["label"] <= 3):  # true is no label
+            raise BadFile(f"line {line_number} is not a HellaSwag example: it needs a string 'ctx', "
+                          f"a list of 4 string 'endings' and an integer 'label' in 0..3")
+        examples.append(example)
     if not examples:
         raise BadFile("it has no examples")
     if expected_count is not None and len(examples) != expected_count:
@@ -203,5 +198,14 @@ def evaluate_run(run, prepared):
     per_batch = examples_per_batch(prepared, run.micro_batch * cfg.seq_len)
     acc_norm, acc, n = evaluate(run.compiled, prepared, env.device, run.autocast_ctx, env.rank, env.world_size,
                                 per_batch)
-    return ({"hellaswag_acc_norm": acc_norm, "hellaswag_acc": acc},
-            f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+    return ({KEY: acc_norm, "hellaswag_acc": acc}, f"hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+
+
+def card_line(record, published=None):
+    """A model card's line on HellaSwag: the scores of the weights' logged record (evaluate_run's, with its step), or
+    None; and how lm-evaluation-harness measures it. Of OpenAI's weights (published, their name) it quotes none."""
+    lm_eval = "`lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks hellaswag` measures it"
+    if record is None:
+        return f"not measured at these weights; {lm_eval}"
+    return (f"acc_norm {record[KEY]:.4f}, acc {record['hellaswag_acc']:.4f} at step {record['step']}, as "
+            f"train_gpt2.py scores it (its log.jsonl); {lm_eval} the harness's way")

@@ -2,8 +2,8 @@
 The commands of train_gpt2.py that train nothing: `--sample PATH` prints samples from a checkpoint, and
 `--export-hf DIR` writes a checkpoint (or OpenAI's weights) as a Hugging Face model directory (hf_format.py). Neither
 sets up a run. It never imports train_gpt2: what they need of it (the recipes, whose hf_format says which class of
-transformers each one's model is; model_of, which makes a model of a checkpoint's settings; GPT.from_pretrained) is
-handed over.
+transformers each one's model is; the benchmarks, whose lines the model card gives; model_of, which makes a model of a
+checkpoint's settings; GPT.from_pretrained) is handed over.
 """
 
 import contextlib
@@ -17,6 +17,7 @@ from machinery import (
     environment,
     files,
     hf_format,
+    model_card,
     ranks,
     resume,
     run_log,
@@ -57,20 +58,22 @@ def model_to_sample(cfg, env, model_of):
     return model, ckpt["step"], ckpt.get("micro_batch")
 
 
-def export_hf(cfg, argv, recipes, model_of, from_pretrained):
+def export_hf(cfg, argv, recipes, benchmarks, model_of, from_pretrained):
     """--export-hf DIR: the latest checkpoint in --log-dir (or --resume's, or OpenAI's weights with --init-from) as a
     Hugging Face model directory, which transformers loads as its own class of the model's recipe (GPT-2's:
     GPT2LMHeadModel; the modern one's: NanoChatForCausalLM); on the CPU, in one process: under torchrun, rank 0 writes
-    it, and the other ranks end at once (each writing it, all but one would fail, finding it written)."""
+    it, and the other ranks end at once (each writing it, all but one would fail, finding it written). Its model card
+    gives each of benchmarks' scores (evaluation/'s modules) that the run logged at the checkpoint's step."""
     if environment.processes()[0] != 0:
         return
-    hf_format.check_new_directory(cfg.export_hf)  # now, not after a long load
+    files.refuse_unless_new_directory(cfg.export_hf, "--export-hf")  # now, not after a long load
     if cfg.init_from != "scratch" and os.path.isdir(cfg.init_from):
         raise UsageError(f"--export-hf: --init-from {cfg.init_from} is a Hugging Face model directory already; copy "
                          f"it, or export a checkpoint of a run that starts from it")
     if cfg.init_from != "scratch":
         model = from_pretrained(cfg.init_from, cache_dir=cfg.cache_dir or None)
-        source, about = f"OpenAI's {cfg.init_from}", hf_format.published_facts(cfg.init_from)
+        source, about = f"OpenAI's {cfg.init_from}", model_card.published_facts(cfg.init_from)
+        scores = [(b.NAME, b.card_line(None, published=cfg.init_from)) for b in benchmarks]
     else:
         ckpt, source = resume.find_resume_checkpoint(cfg, rank=0, world_size=1)  # one process: on the CPU
         if ckpt is None:
@@ -78,34 +81,33 @@ def export_hf(cfg, argv, recipes, model_of, from_pretrained):
                              f"run's --log-dir, --resume PATH, or --init-from gpt2")
         model = checkpoints.model_from_checkpoint(ckpt, source, model_of)
         init_from = ckpt["train_config"]["init_from"]
-        about = hf_format.checkpoint_facts(source, ckpt["step"], ckpt["train_config"],
-                                           checkpoints.val_loss_in_words(ckpt),
-                                           logged_evaluation(source, ckpt["step"], "hellaswag_acc_norm"),
-                                           None if init_from == "scratch"
-                                           else settings.pretrained_in_words(init_from, hf_format.name_only),
-                                           logged_evaluation(source, ckpt["step"], "core"))
+        about = model_card.checkpoint_facts(source, ckpt["step"], ckpt["train_config"],
+                                            checkpoints.val_loss_in_words(ckpt),
+                                            None if init_from == "scratch"
+                                            else settings.pretrained_in_words(init_from, model_card.name_only))
+        scores = [(b.NAME, b.card_line(logged_evaluation(source, ckpt["step"], b.KEY))) for b in benchmarks]
     fmt = recipes[model.config.recipe].hf_format
     n_params = hf_format.export(cfg.export_hf, fmt, model.state_dict(), asdict(model.config), model.n_tokens,
-                                dict(about, command=command_in_card(argv)))
+                                dict(about, scores=scores, command=command_in_card(argv)))
     print(f"exported {source} to {cfg.export_hf}: a {fmt.architecture} of {n_params / 1e6:.2f}M parameters for Hugging "
           f"Face's transformers (AutoModelForCausalLM.from_pretrained({cfg.export_hf!r}))")
 
 
 def command_in_card(argv):
     """The export's command line as its model card records it: each absolute path (given alone, or as --flag=PATH)
-    by its last part, hf_format.name_only's (--log-dir /home/alice/runs/run1 as --log-dir run1)."""
+    by its last part, model_card.name_only's (--log-dir /home/alice/runs/run1 as --log-dir run1)."""
     # The card is published with the model: the directories of the user's machine mean nothing to its readers and may
     # name the user, while the names of the run, its checkpoint and the export say which they were. Relative paths
     # are kept as typed: from where the user stood, they are the user's own naming, not the machine's layout.
     def shown(arg):
         flag, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
-        return flag + equals + (hf_format.name_only(value) if os.path.isabs(value) else value)
+        return flag + equals + (model_card.name_only(value) if os.path.isabs(value) else value)
 
     return shlex.join(["python", "train_gpt2.py", *map(shown, argv)])
 
 
 def logged_evaluation(checkpoint, step, key):
-    """The record holding key (hellaswag_acc_norm, core) that the run logged of the weights at step (its log.jsonl,
+    """The record holding key (a benchmark's KEY) that the run logged of the weights at step (its log.jsonl,
     beside the checkpoint): the latest, or None. --eval-only's of another checkpoint of that step is not theirs."""
     log = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), run_log.LOG_FILE)
     records = []

@@ -1,8 +1,8 @@
 """
-Files: JSON read from files that may be damaged, files written whole or not at all (and what to say when a disk, a
-quota or a file-size limit stops a write), the open-file limit and descriptors kept for a save, checksums that files
-are read back against, and a directory or a cache file held by one process at a time, its lock file naming the holder
-(the lock taken with locks.lock).
+Files: JSON read from files that may be damaged, files and directories written whole or not at all (and what to say
+when a disk, a quota or a file-size limit stops a write), the open-file limit and descriptors kept for a save,
+checksums that files are read back against, and a directory or a cache file held by one process at a time, its lock
+file naming the holder (the lock taken with locks.lock).
 """
 
 import contextlib
@@ -12,13 +12,19 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
+import uuid
 import zipfile
 import zlib
 
 from machinery import locks
 from machinery.errors import UsageError, chain
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 try:
     import resource  # here, not where it is used: a process at its open-file limit can import nothing
 except ImportError:  # Windows: an open-file limit is not named
@@ -44,17 +50,29 @@ def parse_json(text):
         raise ValueError("nested too deep to parse") from None
 
 
+def json_lines(path, skip_blank=True):
+    """(line number, its JSON value, the ValueError that says why it holds none, or None) for each line of a
+    JSON-lines file, but blank ones unless skip_blank is False. Decoded line by line: bytes that are not UTF-8 damage
+    their line only (a UnicodeDecodeError), which a reader may skip, or refuse as it refuses a file not UTF-8."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            value = error = None
+            try:
+                text = line.decode("utf-8")
+                if skip_blank and not text.strip():
+                    continue
+                value = parse_json(text)
+            except ValueError as e:  # a UnicodeDecodeError is one
+                error = e
+            yield number, value, error
+
+
 def json_records(path):
     """(line number, the JSON object it holds) for each line of a JSON-lines file such as log.jsonl, with None for a
-    line that holds none: the last line of a run killed mid-write, a damaged block. Its readers skip such a line and
-    read the rest."""
-    with open(path, "rb") as f:  # decoded line by line: bytes that are not UTF-8 damage their line only
-        for number, line in enumerate(f, start=1):
-            try:
-                record = parse_json(line.decode("utf-8"))
-            except ValueError:
-                record = None
-            yield number, record if isinstance(record, dict) else None
+    line that holds none: the last line of a run killed mid-write, a damaged block, a blank line. Its readers skip
+    such a line and read the rest."""
+    for number, value, _ in json_lines(path, skip_blank=False):
+        yield number, value if isinstance(value, dict) else None
 
 
 # -----------------------------------------------------------------------------
@@ -151,6 +169,103 @@ def remove(path):
         shutil.rmtree(path)
     else:
         os.remove(path)
+
+
+# -----------------------------------------------------------------------------
+# A directory written whole or not at all
+
+
+def refuse_unless_new_directory(path, flag):
+    """Refuses a path (flag's) that holds anything: what is written there never mixes with other files, nor replaces
+    them."""
+    if os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path)):
+        raise UsageError(f"{flag} {path}: it exists and is not an empty directory; pass a new one (or delete it)")
+
+
+def write_text(directory, name, text):
+    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # as Ctrl-C's KeyboardInterrupt, deletes the temporary directory; 143: SIGTERM's
+
+
+def lock(fd, wait):
+    """Takes an exclusive lock (flock) of the open directory fd: True if taken. The kernel drops it when its process
+    ends, even by SIGKILL. A file system that cannot lock a directory (NFS) says False: nothing there is ever taken
+    for a killed writer's."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except OSError:
+        return False
+
+
+def remove_killed_writes(out, made_by):
+    """Deletes the temporary directories beside out that writers of it (made_by, in words) killed outright (kill -9)
+    left: those that hold files and no lock. A running writer locks its own before it writes into it, so that an
+    empty one may be a writer's that is starting, and stays."""
+    parent = os.path.dirname(out)
+    for name in sorted(os.listdir(parent)):
+        if re.fullmatch(re.escape(os.path.basename(out)) + r"\.[0-9a-f]{8}\.tmp", name):
+            path = os.path.join(parent, name)
+            with contextlib.suppress(OSError):  # gone meanwhile: another writer removed or finished it
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    if lock(fd, wait=False) and os.listdir(path):
+                        shutil.rmtree(path)
+                        print(f"removed {path}, left by {made_by} to {out} that was killed")
+                finally:
+                    os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_directory(path):
+    """Makes the directory path, locked while inside (where there is flock: not on Windows, where a killed writer's
+    directory stays), and deletes it if anything is raised inside, while still locked."""
+    os.mkdir(path)  # not tempfile.mkdtemp's 0700: the umask's permissions, as any directory the user makes
+    fd = os.open(path, os.O_RDONLY) if fcntl else None
+    try:
+        if fcntl:
+            lock(fd, wait=True)  # waits only while another writer looks whether this one is a killed one's
+        yield
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def write_directory(out_dir, fill, flag, made_by):
+    """Makes out_dir (flag's) with fill(directory), whole or not at all: fill writes into a new directory beside
+    out_dir, OUT_DIR.<random>.tmp, which is synced, then renamed to it. A failed or interrupted fill (an error, Ctrl-C,
+    SIGTERM) leaves no out_dir, and deletes the temporary one; one that a process killed outright left is deleted by
+    the next writer of out_dir (made_by, in words: "an export")."""
+    refuse_unless_new_directory(out_dir, flag)
+    out = os.path.abspath(out_dir)
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        if fcntl:
+            remove_killed_writes(out, made_by)
+        temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
+        with locked_directory(temp):
+            fill(temp)
+            sync_directory(temp)
+            os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
+    except BaseException as e:
+        raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
+        if isinstance(e, OSError):
+            refuse_unless_new_directory(out_dir, flag)  # another writer of it finished first
+            raise UsageError(f"{flag} {out_dir}: cannot write it ({e}); pass a directory you may write to")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    sync_directory(os.path.dirname(out))
 
 
 # -----------------------------------------------------------------------------

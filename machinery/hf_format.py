@@ -1,49 +1,33 @@
 """
-A model of either recipe as a Hugging Face model directory, which `transformers` loads offline with from_pretrained
-as a class of its own, with no code of ours: the machinery of `train_gpt2.py --export-hf`, which teaches nothing about
-the models, and of its inverse, `--init-from DIR` (and GPT.from_pretrained, which also reads OpenAI's weights).
-A recipe's Format (settings.Recipe's hf_format) says which class its model is and how the files lay it out: GPT-2's
-is GPT2LMHeadModel, the modern recipe's NanoChatForCausalLM (transformers 5.0 and later). train_gpt2.py hands over
-the model's state dict, its config and the facts of its model card; this module writes
+A model as a Hugging Face model directory, which `transformers` loads offline with from_pretrained as a class of its
+own, with no code of ours: the machinery of `train_gpt2.py --export-hf`, which teaches nothing about the models, and of
+its inverse, `--init-from DIR` (and GPT.from_pretrained, which also reads OpenAI's weights).
+A recipe's Format (settings.Recipe's hf_format; variations/hf_layouts.py has each recipe's) says which class its model
+is and how the files lay it out. train_gpt2.py hands over the model's state dict, its config and the facts of its model
+card; this module writes
 
 - model.safetensors (the weights in the class's layout), config.json and generation_config.json;
-- the tokenizer files, made from the shipped gpt2.tiktoken with no network: vocab.json and merges.txt (the merges
-  recovered from the BPE ranks), tokenizer.json, tokenizer_config.json, special_tokens_map.json;
-- README.md, the model card;
+- the tokenizer files, made from the shipped gpt2.tiktoken with no network (tokenizer.py);
+- README.md, the model card (model_card.py);
 
-into a new directory beside the one asked for, renamed into place once whole. It needs json and safetensors only,
-never transformers, and never imports train_gpt2 (which imports it).
+into a new directory beside the one asked for, renamed into place once whole (files.write_directory). It needs json
+and safetensors only, never transformers, and never imports train_gpt2 (which imports it).
 """
 
-import contextlib
-import functools
 import json
 import os
 import re
-import shutil
-import signal
-import uuid
 from typing import Callable, NamedTuple
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tiktoken.load import load_tiktoken_bpe
 
-from machinery import files
+from machinery import files, model_card, tokenizer
 from machinery.errors import UsageError
-from machinery.tokenizer import EOT, GPT2_BPE_FILE, GPT2_VOCAB
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
-
-EOT_TEXT = "<|endoftext|>"
-# the weights OpenAI's Conv1D stores (in, out), where nn.Linear has (out, in)
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+from machinery.tokenizer import EOT, GPT2_VOCAB
 
 # -----------------------------------------------------------------------------
-# The model's files: GPT-2's recipe as GPT2LMHeadModel, the modern recipe's as NanoChatForCausalLM
+# A model as a class of transformers: its Format, and its config.json read and checked
 
 
 class Format(NamedTuple):
@@ -117,223 +101,8 @@ def shape_fields(config, path, names):
                 vocab_size=real_tokens(vocab_size, path))
 
 
-def gpt2_layout(state_dict, n_tokens):
-    """train_gpt2.py's GPT-2 weights in GPT-2's Hugging Face layout, as GPT.from_pretrained reads them: the Conv1D
-    weights (in, out) again, the first n_tokens token rows alone (the padding past GPT-2's 50257 is never scored),
-    and no lm_head, which is the token embedding."""
-    weights = {}
-    for key, tensor in state_dict.items():
-        if key == "lm_head.weight":
-            continue
-        if key.endswith(CONV1D):
-            tensor = tensor.t()
-        if key == "transformer.wte.weight":
-            tensor = tensor[:n_tokens]
-        weights[key] = tensor.contiguous()  # safetensors stores whole, dense tensors
-    return weights
-
-
-def load_gpt2_layout(path, state_dict, n_tokens, name, fix):
-    """The weights of the safetensors file at path, in GPT-2's Hugging Face layout (OpenAI's own, or an export's),
-    copied into train_gpt2.py's GPT-2 state_dict: the inverse of gpt2_layout. The token rows past n_tokens (padding)
-    are zeroed. Refuses, in one line that names path and ends with fix, a file that is not GPT-2 `name`'s whole."""
-    weights = read_weights(path, fix)
-    loaded = set()
-    state_dict["transformer.wte.weight"].zero_()  # the rows past OpenAI's 50257 are padding: never used or scored
-    for key, tensor in weights.items():
-        key = "transformer." + key.removeprefix("transformer.")
-        if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-            continue
-        if key not in state_dict:
-            raise UsageError(f"{path}: unexpected tensor {key}; is it a GPT-2 checkpoint?")
-        if key.endswith(CONV1D):  # OpenAI's Conv1D stores (in, out); nn.Linear wants (out, in)
-            tensor = tensor.t()
-        # all of GPT-2's token rows, n_tokens of them: a file with fewer would leave tokens at zero
-        target = state_dict[key][:n_tokens] if key == "transformer.wte.weight" else state_dict[key]
-        if target.shape != tensor.shape:
-            raise UsageError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} for "
-                             f"{name}")
-        target.copy_(tensor)
-        loaded.add(key)
-    missing = set(state_dict) - loaded - {"lm_head.weight"}  # lm_head is tied to wte
-    if missing:
-        raise UsageError(f"{path} lacks {sorted(missing)[:3]}...; {fix}")
-
-
-def gpt2_config(shape, model_config, dtype, layer_norm_eps):
-    """config.json of GPT2LMHeadModel. A vocabulary smaller than GPT-2's (a toy model's --vocab-size 128) has no
-    <|endoftext|>, so it names no bos or eos token (transformers warns of one beyond the vocabulary)."""
-    eot = EOT if shape["vocab_size"] > EOT else None
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "n_layer": shape["n_layer"], "n_head": shape["n_head"], "n_embd": shape["n_embd"],
-        "n_inner": None,  # None: 4 * n_embd
-        "n_positions": shape["block_size"], "n_ctx": shape["block_size"], "vocab_size": shape["vocab_size"],
-        "activation_function": "gelu_new",  # GELU's tanh approximation, as GPT-2 and train_gpt2.py have it
-        "layer_norm_epsilon": layer_norm_eps, "initializer_range": 0.02,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # trained without dropout: fine-tune it the same
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "use_cache": True,
-        "torch_dtype": dtype, "dtype": dtype,  # transformers 4 reads the first, 5 the second
-    }
-
-
-def gpt2_settings(config, path, layer_norm_eps):
-    """The model settings of a GPT2LMHeadModel's config.json, ours or one from the Hub (OpenAI's own among them), whose
-    layer norms must be ours (layer_norm_eps)."""
-    try:
-        shape = shape_fields(config, path, ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"))
-    except KeyError as e:
-        raise UsageError(f"{path}: not the config.json of a Hugging Face GPT-2 (KeyError: {e})")
-    n_embd = shape["n_embd"]
-    activation = config.get("activation_function", "gelu_new")
-    found = {"activation_function": {"gelu_pytorch_tanh": "gelu_new"}.get(activation, activation),  # the same GELU
-             "n_inner": config.get("n_inner") or 4 * n_embd,
-             "layer_norm_epsilon": config.get("layer_norm_epsilon", 1e-5),  # GPT2Config's default
-             "scale_attn_weights": config.get("scale_attn_weights", True),
-             "scale_attn_by_inverse_layer_idx": config.get("scale_attn_by_inverse_layer_idx", False),
-             "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-    ours = {"activation_function": "gelu_new", "n_inner": 4 * n_embd, "layer_norm_epsilon": layer_norm_eps,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "tie_word_embeddings": True}
-    check_computes_as_ours(found, ours, path, "GPT-2")
-    return shape
-
-
-def read_shape(directory, layer_norm_eps):
-    """The model settings of a Hugging Face GPT-2's directory (GPT.from_pretrained's, given no config)."""
-    return gpt2_settings(*read_config(directory, "a Hugging Face GPT-2"), layer_norm_eps)
-
-
-def gpt2_about(shape, model_config, n_params):
-    return (f"A GPT-2 ({shape['n_layer']} layers, {shape['n_head']} heads, width {shape['n_embd']}, context of "
-            f"{shape['block_size']} tokens), {n_params:,} parameters ({n_params / 1e6:.2f}M; the output layer is the "
-            f"token embedding).")
-
-
-def gpt2(layer_norm_eps):
-    """The Format of train_gpt2.py's model, whose layer norms add layer_norm_eps to the variance."""
-    return Format(architecture="GPT2LMHeadModel", model_type="gpt2", needs="", layout=gpt2_layout,
-                  load_layout=load_gpt2_layout, config=functools.partial(gpt2_config, layer_norm_eps=layer_norm_eps),
-                  model_settings=functools.partial(gpt2_settings, layer_norm_eps=layer_norm_eps), about=gpt2_about)
-
-# modern.py's names of a block's weights, and NanoChatForCausalLM's (its c_attn is theirs q_proj, k_proj, v_proj)
-NANOCHAT_NAMES = {"attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-
-
-def nanochat_views(state_dict, n_tokens):
-    """{name in NanoChatForCausalLM's layout: the view of modern.py's tensor it is}, the one map both ways. Only the
-    first n_tokens rows of the embedding and the head: theirs has no mask to keep the padding ids out of the softmax."""
-    views = {"model.embed_tokens.weight": state_dict["transformer.wte.weight"][:n_tokens],
-             "lm_head.weight": state_dict["lm_head.weight"][:n_tokens]}
-    for key, tensor in state_dict.items():
-        if key.startswith("transformer.h."):
-            layer, name = re.fullmatch(r"transformer\.h\.(\d+)\.(\w+\.\w+)\.weight", key).groups()
-            prefix = f"model.layers.{layer}."
-            if name == "attn.c_attn":  # the queries, keys and values in one matmul, theirs in three
-                views.update({f"{prefix}self_attn.{part}.weight": rows
-                              for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3))})
-            else:
-                views[f"{prefix}{NANOCHAT_NAMES[name]}.weight"] = tensor
-    return views
-
-
-def nanochat_layout(state_dict, n_tokens):
-    """modern.py's weights in NanoChatForCausalLM's layout; copies, as safetensors stores no two views of one tensor."""
-    return {key: view.clone() for key, view in nanochat_views(state_dict, n_tokens).items()}
-
-
-def load_nanochat_layout(path, state_dict, n_tokens, name, fix):
-    """The weights of a NanoChatForCausalLM's safetensors file at path into modern.py's state_dict, its token rows
-    past n_tokens (padding) zeroed. Refuses, in one line, a file that is not `name`'s whole."""
-    weights, views = read_weights(path, fix), nanochat_views(state_dict, n_tokens)
-    unexpected, missing = sorted(set(weights) - set(views)), sorted(set(views) - set(weights))
-    if unexpected or missing:
-        what = f"unexpected tensor {unexpected[0]}" if unexpected else f"lacks {missing[0]}"
-        raise UsageError(f"{path}: {what}; {fix}")
-    state_dict["transformer.wte.weight"].zero_()  # the padding rows: never used or scored
-    state_dict["lm_head.weight"].zero_()
-    for key, view in views.items():
-        if view.shape != weights[key].shape:
-            raise UsageError(f"{path}: {key} has shape {tuple(weights[key].shape)}, expected {tuple(view.shape)} for "
-                             f"{name}")
-        view.copy_(weights[key])
-
-
-def nanochat_config(shape, model_config, dtype, rope_theta, rms_norm_eps):
-    """config.json of NanoChatForCausalLM, whose forward pass is modern.py's: the QK-norm after the rotation (ours
-    before it: a norm with no weight commutes with a rotation), the same pairs of halves turned the same way, the
-    norms' epsilon ours in float32, the soft-cap ours. No pad token: its embedding would never train that row."""
-    eot = EOT if shape["vocab_size"] > EOT else None
-    return {
-        "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat",
-        "num_hidden_layers": shape["n_layer"], "num_attention_heads": shape["n_head"],
-        "num_key_value_heads": shape["n_head"], "hidden_size": shape["n_embd"],
-        "intermediate_size": 4 * shape["n_embd"], "max_position_embeddings": shape["block_size"],
-        "vocab_size": shape["vocab_size"], "hidden_act": "relu2", "rms_norm_eps": rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "final_logit_softcapping": model_config["logit_softcap"], "attention_bias": False, "attention_dropout": 0.0,
-        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": eot, "eos_token_id": eot,
-        "pad_token_id": None, "use_cache": True, "dtype": dtype,
-    }
-
-
-def nanochat_settings(config, path, rope_theta, rms_norm_eps):
-    """The model settings of a NanoChatForCausalLM's config.json, ours or one from the Hub."""
-    try:
-        shape = shape_fields(config, path, ("num_hidden_layers", "num_attention_heads", "hidden_size",
-                                            "max_position_embeddings", "vocab_size"))
-    except KeyError as e:
-        raise UsageError(f"{path}: not the config.json of a NanoChatForCausalLM (KeyError: {e})")
-    hidden, heads = shape["n_embd"], shape["n_head"]
-    cap = config.get("final_logit_softcapping", 15.0)  # NanoChatConfig's default, for a config.json without it
-    if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0):  # None: no soft-cap
-        raise UsageError(f"{path}: final_logit_softcapping is {cap!r}, and train_gpt2.py's modern recipe soft-caps "
-                         f"its logits always; it cannot load this model")
-    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
-    if not isinstance(rope, dict):
-        raise UsageError(f"{path}: rope_parameters is {json.dumps(rope)}, not an object such as "
-                         f"{json.dumps({'rope_type': 'default', 'rope_theta': rope_theta})}; correct it, or export "
-                         f"the model again")
-    found = {"hidden_act": config.get("hidden_act", "relu2"),
-             "intermediate_size": config.get("intermediate_size", 8192),
-             "num_key_value_heads": config.get("num_key_value_heads") or heads,
-             "head_dim": config.get("head_dim") or hidden // heads,
-             "attention_bias": config.get("attention_bias", False),
-             "tie_word_embeddings": config.get("tie_word_embeddings", False),
-             "rms_norm_eps": config.get("rms_norm_eps", 1e-6),  # transformers' default; ours is float32's epsilon
-             "rope_parameters": (rope.get("rope_type", "default"), rope.get("rope_theta"))}
-    ours = {"hidden_act": "relu2", "intermediate_size": 4 * hidden, "num_key_value_heads": heads,
-            "head_dim": hidden // heads, "attention_bias": False, "tie_word_embeddings": False,
-            "rms_norm_eps": rms_norm_eps, "rope_parameters": ("default", rope_theta)}
-    check_computes_as_ours(found, ours, path, "modern recipe")
-    if hidden // heads % 2:  # its rotary positions turn a head's values in pairs
-        raise UsageError(f"{path}: hidden_size {hidden} / num_attention_heads {heads} = head size {hidden // heads}, "
-                         f"and train_gpt2.py's modern recipe turns queries and keys in pairs of values (rotary "
-                         f"positions), which needs an even head size; it cannot load this model")
-    return dict(shape, logit_softcap=float(cap))
-
-
-def nanochat_about(shape, model_config, n_params):
-    cap = model_config["logit_softcap"]
-    return (f"A GPT of train_gpt2.py's modern recipe (`--recipe modern`: rotary positions, QK-norm, RMSNorm with no "
-            f"weights, ReLU², no biases, an untied output layer, logits soft-capped at {cap:g}), {shape['n_layer']} "
-            f"layers, {shape['n_head']} heads, width {shape['n_embd']}, context of "
-            f"{shape['block_size']} tokens, {n_params:,} parameters ({n_params / 1e6:.2f}M). transformers computes it "
-            f"as its own `NanoChatForCausalLM`: no code of train_gpt2.py comes with it.")
-
-
-def nanochat(rope_theta, rms_norm_eps):
-    """The Format of modern.py's model, which turns its queries and keys by rotary frequencies from 1 down to about
-    1/rope_theta, and normalizes with rms_norm_eps."""
-    needs = ("transformers 5.0 or later, the first with `NanoChatForCausalLM` (`pip install -U "
-             "\"transformers>=5.0\"`; an older one says it does not recognize `model_type` `nanochat`). Load it in "
-             "float32, config.json's dtype: train_gpt2.py soft-caps the logits in float32, and transformers in the "
-             "dtype it loads the model in")
-    return Format(architecture="NanoChatForCausalLM", model_type="nanochat", needs=needs, layout=nanochat_layout,
-                  load_layout=load_nanochat_layout,
-                  config=functools.partial(nanochat_config, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps),
-                  model_settings=functools.partial(nanochat_settings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps),
-                  about=nanochat_about)
+# -----------------------------------------------------------------------------
+# The export
 
 
 def generation_config(vocab_size, block_size):
@@ -343,186 +112,6 @@ def generation_config(vocab_size, block_size):
     eot = EOT if vocab_size > EOT else None
     return {"do_sample": True, "top_k": 50, "max_length": block_size, "bos_token_id": eot, "eos_token_id": eot,
             "pad_token_id": eot}
-
-
-# -----------------------------------------------------------------------------
-# The tokenizer's files
-
-
-def byte_stand_ins():
-    """GPT-2's printable character for each byte: vocab.json and merges.txt hold tokens as text, where a space,
-    which separates the two halves of a merge, or a control byte cannot stand for itself. Printable bytes keep their
-    own character; the others take the characters from 256 on (the space becomes "Ġ")."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = (b for b in range(256) if b not in printable)
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-def bpe_parts(token, ranks, max_rank):
-    """The parts that byte-pair merging of token's bytes ends with, using only the merges ranked below max_rank."""
-    parts = [bytes([b]) for b in token]
-    while True:
-        pairs = [(ranks.get(a + b, max_rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-        rank, i = min(pairs, default=(max_rank, 0))
-        if rank >= max_rank:
-            return parts
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-
-
-def recover_merges(ranks):
-    """GPT-2's merges in priority order, from its BPE ranks: each token of several bytes, in rank order, is the merge
-    of the two parts that merging its bytes with the lower ranks alone ends with."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) > 1:
-            left, right = bpe_parts(token, ranks, rank)  # two: the token itself is the next merge
-            merges.append((left, right))
-    return merges
-
-
-EOT_SPEC = {"content": EOT_TEXT, "single_word": False, "lstrip": False, "rstrip": False, "normalized": True,
-            "special": True}
-
-
-@functools.cache  # the same for every export, and a second or more of work: made once in a process
-def bpe_files():
-    """{file name: contents} of GPT-2's byte-pair encoding, from the shipped BPE ranks: vocab.json and merges.txt (what
-    GPT2Tokenizer reads), and the same in tokenizer.json (what the `tokenizers` library reads)."""
-    ranks = load_tiktoken_bpe(GPT2_BPE_FILE)
-    stand_in = byte_stand_ins()
-
-    def text(token):
-        return "".join(stand_in[b] for b in token)
-
-    vocab = {**{text(token): rank for token, rank in ranks.items()}, EOT_TEXT: EOT}
-    merges = [f"{text(left)} {text(right)}" for left, right in recover_merges(ranks)]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [{"id": EOT, **EOT_SPEC}],
-        "normalizer": None,
-        "pre_tokenizer": byte_level,  # with use_regex, GPT-2's split into words (tokenizer.py's pattern) comes first
-        "post_processor": byte_level, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
-                  "merges": merges},
-    }
-    return {
-        "vocab.json": json.dumps(vocab, ensure_ascii=False),
-        "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
-        "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
-    }
-
-
-def tokenizer_files(block_size):
-    """{file name: contents} of GPT-2's tokenizer: its byte-pair encoding (bpe_files), the context length, and the
-    special token."""
-    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
-    tokenizer_config = {
-        "tokenizer_class": "GPT2Tokenizer", **special, "add_prefix_space": False, "add_bos_token": False,
-        "model_max_length": block_size, "errors": "replace",
-        "clean_up_tokenization_spaces": False,  # decoding gives the text back as it was, " ." and " 's" included
-        "added_tokens_decoder": {str(EOT): EOT_SPEC},
-    }
-    return {**bpe_files(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
-            "special_tokens_map.json": json.dumps(special, indent=2)}
-
-
-# -----------------------------------------------------------------------------
-# The model card
-
-
-OPENAI_CORE = {"gpt2": 0.1139, "gpt2-medium": 0.1849, "gpt2-large": 0.2146, "gpt2-xl": 0.2565}  # as nanochat measured
-
-
-def published_facts(name):
-    """The model card's facts of OpenAI's own weights: their CORE as nanochat measured it."""
-    measured = OPENAI_CORE.get(name)
-    return dict(source=f"OpenAI's {name}, as published", trained="WebText, by OpenAI",
-                validation="not evaluated by train_gpt2.py", hellaswag=None,
-                core=None if measured is None else f"{measured}, as nanochat measured OpenAI's {name} (its 22 tasks)")
-
-
-def name_only(path):
-    """The last part of a path, which the model card gives for it (edu_fineweb10B of /scratch/alice/edu_fineweb10B/):
-    hf upload publishes the card, where the directories above would tell only the layout of the user's machine."""
-    return os.path.basename(os.path.normpath(path))
-
-
-def checkpoint_facts(source, step, train_config, validation, hellaswag, start, core_record=None):
-    """The model card's facts of the weights of a checkpoint at source, taken at step of a run of train_config that
-    started from start (--init-from's weights in words, or None); hellaswag, core_record: their logged records at
-    that step, or None. The checkpoint and the data are named, not where they lay."""
-    batch = train_config["total_batch_size"]
-    fine_tuned = "" if start is None else f", fine-tuning {start}"
-    return dict(source=f"the checkpoint {name_only(source)} (step {step} of {train_config['max_steps']})",
-                trained=f"{step * batch:,} tokens ({step:,} steps of {batch:,}) of {name_only(train_config['data'])}"
-                        f"{fine_tuned}",
-                validation=validation, hellaswag=hellaswag, core=core_record and core_in_words(core_record))
-
-
-def core_in_words(record):
-    """A logged CORE record, for the model card."""
-    return (f"{record['core']:.4f} at step {record['step']}, on {record['core_examples']:,} examples of "
-            f"{len(record['core_accuracy'])} tasks, scored as nanochat scores it (train_gpt2.py's log.jsonl)")
-
-
-def model_card(fmt, shape, model_config, n_params, about):
-    """README.md: what the model is, what it was trained on and how well, what loads it and how to use it, and how
-    it was made."""
-    vocab = shape["vocab_size"]
-    if vocab < GPT2_VOCAB:
-        vocab_note = (f"Its vocabulary is GPT-2's first {vocab} token ids (trained with `--vocab-size {vocab}`): the "
-                      f"tokenizer is GPT-2's whole, and text that tokenizes to an id of {vocab} or more is outside "
-                      f"the model (its embedding has no row for it, and no logit scores it); it knows no "
-                      f"`{EOT_TEXT}`, so config.json names no bos or eos token.")
-    else:
-        vocab_note = f"Its vocabulary and tokenizer are GPT-2's, {GPT2_VOCAB:,} tokens with `{EOT_TEXT}` ({EOT})."
-    lm_eval = "`lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks hellaswag` measures it"
-    hellaswag = about["hellaswag"]
-    if hellaswag is None:
-        hellaswag = f"not measured at these weights; {lm_eval}"
-    else:
-        hellaswag = (f"acc_norm {hellaswag['hellaswag_acc_norm']:.4f}, acc {hellaswag['hellaswag_acc']:.4f} at step "
-                     f"{hellaswag['step']}, as train_gpt2.py scores it (its log.jsonl); {lm_eval} the harness's way")
-    needs = f"- needs: {fmt.needs}\n" if fmt.needs else ""
-    core_unmeasured = ("not measured at these weights; `python train_gpt2.py --eval-only --init-from "
-                       "path/to/this/directory --core-every 1` measures it (DCLM's CORE, as nanochat scores it)")
-    return f"""---
-library_name: transformers
-pipeline_tag: text-generation
-tags:
-- {fmt.model_type}
-- train_gpt2
----
-
-# {fmt.architecture} from train_gpt2.py
-
-{fmt.about(shape, model_config, n_params)} {vocab_note}
-
-- weights: {about["source"]}
-- trained on: {about["trained"]}
-- validation: {about["validation"]}
-- HellaSwag: {hellaswag}
-- CORE: {about["core"] or core_unmeasured}
-{needs}
-```python
-from transformers import pipeline
-print(pipeline("text-generation", model="path/to/this/directory")("Hello, I'm a language model,")[0]["generated_text"])
-```
-
-Made with `{about["command"]}`.
-"""
-
-
-# -----------------------------------------------------------------------------
-# The directory, whole or not at all
-
-
-def check_new_directory(out_dir):
-    """Refuses an out_dir that holds anything: an export never mixes its files with others, nor replaces them."""
-    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
-        raise UsageError(f"--export-hf {out_dir}: it exists and is not an empty directory; pass a new one (or "
-                         f"delete it)")
 
 
 def save_weights(weights, path):
@@ -538,97 +127,11 @@ def save_weights(weights, path):
         raise OSError(int(code[1]), os.strerror(int(code[1])), path) from e
 
 
-def write_file(directory, name, contents):
-    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-        f.write(contents)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)  # as Ctrl-C's KeyboardInterrupt, deletes the temporary directory; 143: SIGTERM's
-
-
-def lock(fd, wait):
-    """Takes an exclusive lock (flock) of the open directory fd: True if taken. The kernel drops it when its process
-    ends, even by SIGKILL. A file system that cannot lock a directory (NFS) says False: nothing there is ever taken
-    for a killed export's."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        return True
-    except OSError:
-        return False
-
-
-def remove_killed_exports(out):
-    """Deletes the temporary directories beside out that exports to it killed outright (kill -9) left: those that hold
-    files and no lock. A running export locks its own before it writes into it, so that an empty one may be an
-    export's that is starting, and stays."""
-    parent = os.path.dirname(out)
-    for name in sorted(os.listdir(parent)):
-        if re.fullmatch(re.escape(os.path.basename(out)) + r"\.[0-9a-f]{8}\.tmp", name):
-            path = os.path.join(parent, name)
-            with contextlib.suppress(OSError):  # gone meanwhile: another export removed or finished it
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    if lock(fd, wait=False) and os.listdir(path):
-                        shutil.rmtree(path)
-                        print(f"removed {path}, left by an export to {out} that was killed")
-                finally:
-                    os.close(fd)
-
-
-@contextlib.contextmanager
-def locked_directory(path):
-    """Makes the directory path, locked while inside (where there is flock: not on Windows, where a killed export's
-    directory stays), and deletes it if anything is raised inside, while still locked."""
-    os.mkdir(path)  # not tempfile.mkdtemp's 0700: the umask's permissions, as any directory the user makes
-    fd = os.open(path, os.O_RDONLY) if fcntl else None
-    try:
-        if fcntl:
-            lock(fd, wait=True)  # waits only while another export looks whether this one is a killed one's
-        yield
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def write_directory(out_dir, fill):
-    """Makes out_dir with fill(directory), whole or not at all: fill writes into a new directory beside out_dir,
-    OUT_DIR.<random>.tmp, which is synced, then renamed to it. A failed or interrupted fill (an error, Ctrl-C,
-    SIGTERM) leaves no out_dir, and deletes the temporary one; one that a process killed outright left is deleted by
-    the next export to out_dir."""
-    check_new_directory(out_dir)
-    out = os.path.abspath(out_dir)
-    previous = signal.signal(signal.SIGTERM, exit_on_signal)
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        if fcntl:
-            remove_killed_exports(out)
-        temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
-        with locked_directory(temp):
-            fill(temp)
-            files.sync_directory(temp)
-            os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
-    except BaseException as e:
-        files.raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
-        if isinstance(e, OSError):
-            check_new_directory(out_dir)  # another export to it finished first
-            raise UsageError(f"--export-hf {out_dir}: cannot write it ({e}); pass a directory you may write to")
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    files.sync_directory(os.path.dirname(out))
-
-
 def export(out_dir, fmt, state_dict, config, n_tokens, about):
     """Writes out_dir as the Hugging Face model of Format fmt: the weights of train_gpt2.py's state_dict in its
     layout, the shapes of its model config (dict) with its first n_tokens token ids (the padding rows are left out),
-    GPT-2's tokenizer, and a model card with about's facts: source, trained, validation, hellaswag, core, command.
-    Returns the number of parameters."""
+    GPT-2's tokenizer, and a model card of about (model_card.model_card's: the facts, the benchmarks' lines, the
+    command). Returns the number of parameters."""
     weights = fmt.layout(state_dict, n_tokens)
     shape = dict({k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}, vocab_size=n_tokens)
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
@@ -639,12 +142,12 @@ def export(out_dir, fmt, state_dict, config, n_tokens, about):
         save_weights(weights, path)
         os.chmod(path, os.stat(directory).st_mode & 0o666)  # safetensors makes it private: the umask's, as the rest
         files.sync_file(path)
-        write_file(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))
+        files.write_text(directory, "config.json", json.dumps(fmt.config(shape, config, dtype), indent=2))
         generation = generation_config(shape["vocab_size"], shape["block_size"])
-        write_file(directory, "generation_config.json", json.dumps(generation, indent=2))
-        for name, contents in tokenizer_files(shape["block_size"]).items():
-            write_file(directory, name, contents)
-        write_file(directory, "README.md", model_card(fmt, shape, config, n_params, about))
+        files.write_text(directory, "generation_config.json", json.dumps(generation, indent=2))
+        for name, contents in tokenizer.tokenizer_files(shape["block_size"]).items():
+            files.write_text(directory, name, contents)
+        files.write_text(directory, "README.md", model_card.model_card(fmt, shape, config, n_params, about))
 
-    write_directory(out_dir, fill)
+    files.write_directory(out_dir, fill, "--export-hf", "an export")
     return n_params

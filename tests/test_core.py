@@ -25,7 +25,7 @@ from test_hellaswag import TINY_MODEL, checkpoint_holding
 from torch._dynamo.testing import CompileCounter
 
 import train_gpt2
-from evaluation import core_score
+from evaluation import core_bundle, core_score
 from helpers import (
     REPO,
     TINY,
@@ -37,7 +37,7 @@ from helpers import (
     tiny_gpt,
     write_shards,
 )
-from machinery import downloads, hf_format
+from machinery import downloads
 from machinery.errors import UsageError
 from machinery.tokenizer import EOT, gpt2_tokenizer
 
@@ -367,8 +367,8 @@ def test_training_evaluates_every_n_steps_and_at_the_end(bundle, checkpoint, tmp
 
 
 def test_model_cards_of_openais_weights_give_nanochats_measure():
-    assert hf_format.published_facts("gpt2")["core"].startswith("0.1139, as nanochat measured OpenAI's gpt2")
-    assert hf_format.published_facts("random weights")["core"] is None
+    assert core_score.card_line(None, published="gpt2").startswith("0.1139, as nanochat measured OpenAI's gpt2")
+    assert core_score.card_line(None, published="random weights").startswith("not measured at these weights")
 
 
 # -----------------------------------------------------------------------------
@@ -392,7 +392,7 @@ def served_bundle(bundle, static_server, monkeypatch):
     www, base_url = static_server
     path = zipped(bundle, www)
     monkeypatch.setenv("CORE_BUNDLE_URL", f"{base_url}/eval_bundle.zip")
-    monkeypatch.setattr(core_score, "CORE_BUNDLE_SHA256", downloads.sha256_of(path))
+    monkeypatch.setattr(core_bundle, "CORE_BUNDLE_SHA256", downloads.sha256_of(path))
     return static_server
 
 
@@ -427,7 +427,7 @@ def test_a_run_waits_for_anothers_download(bundle, served_bundle, tmp_path):
 def test_offline_and_bad_downloads_are_one_line_and_cache_nothing(bundle, served_bundle, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setattr(downloads, "RETRYING", downloads.Retrying(delay=0))  # offline: 10 retries, at once here
-    monkeypatch.setattr(core_score, "CORE_BUNDLE_SHA256", "0" * 64)  # a mirror's other bundle, or a damaged download
+    monkeypatch.setattr(core_bundle, "CORE_BUNDLE_SHA256", "0" * 64)  # a mirror's other bundle, or a damaged download
     url = re.escape(os.environ["CORE_BUNDLE_URL"])
     with pytest.raises(UsageError, match=rf"^downloaded {url} is not a valid CORE bundle \(its sha256 is "
                                          rf"[0-9a-f]{{64}}, not 0{{64}}\); nothing was cached; retry, or pass "
@@ -490,6 +490,8 @@ def rewrite(path, change):
     (lambda d: rewrite(d / "eval_data/synthetic/arc_like.jsonl",  # a RecursionError traceback
                        lambda t: t.replace("\n", "\n" + "[" * 100000 + "]" * 100000 + "\n", 1)),
      ["arc_like.jsonl: line 2 is not a multiple_choice example (", "; it needs query, choices, gold)"]),
+    (lambda d: open(d / "eval_data/synthetic/arc_like.jsonl", "ab").write(b'{"query": "\xff"}\n'),  # not UTF-8
+     ["CORE task arc_like: cannot read ", "arc_like.jsonl ('utf-8' codec can't decode byte 0xff in position "]),
     (lambda d: os.remove(d / "core.yaml"), ["no core.yaml in it; pass --core-data the eval_bundle directory"]),
     (lambda d: rewrite(d / "core.yaml", lambda t: t + "  - [unclosed"), ["cannot read ", "core.yaml ("]),
     (lambda d: rewrite(d / "core.yaml", lambda t: t + "-\n  label: " + "[" * 1000 + "]" * 1000),  # a traceback

@@ -42,7 +42,7 @@ from helpers import (
     write_jsonl,
     write_shards,
 )
-from machinery import checkpoint_commands, checkpoints, hf_format, presets
+from machinery import checkpoint_commands, checkpoints, hf_format, model_card, presets, tokenizer
 from machinery.errors import UsageError
 from machinery.tokenizer import EOT, GPT2_VOCAB, gpt2_tokenizer
 from train_gpt2 import GPT
@@ -294,7 +294,8 @@ def quick_start_export(tmp_path_factory):
     torch.manual_seed(0)
     model = train_gpt2.model_of(train_gpt2.GPTConfig(**shapes))
     out = str(tmp_path_factory.mktemp("quick_start") / "hf")
-    about = dict(hf_format.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1")
+    about = dict(model_card.published_facts("random weights"), command="python train_gpt2.py --export-hf hf/run1",
+                 scores=[(b.NAME, b.card_line(None, published="random weights")) for b in train_gpt2.BENCHMARKS])
     gpt2 = train_gpt2.RECIPES["gpt2"].hf_format
     hf_format.export(out, gpt2, model.state_dict(), asdict(model.config), model.n_tokens, about)
     return out
@@ -388,8 +389,8 @@ def test_lm_eval_scores_the_export_as_eval_only(exports, harness, hellaswag_file
     results = evaluate(model="hf", model_args=f"pretrained={out}")  # the README's lm_eval lines: tests/test_readme.py
     assert results["results"][HARNESS_TASK]["acc,none"] == eval_only
     samples = sorted(results["samples"][HARNESS_TASK], key=lambda sample: sample["doc_id"])
-    theirs_likelihoods = [[float(response[0][0]) for response in sample["resps"]] for sample in samples]
-    torch.testing.assert_close(torch.tensor(theirs_likelihoods, dtype=torch.double), -sums.double(), rtol=1e-5,
+    hf_tokenizerlikelihoods = [[float(response[0][0]) for response in sample["resps"]] for sample in samples]
+    torch.testing.assert_close(torch.tensor(hf_tokenizerlikelihoods, dtype=torch.double), -sums.double(), rtol=1e-5,
                                atol=1e-4)
 
 
@@ -495,16 +496,16 @@ def test_the_exported_tokenizer_encodes_as_ours(exports):
                   transformers.GPT2Tokenizer.from_pretrained(bpe_only)]  # transformers 5's GPT2Tokenizer is fast
     if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4 still has the slow, pure-Python one
         tokenizers.append(transformers.AutoTokenizer.from_pretrained(out, use_fast=False))
-    for tokenizer in tokenizers:
-        ids = tokenizer(text)["input_ids"]
-        assert ids == expected, type(tokenizer)
-        assert tokenizer.decode(ids) == text, type(tokenizer)
-        assert tokenizer.eos_token_id == EOT
+    for hf_tokenizer in tokenizers:
+        ids = hf_tokenizer(text)["input_ids"]
+        assert ids == expected, type(hf_tokenizer)
+        assert hf_tokenizer.decode(ids) == text, type(hf_tokenizer)
+        assert hf_tokenizer.eos_token_id == EOT
 
 
 def test_merges_are_recovered_from_the_ranks():
     """GPT-2's merges.txt opens with these, in this order."""
-    merges = hf_format.tokenizer_files(1024)["merges.txt"].splitlines()
+    merges = tokenizer.tokenizer_files(1024)["merges.txt"].splitlines()
     assert merges[:8] == ["#version: 0.2", "Ġ t", "Ġ a", "h e", "i n", "r e", "o n", "Ġt he"]
     assert len(merges) == 1 + 50000
 
@@ -583,7 +584,7 @@ def test_an_interrupted_export_leaves_nothing(exports, tmp_path, capsys, monkeyp
     def interrupted(block_size):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_format, "tokenizer_files", interrupted)
+    monkeypatch.setattr(tokenizer, "tokenizer_files", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_main(["--export-hf", tmp_path / "hf", "--resume", exports[128][0]], capsys)
     assert os.listdir(tmp_path) == []
@@ -606,13 +607,13 @@ SIGTERM_MIDWAY = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import train_gpt2
-from machinery import hf_format
+from machinery import tokenizer
 
 def terminated(block_size):  # once the weights are written, as `kill PID` would
     os.kill(os.getpid(), signal.SIGTERM)
     raise AssertionError("the export went on after SIGTERM")
 
-hf_format.tokenizer_files = terminated
+tokenizer.tokenizer_files = terminated
 train_gpt2.main(sys.argv[2:])
 """
 
@@ -651,14 +652,14 @@ def test_a_killed_exports_directory_is_removed_by_the_next(exports, tmp_path, ca
 def test_an_export_that_finishes_first_wins(exports, tmp_path, capsys, monkeypatch):
     """Two exports to one OUT_DIR at once: the one that renames its directory second is refused in one line, and
     leaves the other's whole."""
-    out, tokenizer_files = tmp_path / "hf", hf_format.tokenizer_files
+    out, tokenizer_files = tmp_path / "hf", tokenizer.tokenizer_files
 
     def another_export_finishes(block_size):
         out.mkdir()
         (out / "config.json").write_text("the other export's")
         return tokenizer_files(block_size)
 
-    monkeypatch.setattr(hf_format, "tokenizer_files", another_export_finishes)
+    monkeypatch.setattr(tokenizer, "tokenizer_files", another_export_finishes)
     expect_usage_error(["--export-hf", out, "--resume", exports[128][0]], capsys, f"--export-hf {out}",
                        "not an empty directory")
     assert os.listdir(tmp_path) == ["hf"] and (out / "config.json").read_text() == "the other export's"

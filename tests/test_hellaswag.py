@@ -168,6 +168,7 @@ def test_unusable_cache_dir_is_a_one_line_error(static_server, tmp_path, monkeyp
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', r"bad\.jsonl: line 2 is not a HellaSwag example"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', r"bad\.jsonl: line 2 is not a HellaSwag example"),
     ("\udcff", r"bad\.jsonl: it is not UTF-8 text"),
+    ("null", r"bad\.jsonl: line 2 is not a HellaSwag example"),  # JSON's null is a value, not a blank line
     # a RecursionError traceback, and true taken as label 1 (a bool is an int to Python)
     pytest.param("[" * 200_000 + "]" * 200_000, r"bad\.jsonl: line 2 is not valid JSON \(nested too deep to parse\)",
                  id="nested too deep"),
@@ -179,6 +180,17 @@ def test_bad_file_is_refused_with_its_line(tmp_path, line, message):
     path.write_text(json.dumps(synthetic_examples([0])[0]) + "\n" + line + "\n", errors="surrogateescape")
     with pytest.raises(UsageError, match=message + ".*; fix it, or pass --hellaswag-file"):
         hellaswag.load_examples(str(path))
+
+
+def test_blank_lines_are_skipped_and_counted(tmp_path):
+    """Lines of whitespace alone (a no-break space too) are no examples; the line a refusal names counts them."""
+    good = [json.dumps(example) for example in synthetic_examples([0, 1])]
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n".join(["", good[0], "  \t", "\u00a0", good[1], "\r", "[]", ""]), encoding="utf-8")
+    with pytest.raises(UsageError, match=r"blank\.jsonl: line 7 is not a HellaSwag example"):
+        hellaswag.load_examples(str(path))
+    path.write_text("\n".join(["", good[0], "  \t", "\u00a0", good[1], "\r\n"]), encoding="utf-8")
+    assert [example["label"] for example in hellaswag.load_examples(str(path))] == [0, 1]
 
 
 def test_cached_file_is_held_to_the_full_size(static_server, tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import plot
+from evaluation import core_score
 from helpers import REPO, run_command
-from machinery import hf_format
 
 PLOT = os.path.join(REPO, "plot.py")
 
@@ -63,6 +63,17 @@ def test_a_line_that_is_not_utf8_is_skipped_as_damaged_lines_are(tmp_path, capsy
     warning = f"warning: skipped 2 line(s) of {tmp_path / 'log.jsonl'} that are not log records (line 5, 6)\n"
     assert capsys.readouterr().out == warning
     assert sorted(run.curves["train_loss"]) == [0, 1, 3]  # the lines after them are read
+
+
+def test_a_blank_line_is_counted_with_the_damaged_ones(tmp_path, capsys):
+    """A blank line holds no record: it is named as a damaged line is (the readers of data files skip blank lines)."""
+    write_log(tmp_path, run_log(range(2)))
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"step": 2, "tokens": 3072, "train_loss": 9.0}) + "\n")
+    (run,) = plot.read_runs([str(tmp_path)], None)
+    warning = f"warning: skipped 1 line(s) of {tmp_path / 'log.jsonl'} that are not log records (line 5)\n"
+    assert capsys.readouterr().out == warning
+    assert sorted(run.curves["train_loss"]) == [0, 1, 2]
 
 
 def test_a_line_nested_too_deep_or_of_an_impossible_step_is_skipped_and_named(tmp_path):
@@ -131,11 +142,11 @@ def test_gpt2_references_come_from_its_eval_only_lines(tmp_path):
 
 
 def test_core_has_a_row_of_its_own_with_gpt2s_lines(tmp_path):
-    """CORE against the step, under HellaSwag, with GPT-2 124M's line (nanochat's measure, as hf_format.py has it, or
+    """CORE against the step, under HellaSwag, with GPT-2 124M's line (nanochat's measure, as core_score.py has it, or
     the log's own of --eval-only --init-from gpt2) and GPT-2 1.5B's; without HellaSwag points, right under the
     losses."""
     pytest.importorskip("matplotlib")
-    openai = hf_format.OPENAI_CORE
+    openai = core_score.OPENAI_CORE
     assert (plot.GPT2_124M_CORE, plot.GPT2_XL_CORE) == (openai["gpt2"], openai["gpt2-xl"])
     core_lines = [{"step": step, "tokens": step * 1024, "core": 0.01 * step, "core_accuracy": {"copa": 0.5},
                    "core_centered": {"copa": 0.0}, "core_examples": 100} for step in (0, 2)]

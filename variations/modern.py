@@ -29,10 +29,11 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from machinery import checks, hf_format, settings
+from machinery import checks, settings
 from machinery.errors import UsageError
 from machinery.settings import setting
 from machinery.tokenizer import GPT2_VOCAB
+from variations import hf_layouts
 from variations.losses import chunked_cross_entropy, soft_cap
 
 try:  # torch.optim.Muon's own steps (torch 2.9 and later), so that ShardedMuon's update is exactly Muon's; private
@@ -281,10 +282,10 @@ def get_lr(step, max_lr, cfg):
 
 # -----------------------------------------------------------------------------
 # As transformers' own NanoChatForCausalLM (transformers 5.0 and later), whose forward pass is this model's: an export
-# (--export-hf) and an export read back (--init-from DIR). machinery/hf_format.py writes and reads its files.
+# (--export-hf) and an export read back (--init-from DIR). variations/hf_layouts.py lays out its files.
 
 # F.rms_norm's epsilon, eps=None: the machine epsilon of the dtype it normalizes, float32's in an export
-HF_FORMAT = hf_format.nanochat(rope_theta=ROTARY_BASE, rms_norm_eps=torch.finfo(torch.float32).eps)
+HF_FORMAT = hf_layouts.nanochat(rope_theta=ROTARY_BASE, rms_norm_eps=torch.finfo(torch.float32).eps)
 
 
 def from_pretrained(directory, config, cache_dir=None):
