@@ -10,7 +10,6 @@ Without FineWeb shards (`python fineweb.py` makes them), it trains a small model
 speed-ups it can swap in are in variations/, the benchmarks it scores in evaluation/, the run's machinery in machinery/.
 """
 
-import argparse
 import contextlib
 import datetime
 import gc
@@ -163,16 +162,7 @@ PRESETS = dict(SHAKESPEARE=SHAKESPEARE, SHAKESPEARE_FINETUNE=SHAKESPEARE_FINETUN
 
 def parse_args(argv=None):
     """Returns the config and the names of the settings given on the command line."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=presets_help(PRESETS, RECIPES), argument_default=argparse.SUPPRESS)
-    for f in settings.in_order(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if f.type in (bool, Optional[bool]):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
-        else:
-            parser.add_argument(flag, type=int if f.type == Optional[int] else f.type, choices=f.metadata["choices"],
-                                help=help)
+    parser = settings.flag_parser(TrainConfig, __doc__, presets_help(PRESETS, RECIPES))  # --n-layer for n_layer, ...
     parser.add_argument("--no-resume", dest="resume", action="store_const", const="none",
                         help="start fresh, moving an earlier run's files in --log-dir aside")
     given = vars(parser.parse_args(argv))
@@ -779,9 +769,9 @@ def set_up(draft, env):
     speedups.apply(cfg, model)  # each speed-up asked for: before the model compiles
     compiled = wrap_model(model, cfg, env)
     run = Run(cfg, env, RECIPES[cfg.recipe], stream, val, benchmarks, model, compiled,
-                        optimizers=make_optimizers(model, cfg, env.device_type),
-                        scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 underflows
-                        autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_log.RunLog(cfg.log_dir))
+              optimizers=make_optimizers(model, cfg, env.device_type),
+              scaler=torch.amp.GradScaler(env.device_type, enabled=cfg.dtype == "fp16"),  # fp16 underflows
+              autocast_ctx=autocast_context(env.device_type, cfg.dtype), log=run_log.RunLog(cfg.log_dir))
     if ckpt is not None:
         resume.restore(run, ckpt, ckpt_path)
         if resume.nothing_left(run):

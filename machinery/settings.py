@@ -7,10 +7,11 @@ How the settings become a run's: resolution.py, with the presets (presets.py), t
 process runs (environment.py). This module imports none of them, so that any module may read a setting's words.
 """
 
+import argparse
 import dataclasses
 import os
 import re
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 # -----------------------------------------------------------------------------
 # Declaring settings: train_gpt2.py's TrainConfig, and a recipe's own (modern.py's Settings, which it inherits)
@@ -41,6 +42,22 @@ def in_order(config_class):
     """Its settings in the order a reader meets them: its own, top to bottom, then those it inherits (a recipe's)."""
     own = config_class.__dict__.get("__annotations__", {})
     return sorted(dataclasses.fields(config_class), key=lambda f: f.name not in own)
+
+
+def flag_parser(config_class, description, epilog):
+    """An argparse parser with a flag for each of config_class's settings (n_layer -> --n-layer, a bool -> --x and
+    --no-x), its help ending in its default; a flag not given is left out of what it parses, so that the names of the
+    settings given are what it returns."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=epilog, argument_default=argparse.SUPPRESS)
+    for f in in_order(config_class):
+        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if f.type in (bool, Optional[bool]):
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, help=help)
+        else:
+            parser.add_argument(flag(f.name), type=int if f.type == Optional[int] else f.type,
+                                choices=f.metadata["choices"], help=help)
+    return parser
 
 
 def model_config_class(config_class):
