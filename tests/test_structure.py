@@ -21,7 +21,7 @@ MAY_IMPORT = {"machinery": {"machinery"}, "variations": {"machinery", "variation
 TRAINER_NAMES = {"TrainConfig", "parse_args", "draft_config", "final_config", "MODEL_SIZES", "PADDED_VOCAB",
                  "GPTConfig", "GPT", "model_of", "make_model", "make_optimizers", "set_lr", "set_up_distributed",
                  "tear_down_distributed", "set_tf32", "autocast_context", "compile_model", "train_step",
-                 "evaluate_val", "SHAKESPEARE", "cross_entropy"}
+                 "evaluate_val", "SHAKESPEARE", "cross_entropy", "RECIPES"}
 
 
 def product_modules():
