@@ -506,7 +506,10 @@ RECIPES = {
     "gpt2": settings.Recipe(model=GPT, optimizers=gpt2_optimizers, get_lr=get_lr, presets={},
                             settings=("max_lr", "weight_decay"), check_settings=lambda cfg, given: require(
                                 cfg, ("weight_decay",), lambda v: v >= 0, "zero or more"),
-                            hf_format=hf_layouts.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named=""),
+                            hf_format=hf_layouts.gpt2(LAYER_NORM_EPS), from_pretrained=GPT.from_pretrained, named="",
+                            memory=settings.StepMemory(optimizer_bytes=(8, 8), ddp_logits_copies=1,  # AdamW's 2 moments
+                                                       saved_per_token=(36, 6, 2), saved_per_token_eager=(64, 8, 4),
+                                                       logits_peak_eager={"full": 12, "chunked": 20})),
     "modern": modern.RECIPE,
 }
 

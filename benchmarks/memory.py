@@ -38,15 +38,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from speed_ladder import read_steps, write_random_shards  # noqa: E402
 
-from machinery.step_memory import (  # noqa: E402
-    SAVED_PER_TOKEN,
-    activation_bytes,
-    logits_bytes,
-    model_state,
-    numel,
-    parameters_of,
-)
-from train_gpt2 import MODEL_SIZES, PADDED_VOCAB, GPTConfig, model_of  # noqa: E402
+from machinery.step_memory import activation_bytes, logits_bytes, model_state, numel, parameters_of  # noqa: E402
+from train_gpt2 import MODEL_SIZES, PADDED_VOCAB, RECIPES, GPTConfig, model_of  # noqa: E402
 
 TRAINER = os.path.join(REPO, "train_gpt2.py")
 BLOCK_SIZE = 1024  # the trainer's default position table, which the measured runs use too
@@ -85,11 +78,11 @@ def keep_unless_weight(saved, weight_shapes, tensor):
 
 
 def saved_per_token(recipe, compiled=True, n_embd=128, n_head=2, batch_size=3, seq_len=40):
-    """SAVED_PER_TOKEN[recipe], counted: the tensors that the compiled bf16 step's forward pass saves for its backward
-    (autograd's saved-tensor hooks see what AOTAutograd saves), at one layer and at two, on the CPU. The backend
-    aot_eager_decomp_partition runs the partitioner that decides them as inductor's does, without generating code.
-    A weight's bf16 copy (autocast's) is counted apart, by its shape: the sizes here are chosen to match no other.
-    Not compiled: SAVED_PER_TOKEN_EAGER[recipe], the eager fp32 step's, a CPU's."""
+    """The recipe's saved_per_token (RECIPES[recipe].memory), counted: the tensors that the compiled bf16 step's
+    forward pass saves for its backward (autograd's saved-tensor hooks see what AOTAutograd saves), at one layer and at
+    two, on the CPU. The backend aot_eager_decomp_partition runs the partitioner that decides them as inductor's does,
+    without generating code. A weight's bf16 copy (autocast's) is counted apart, by its shape: the sizes here are
+    chosen to match no other. Not compiled: its saved_per_token_eager, the eager fp32 step's, a CPU's."""
     per_model = []
     for n_layer in (1, 2):
         torch.manual_seed(0)
@@ -116,14 +109,15 @@ def memory_rows(args):
     """(the parameters, {row: (DDP bytes, FSDP bytes)}) per rank for the settings; with --shards, HSDP's bytes third:
     FSDP's on one group of --shards ranks, as each tensor is split over a group (the replicas add only an all-reduce
     of the gradients' slices, in place)."""
-    params = count_parameters(args.model, args.recipe)
-    rows = model_state(params, args.world_size, args.recipe, args.accumulation_steps)
+    params, memory = count_parameters(args.model, args.recipe), RECIPES[args.recipe].memory
+    rows = model_state(params, args.world_size, memory, args.accumulation_steps)
     if args.shards:
-        group = model_state(params, args.shards, args.recipe, args.accumulation_steps)
+        group = model_state(params, args.shards, memory, args.accumulation_steps)
         rows = {key: (*row, group[key][1]) for key, row in rows.items()}
     size = MODEL_SIZES[args.model]
-    activations = activation_bytes(args.recipe, size["n_layer"], size["n_embd"], args.batch_size, args.seq_len)
-    ddp_logits, sharded_logits = logits_bytes(args.recipe, args.batch_size, args.seq_len, PADDED_VOCAB)
+    activations = activation_bytes(memory.saved_per_token, size["n_layer"], size["n_embd"], args.batch_size,
+                                   args.seq_len)
+    ddp_logits, sharded_logits = logits_bytes(memory, args.batch_size, args.seq_len, PADDED_VOCAB)
     columns = len(rows["weights"])
     rows["activations"] = (activations,) * columns
     rows["logits"] = (ddp_logits,) + (sharded_logits,) * (columns - 1)
@@ -198,8 +192,8 @@ NOTES = (
     "recipe's, with DDP, holds it beside them). At GPT-2 124M, B=64 on one H100 the estimate was within 5% of the "
     "peaks measured, DDP's and FSDP's (docs/LOG.md, 2026-11-25). Not counted: the CUDA context, the caching "
     "allocator's free blocks, and transients: a block's gradients "
-    "before their reduce-scatter, the one bf16 matrix ShardedMuon gathers.").format(*SAVED_PER_TOKEN["gpt2"],
-                                                                                    *SAVED_PER_TOKEN["modern"])
+    "before their reduce-scatter, the one bf16 matrix ShardedMuon gathers.").format(
+        *RECIPES["gpt2"].memory.saved_per_token, *RECIPES["modern"].memory.saved_per_token)
 
 
 # -----------------------------------------------------------------------------

@@ -12,19 +12,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import uuid
 import zipfile
 import zlib
 
-from machinery import locks
+from machinery import locks, signals
 from machinery.errors import UsageError, chain
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
 try:
     import resource  # here, not where it is used: a process at its open-file limit can import nothing
 except ImportError:  # Windows: an open-file limit is not named
@@ -189,37 +184,20 @@ def write_text(directory, name, text):
         os.fsync(f.fileno())
 
 
-def exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)  # as Ctrl-C's KeyboardInterrupt, deletes the temporary directory; 143: SIGTERM's
-
-
-def lock(fd, wait):
-    """Takes an exclusive lock (flock) of the open directory fd: True if taken. The kernel drops it when its process
-    ends, even by SIGKILL. A file system that cannot lock a directory (NFS) says False: nothing there is ever taken
-    for a killed writer's."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        return True
-    except OSError:
-        return False
-
-
 def remove_killed_writes(out, made_by):
     """Deletes the temporary directories beside out that writers of it (made_by, in words) killed outright (kill -9)
     left: those that hold files and no lock. A running writer locks its own before it writes into it, so that an
-    empty one may be a writer's that is starting, and stays."""
+    empty one may be a writer's that is starting, and stays. Where no lock can be taken (Windows; a file system that
+    cannot lock a directory, NFS), nothing is ever taken for a killed writer's."""
     parent = os.path.dirname(out)
     for name in sorted(os.listdir(parent)):
         if re.fullmatch(re.escape(os.path.basename(out)) + r"\.[0-9a-f]{8}\.tmp", name):
             path = os.path.join(parent, name)
-            with contextlib.suppress(OSError):  # gone meanwhile: another writer removed or finished it
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    if lock(fd, wait=False) and os.listdir(path):
-                        shutil.rmtree(path)
-                        print(f"removed {path}, left by {made_by} to {out} that was killed")
-                finally:
-                    os.close(fd)
+            # an OSError: the directory gone meanwhile, as another writer removed or finished it
+            with contextlib.suppress(OSError), locks.holding(path, wait=False) as taken:
+                if taken and os.listdir(path):
+                    shutil.rmtree(path)
+                    print(f"removed {path}, left by {made_by} to {out} that was killed")
 
 
 @contextlib.contextmanager
@@ -227,17 +205,12 @@ def locked_directory(path):
     """Makes the directory path, locked while inside (where there is flock: not on Windows, where a killed writer's
     directory stays), and deletes it if anything is raised inside, while still locked."""
     os.mkdir(path)  # not tempfile.mkdtemp's 0700: the umask's permissions, as any directory the user makes
-    fd = os.open(path, os.O_RDONLY) if fcntl else None
-    try:
-        if fcntl:
-            lock(fd, wait=True)  # waits only while another writer looks whether this one is a killed one's
-        yield
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    finally:
-        if fd is not None:
-            os.close(fd)
+    with locks.holding(path):  # waits only while another writer looks whether this one is a killed one's
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
 
 
 def write_directory(out_dir, fill, flag, made_by):
@@ -247,24 +220,21 @@ def write_directory(out_dir, fill, flag, made_by):
     the next writer of out_dir (made_by, in words: "an export")."""
     refuse_unless_new_directory(out_dir, flag)
     out = os.path.abspath(out_dir)
-    previous = signal.signal(signal.SIGTERM, exit_on_signal)
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        if fcntl:
+    with signals.exiting_on_sigterm():
+        try:
+            os.makedirs(os.path.dirname(out), exist_ok=True)
             remove_killed_writes(out, made_by)
-        temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
-        with locked_directory(temp):
-            fill(temp)
-            sync_directory(temp)
-            os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
-    except BaseException as e:
-        raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
-        if isinstance(e, OSError):
-            refuse_unless_new_directory(out_dir, flag)  # another writer of it finished first
-            raise UsageError(f"{flag} {out_dir}: cannot write it ({e}); pass a directory you may write to")
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+            temp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # beside it, so that the rename stays on one file system
+            with locked_directory(temp):
+                fill(temp)
+                sync_directory(temp)
+                os.rename(temp, out)  # over an empty out_dir too; never over a non-empty one
+        except BaseException as e:
+            raise_if_no_room(e, out_dir, lambda: "make room, then run the same command again")
+            if isinstance(e, OSError):
+                refuse_unless_new_directory(out_dir, flag)  # another writer of it finished first
+                raise UsageError(f"{flag} {out_dir}: cannot write it ({e}); pass a directory you may write to")
+            raise
     sync_directory(os.path.dirname(out))
 
 

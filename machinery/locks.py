@@ -1,5 +1,6 @@
 """
-Locks: the one helper that takes a lock of an open file (lock), and a path held by its readers against the process that
+Locks: the one helper that takes a lock of an open file (lock), a path held by this process while inside (holding:
+files.py's directory writer holds its temporary directory so), and a path held by its readers against the process that
 deletes or moves it (ReadLock, without_readers): --eval-only, --sample and --export-hf read checkpoints while the
 training that writes them goes on. The kernel drops a process's locks when it ends, even by SIGKILL. It imports
 nothing of the product: files.py's lock files take their locks here too.
@@ -34,6 +35,25 @@ def lock(f, exclusive=True, wait=True, record=False):
             return False
         raise
     return True
+
+
+@contextlib.contextmanager
+def holding(path, wait=True):
+    """An exclusive flock of path (a directory too) while inside: yields True if taken; False where another process
+    holds it and not wait, or where none can be taken (Windows, which opens no directory; a file system that cannot
+    lock a directory opened to read, NFS), and the caller goes on unguarded."""
+    if fcntl is None:
+        yield False
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            taken = bool(lock(fd, wait=wait))
+        except OSError:  # NFS's exclusive locks need a descriptor opened to write, which a directory has not
+            taken = False
+        yield taken
+    finally:
+        os.close(fd)
 
 
 class Gone(ValueError):

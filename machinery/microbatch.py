@@ -220,8 +220,8 @@ def cpu_step(run, batch_size, seq_len=None):
     memory: the memory model's eager step (step_memory.eager_step_bytes)."""
     cfg = run.cfg if seq_len is None else dataclasses.replace(run.cfg, seq_len=seq_len)
     held = any(optimizer.state for optimizer in run.optimizers)  # a resumed run's, in memory already
-    return step_memory.eager_step_bytes(step_memory.parameters_of(run.model), cfg, run.env.world_size, batch_size,
-                                        held)
+    return step_memory.eager_step_bytes(step_memory.parameters_of(run.model), cfg, run.recipe.memory,
+                                        run.env.world_size, batch_size, held)
 
 
 def heap_for(step, room):

@@ -132,7 +132,7 @@ def sample_notes(model, prompt):
                      f"from the last {block_size} before it")
     head = model.lm_head.weight  # under FSDP, this rank's rows of it
     if not (head.to_local() if hasattr(head, "to_local") else head).any():
-        notes.append("(the output layer is all zeros, as the modern recipe starts it: every token is as likely, and "
+        notes.append("(the output layer is all zeros, as a zero-initialised head starts: every token is as likely, and "
                      "top-k sampling keeps the first ids: punctuation, digits, capitals)")
     return True, notes
 

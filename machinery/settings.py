@@ -84,11 +84,31 @@ class Recipe(NamedTuple):
     hf_format: tuple  # hf_format.Format: the class of transformers its model is, and its files (--export-hf)
     from_pretrained: Callable  # (--init-from's name or directory, GPTConfig, cache_dir) -> its model, with its weights
     named: str  # what the run's model line adds after the parameters: "" for GPT-2's, the default
+    memory: tuple  # StepMemory: what its training step holds, for the memory model (step_memory.py)
     schedule: tuple = ()  # its own settings its get_lr reads, besides --max-steps, --warmup-steps, --min-lr-ratio
 
     def rate_flags(self):
         """The flags of its learning rates (its settings named *_lr): what to lower when a run diverges."""
         return [flag(name) for name in self.settings if name.endswith("_lr")]
+
+
+class StepMemory(NamedTuple):
+    """A recipe's figures for the memory model (step_memory.py): what its step keeps per parameter and per token.
+    They are its model's and its optimizers', so they live with the recipe, counted or measured (docs/memory.md)."""
+    optimizer_bytes: tuple  # the optimizers' state per parameter: (of a block, of the rest)
+    # The bytes per token that the compiled bf16 step's forward pass keeps for its backward, as
+    # benchmarks/memory.py's saved_per_token counts them (torch 2.13): in units of the width C, per layer and outside
+    # the layers (the embedding's output, the final norm's input), and in units of the vocabulary V (the bf16 logits).
+    # GPT-2's block keeps 36*C; Korthikanti et al. 2022 count 34*C with flash attention
+    saved_per_token: tuple
+    # The same of the eager fp32 step, a CPU's default: more than with bf16 autocast or compiled, so a bound for them
+    saved_per_token_eager: tuple
+    # {--loss: the logits' bytes per token, in units of V, at the eager fp32 step's peak}: those saved and the
+    # backward's fp32 gradients beside them. Measured on a CPU as the address space's growth with freed memory given
+    # back (docs/LOG.md, 2026-11-29); --loss chunked's chunk holds its logits, their exponentials and gradient at
+    # once: a bound at any number of rows
+    logits_peak_eager: dict
+    ddp_logits_copies: int  # the bf16 logits the compiled DDP step holds: 2 where its loss keeps their gradient apart
 
 
 # -----------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """
 The stop signals, SIGTERM and SIGINT (a cluster's preemption, Ctrl-C): recorded for the training loop, which ends the
-run after its step with a checkpoint (record_stop_signals), or raised where a wait must stop and a move must not be cut
-in half (StopSignals).
+run after its step with a checkpoint (record_stop_signals), raised where a wait must stop and a move must not be cut
+in half (StopSignals), or SIGTERM made an exit that cleans up as Ctrl-C's does (exiting_on_sigterm: files.py's
+directory writer).
 """
 
+import contextlib
 import signal
 
 
@@ -49,3 +51,19 @@ class StopSignals:
         if not self.deferred:
             self.deferred = True  # once: a second signal never cuts short the handling of the first
             raise StoppedBySignal
+
+
+def exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # as Ctrl-C's KeyboardInterrupt, deletes the temporary directory; 143: SIGTERM's
+
+
+@contextlib.contextmanager
+def exiting_on_sigterm():
+    """While inside, SIGTERM raises SystemExit(143), which ends the process as SIGTERM's own handler would, but after
+    what is on its way out has cleaned up (a temporary directory deleted), as Ctrl-C's KeyboardInterrupt does. Its
+    handler is given back on leaving."""
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -35,22 +35,24 @@ def shard_numel(shapes, world):
     return sum(-(-shape[0] // world) * math.prod(shape[1:]) for shape in shapes)
 
 
-def optimizer_bytes(blocks, rest, recipe):
-    """The state of the optimizers for so many block parameters and others: AdamW's two fp32 moments for every
-    parameter (gpt2); the modern recipe's Muon keeps one fp32 momentum per block matrix, and its Adam two moments for
-    the embedding and the (untied) head."""
-    return 4 * blocks + 8 * rest if recipe == "modern" else 8 * (blocks + rest)
+def optimizer_bytes(blocks, rest, memory):
+    """The state of the optimizers for so many block parameters and others, at the recipe's bytes per parameter
+    (StepMemory memory): GPT-2's AdamW keeps two fp32 moments for every parameter; the modern recipe's Muon keeps one
+    fp32 momentum per block matrix, and its Adam two moments for the embedding and the (untied) head."""
+    per_block, per_rest = memory.optimizer_bytes
+    return per_block * blocks + per_rest * rest
 
 
-def model_state(params, world, recipe, accumulation):
-    """Bytes per rank of everything but the activations: {row: (DDP, FSDP)}, None where the row is not the layout's."""
+def model_state(params, world, memory, accumulation):
+    """Bytes per rank of everything but the activations, for a recipe's StepMemory memory: {row: (DDP, FSDP)}, None
+    where the row is not the layout's."""
     n, blocks, rest = numel(params.blocks + params.rest), numel(params.blocks), numel(params.rest)
     shard = shard_numel(params.blocks + params.rest, world)
     rows = {
         "weights": (4 * n, 4 * shard),  # fp32 master weights: whole on every DDP rank, a 1/world slice under FSDP
         "gradients": (4 * n, 4 * shard),
-        "optimizer": (optimizer_bytes(blocks, rest, recipe),
-                      optimizer_bytes(shard_numel(params.blocks, world), shard_numel(params.rest, world), recipe)),
+        "optimizer": (optimizer_bytes(blocks, rest, memory),
+                      optimizer_bytes(shard_numel(params.blocks, world), shard_numel(params.rest, world), memory)),
         # a copy of the gradients (train_gpt2 makes DDP without gradient_as_bucket_view); a single process gets no DDP
         "ddp_buckets": (4 * n if world > 1 else 0, None),
         # the root gathered in fp32 and kept from forward to backward (reshard_after_forward=False), and about two
@@ -67,47 +69,35 @@ def model_state(params, world, recipe, accumulation):
     return rows
 
 
-# The bytes per token that the compiled bf16 step's forward pass keeps for its backward, as saved_per_token counts
-# them (torch 2.13): in units of the width C, per layer and outside the layers (the embedding's output, the final
-# norm's input), and in units of the vocabulary V (the bf16 logits). Korthikanti et al. 2022 count 34*C per layer for
-# GPT-2's block with flash attention.
-SAVED_PER_TOKEN = {"gpt2": (36, 6, 2), "modern": (42, 6, 2)}
-# The same of the eager fp32 step, a CPU's default: more than with bf16 autocast or compiled, so a bound for them too
-SAVED_PER_TOKEN_EAGER = {"gpt2": (64, 8, 4), "modern": (76, 12, 8)}
-# The logits' bytes per token, in units of V, at the eager fp32 step's peak: those saved (F.cross_entropy's fp32
-# log-softmax; the modern recipe's soft-capped logits too) and the backward's fp32 gradients beside them. Measured on a
-# CPU as the address space's growth with freed memory given back (docs/LOG.md, 2026-11-29), as is --loss chunked's,
-# whose chunk holds its logits, their exponentials and gradient at once: a bound at any number of rows
-LOGITS_PEAK_EAGER = {("gpt2", "full"): 12, ("modern", "full"): 16, ("gpt2", "chunked"): 20, ("modern", "chunked"): 24}
-
-
-def activation_bytes(recipe, n_layer, n_embd, batch_size, seq_len, saved=SAVED_PER_TOKEN):
-    """What the forward pass keeps for the backward, but the logits: saved's bytes (SAVED_PER_TOKEN, or
-    SAVED_PER_TOKEN_EAGER), the same for DDP and FSDP."""
-    per_layer, outside, _ = saved[recipe]
+def activation_bytes(saved_per_token, n_layer, n_embd, batch_size, seq_len):
+    """What the forward pass keeps for the backward, but the logits: the bytes of a recipe's saved_per_token (its
+    StepMemory's, compiled or eager), the same for DDP and FSDP."""
+    per_layer, outside, _ = saved_per_token
     return (per_layer * n_layer + outside) * n_embd * batch_size * seq_len
 
 
-def logits_bytes(recipe, batch_size, seq_len, vocab_size):
-    """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (SAVED_PER_TOKEN). GPT-2's compiled loss writes their
-    gradient over them (train_gpt2.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
+def logits_bytes(memory, batch_size, seq_len, vocab_size):
+    """(DDP, FSDP): the bf16 (B*T, V) logits the backward needs (StepMemory memory's saved_per_token), and under DDP
+    their gradient beside them where the recipe's loss keeps it (ddp_logits_copies). GPT-2's compiled loss writes
+    their gradient over them (train_gpt2.CrossEntropyWithPointwiseBackward); the modern recipe's soft-capped loss keeps
     F.cross_entropy's backward, whose gradient sits beside them where the step is one compiled graph (DDP's layout);
     under FSDP, whose groups compile as graphs of their own, none was measured (docs/LOG.md, 2026-11-25)."""
-    saved = SAVED_PER_TOKEN[recipe][2] * batch_size * seq_len * vocab_size
-    return (2 * saved if recipe == "modern" else saved), saved
+    saved = memory.saved_per_token[2] * batch_size * seq_len * vocab_size
+    return memory.ddp_logits_copies * saved, saved
 
 
-def eager_step_bytes(params, cfg, world, batch_size, optimizer_held):
-    """What an eager training step of batch_size sequences of cfg's model (Parameters params) adds to the weights of
-    each of world processes at its peak, in bytes: the gradients, the optimizers' state unless optimizer_held (a
-    resumed run's), the layout's copies, the activations and the logits (SAVED_PER_TOKEN_EAGER, LOGITS_PEAK_EAGER).
+def eager_step_bytes(params, cfg, memory, world, batch_size, optimizer_held):
+    """What an eager training step of batch_size sequences of cfg's model (Parameters params, StepMemory memory) adds
+    to the weights of each of world processes at its peak, in bytes: the gradients, the optimizers' state unless
+    optimizer_held (a resumed run's), the layout's copies, the activations and the logits (memory's
+    saved_per_token_eager and logits_peak_eager).
     It counts every gradient at the peak, where the backward has made few yet: GPT-2 124M's step of 1 x 1024 tokens
     on a CPU, 2.54 GiB here, took 2.09 (docs/LOG.md, 2026-11-29)."""
     layout = 1 if cfg.fsdp else 0
-    rows = model_state(params, world, cfg.recipe, cfg.total_batch_size // (batch_size * cfg.seq_len * world))
+    rows = model_state(params, world, memory, cfg.total_batch_size // (batch_size * cfg.seq_len * world))
     state = sum(rows[key][layout] or 0 for key in ("gradients", "ddp_buckets", "fsdp_gathered", "fsdp_accumulation"))
     state += 0 if optimizer_held else rows["optimizer"][layout]
     tokens = batch_size * cfg.seq_len
-    logits = LOGITS_PEAK_EAGER[cfg.recipe, cfg.loss] * tokens * cfg.vocab_size
-    return state + activation_bytes(cfg.recipe, params.n_layer, cfg.n_embd, batch_size, cfg.seq_len,
-                                    SAVED_PER_TOKEN_EAGER) + logits
+    logits = memory.logits_peak_eager[cfg.loss] * tokens * cfg.vocab_size
+    return state + activation_bytes(memory.saved_per_token_eager, params.n_layer, cfg.n_embd, batch_size,
+                                    cfg.seq_len) + logits

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from helpers import REPO, TINY, check_usage_error, needs_muon, run_main, run_script
-from machinery import step_memory
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
@@ -28,7 +27,8 @@ def gpt2_by_hand(n_layer, C):
 
 
 def rows(model="gpt2", world=8, recipe="gpt2", accumulation=1):
-    return memory.model_state(memory.count_parameters(model, recipe), world, recipe, accumulation)
+    return memory.model_state(memory.count_parameters(model, recipe), world, memory.RECIPES[recipe].memory,
+                              accumulation)
 
 
 def run_memory(argv, capsys):
@@ -84,13 +84,12 @@ def test_accumulation_adds_the_unsharded_gradients_to_fsdp_only():
 
 @pytest.mark.parametrize("recipe", ["gpt2", pytest.param("modern", marks=needs_muon)])
 def test_the_activations_are_what_the_compiled_step_saves(recipe):
-    """SAVED_PER_TOKEN, the activation estimate's bytes per token, against a count of what the compiled bf16 step
-    saves for its backward (saved_per_token: AOTAutograd's partitioner, as inductor's, on a small model); and
-    SAVED_PER_TOKEN_EAGER, the CPU's estimate's, against what the eager fp32 step saves."""
-    per_layer, outside, logits = memory.saved_per_token(recipe)
-    assert (per_layer, outside, logits) == pytest.approx(memory.SAVED_PER_TOKEN[recipe], abs=0.5)
-    assert memory.saved_per_token(recipe, compiled=False) == pytest.approx(step_memory.SAVED_PER_TOKEN_EAGER[recipe],
-                                                                           abs=0.5)
+    """The recipe's saved_per_token, the activation estimate's bytes per token, against a count of what the compiled
+    bf16 step saves for its backward (saved_per_token: AOTAutograd's partitioner, as inductor's, on a small model);
+    and its saved_per_token_eager, the CPU's estimate's, against what the eager fp32 step saves."""
+    figures = memory.RECIPES[recipe].memory
+    assert memory.saved_per_token(recipe) == pytest.approx(figures.saved_per_token, abs=0.5)
+    assert memory.saved_per_token(recipe, compiled=False) == pytest.approx(figures.saved_per_token_eager, abs=0.5)
 
 
 def test_the_estimate_of_the_default_step_is_within_5_percent_of_its_measured_peaks():

@@ -5,6 +5,7 @@ here. And what one training step and one checkpoint save run through, and the lo
 import ast
 import glob
 import os
+import re
 import signal
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 
 import train_gpt2
 from helpers import REPO, TINY, write_shards
+from machinery import settings
 
 SCRIPTS = {"train_gpt2", "fineweb", "plot"}
 FOLDERS = ("machinery", "variations", "evaluation")
@@ -21,7 +23,7 @@ MAY_IMPORT = {"machinery": {"machinery"}, "variations": {"machinery", "variation
 TRAINER_NAMES = {"TrainConfig", "parse_args", "draft_config", "final_config", "MODEL_SIZES", "PADDED_VOCAB",
                  "GPTConfig", "GPT", "model_of", "make_model", "make_optimizers", "set_lr", "set_up_distributed",
                  "tear_down_distributed", "set_tf32", "autocast_context", "compile_model", "train_step",
-                 "evaluate_val", "SHAKESPEARE", "cross_entropy"}
+                 "evaluate_val", "SHAKESPEARE", "cross_entropy", "RECIPES"}
 
 
 def product_modules():
@@ -84,6 +86,67 @@ def longest_chain(graph):
 def test_no_modules_form_a_circle_and_no_chain_of_imports_is_long():
     chain = longest_chain(import_graph())
     assert len(chain) <= 7, " -> ".join(chain)  # 2026-11-28: 7 (the aim: 5)
+
+
+def words_of(text):
+    """The words of an identifier or a text, lowercased: split at what is no letter or digit, and at CamelCase."""
+    parts = [part for part in re.split(r"[^A-Za-z0-9]+", text) if part]
+    return {word.lower() for part in parts
+            for word in [part, *re.findall(r"[A-Z]+[0-9]*(?![a-z])|[A-Z]?[a-z]+[0-9]*|[0-9]+", part)]}
+
+
+def code_of(path):
+    """(line, text) of every identifier and string of a module's code; not its docstrings (nor comments: ast has
+    none)."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+        for field in ("id", "attr", "name", "arg", "asname"):
+            if isinstance(getattr(node, field, None), str):
+                yield node.lineno, getattr(node, field)
+
+
+def recipe_and_benchmark_names():
+    """The words that name a recipe or a benchmark, and the whole names (a recipe's, its own settings), and their
+    flags. Derived from train_gpt2.py, so that a new recipe or benchmark is covered without editing this."""
+    recipes = train_gpt2.RECIPES
+    words = {"muon", "fp8", "float8"}  # the modern recipe's optimizer; the FP8 head's number format
+    # "gpt2" names GPT-2's recipe, and also the BPE and vocabulary that every recipe shares: a whole name only
+    words |= {name for name in recipes if name != "gpt2"}
+    words |= {word for recipe in recipes.values()
+              for word in (recipe.hf_format.architecture.lower(), recipe.hf_format.model_type) if word != "gpt2"}
+    words |= {benchmark.NAME.lower() for benchmark in train_gpt2.BENCHMARKS}
+    names = set(recipes) | {name for recipe in recipes.values() for name in recipe.settings}
+    return words, names, {settings.flag(name) for name in names}
+
+
+def named_recipes_and_benchmarks(path):
+    words, names, flags = recipe_and_benchmark_names()
+    return [(line, text) for line, text in code_of(path)
+            if words_of(text) & words or text in names or any(flag in text for flag in flags)]
+
+
+def test_machinery_names_no_recipe_and_no_benchmark():
+    """machinery/ is the run's machinery for any recipe: a recipe's part lives in its own module (variations/,
+    train_gpt2.py), a benchmark's in evaluation/, handed over as arguments. Shakespeare (the default data) and OpenAI
+    (--init-from's weights) are no recipe, and train_gpt2.py hands their tables over (PRESETS, MODEL_SIZES):
+    machinery decides only in which order they apply. fineweb.py's shards and manifest are the data machinery reads."""
+    found = [f"{os.path.relpath(path, REPO)}:{line}: {text[:70]!r}"
+             for path in sorted(glob.glob(os.path.join(REPO, "machinery", "*.py")))
+             for line, text in named_recipes_and_benchmarks(path)]
+    assert not found, "machinery/ names a recipe or a benchmark:\n" + "\n".join(found)
+
+
+def test_the_layering_rule_reads_code_not_comments(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('"""HellaSwag, the modern recipe."""\n# muon\nEVERY = "hellaswag_every"\n'
+                      'def f(x):\n    """nanochat"""\n    return x.muon_lr, "--head-lr 0.1", "gpt2", "GPT2_VOCAB"\n')
+    assert sorted(text for _, text in named_recipes_and_benchmarks(module)) == [
+        "--head-lr 0.1", "gpt2", "hellaswag_every", "muon_lr"]
 
 
 def test_benchmarks_use_only_the_trainers_names_listed_here():

@@ -298,6 +298,12 @@ def from_pretrained(directory, config, cache_dir=None):
     return model
 
 
+# Its step's memory (machinery/step_memory.py): Muon keeps one fp32 momentum per block matrix parameter, Adam two per
+# embedding and head parameter; the soft-capped logits are kept too, and F.cross_entropy's backward, which the
+# soft-capped loss keeps, puts their gradient beside them where the step is one compiled graph (DDP's layout)
+STEP_MEMORY = settings.StepMemory(optimizer_bytes=(4, 8), saved_per_token=(42, 6, 2), saved_per_token_eager=(76, 12, 8),
+                                  logits_peak_eager={"full": 16, "chunked": 24}, ddp_logits_copies=2)
+
 RECIPE = settings.Recipe(model=GPT, optimizers=make_optimizers, get_lr=get_lr, presets=PRESETS, settings=SETTINGS,
                          check_settings=check_settings, hf_format=HF_FORMAT, from_pretrained=from_pretrained,
-                         named=", the modern recipe", schedule=("cooldown_frac",))
+                         named=", the modern recipe", memory=STEP_MEMORY, schedule=("cooldown_frac",))
