@@ -705,7 +705,8 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=
     at most rows at a time (if show: the other ranks sample too, as under FSDP each lends its slices of the weights,
     but print nothing)."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
-    can_sample, lines = run_log.sample_notes(model, prompt)  # and what to know of the samples, or why there are none
+    recipe = RECIPES[cfg.recipe].named.removeprefix(", ") or "GPT-2's recipe"
+    can_sample, lines = run_log.sample_notes(model, prompt, recipe)  # and what to know of them, or why there are none
     if can_sample:
         generator = torch.Generator(device=device).manual_seed(seed)
         with autocast_ctx:  # rows at a time: a run's micro-batch, which fits in training, or --sample's --batch-size

@@ -119,9 +119,10 @@ def first_lines(run, micro_batch_said):
         print(micro_batch_said)
 
 
-def sample_notes(model, prompt):
+def sample_notes(model, prompt, recipe):
     """Whether a model can sample after prompt (token ids), and the lines that go before its samples: why there are
-    none (a --vocab-size below GPT-2's cannot embed the prompt's tokens), or what to know of them."""
+    none (a --vocab-size below GPT-2's cannot embed the prompt's tokens), or what to know of them. recipe: the words
+    that name the model's recipe, for a head it starts at zero."""
     block_size = model.config.block_size
     if max(prompt) >= model.n_tokens:
         return False, [f"no samples: the prompt needs token ids up to {max(prompt)}, beyond this model's "
@@ -132,8 +133,8 @@ def sample_notes(model, prompt):
                      f"from the last {block_size} before it")
     head = model.lm_head.weight  # under FSDP, this rank's rows of it
     if not (head.to_local() if hasattr(head, "to_local") else head).any():
-        notes.append("(the output layer is all zeros, as a zero-initialised head starts: every token is as likely, and "
-                     "top-k sampling keeps the first ids: punctuation, digits, capitals)")
+        notes.append(f"(the output layer is all zeros, as {recipe} starts it: every token is as likely, and top-k "
+                     "sampling keeps the first ids: punctuation, digits, capitals)")
     return True, notes
 
 

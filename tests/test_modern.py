@@ -382,7 +382,7 @@ def test_the_zero_heads_samples_at_step_0_are_said_to_be_punctuation(shards, tmp
     flags = ["--data", shards, "--max-steps", "2", "--eval-every", "2", "--num-samples", "1", "--prompt", "Hi"]
     code, out, err = run_main(TINY_MODEL + MODERN + flags + ["--log-dir", tmp_path / "modern"], capsys)
     assert code == 0, err
-    note = "(the output layer is all zeros, as a zero-initialised head starts"
+    note = "(the output layer is all zeros, as the modern recipe starts it"
     assert out.count(note) == 1 and out.index(note) < out.index("--- sample 1/1 (step 0) ---")
     (*_, text), _ = printed_samples(out)
     first_ids = {tokenizer.gpt2_tokenizer().decode([i]) for i in range(50)}
