@@ -3,14 +3,14 @@ and torch's import each time (2 to 5 s of CPU on the 2-core test machines, most 
 
 A server, started on first use in each pytest process (one for each set of the environment variables a process reads
 as it starts: READ_AT_START), imports torch and numpy once, then forks a process per command: `python SCRIPT ARGS`,
-`python -c CODE ARGS`, `python -m MODULE ARGS` (torchrun's launcher), or a console script of this environment.
-That process becomes what the command would be: the command's working directory, environment, standard streams (the
-caller's own file descriptors, passed over a Unix socket), sys.argv and sys.path as Python sets them, default signal
-handlers, no other open file, and Python's normal exit (atexit, threads joined, the exit code of SystemExit or 1 after
-a traceback). It is a process like any other: signals reach it by its pid, limits set inside it are its own, and it
-dies on its own. What a preexec_fn would do before the command runs is asked for by name: resource limits, ignored
-signals, a session of its own. Its parent, a small supervisor forked beside it, reports its exit status back; the
-server never runs torch itself, so every fork starts from a process with no threads.
+`python -c CODE ARGS`, `python -m MODULE ARGS` (torchrun's launcher, whose workers it forks too), or a console script
+of this environment. That process becomes what the command would be: the command's working directory, environment,
+standard streams (the caller's own file descriptors, passed over a Unix socket), sys.argv and sys.path as Python sets
+them, default signal handlers, no other open file, and Python's normal exit (atexit, threads joined, the exit code of
+SystemExit or 1 after a traceback). It is a process like any other: signals reach it by its pid, limits set inside it
+are its own, and it dies on its own. What a preexec_fn would do before the command runs is asked for by name: resource
+limits, ignored signals, a session of its own. Its parent, a small supervisor forked beside it, reports its exit
+status back; the server never runs torch itself, so every fork starts from a process with no threads.
 
 The project's own modules are not imported by the server: a test may run an edited copy of them.
 
@@ -20,6 +20,7 @@ The project's own modules are not imported by the server: a test may run an edit
     popen(argv, **options)  ->  subprocess.Popen's stand-in: a Process where the server can run argv with options
     how: limits={"RLIMIT_NOFILE": (256, 256)}, ignore=("SIGXFSZ",), start_new_session=True (as Popen's),
         tmpfs={"mount": DIR, "options": "size=8k", "before": SHELL, "after": SHELL} (a private tmpfs)
+        real_workers=True (torchrun's workers exec'd by its launcher, its children, not forked by the server)
 
 TRAIN_GPT2_TESTS_FORKSERVER=0 switches the server off, for the day it breaks on a new torch or glibc: every command is
 then a real process (subprocess.Popen), made as the server would make it (stdin /dev/null, stderr stdout's unless
@@ -127,13 +128,13 @@ class Server:
 
 
 def Process(argv, cwd, env, stdout=None, stderr=None, text=False, limits=None, ignore=(), start_new_session=False,
-            tmpfs=None):
+            tmpfs=None, real_workers=False):
     """argv in a process of its own, its stdin /dev/null, its stdout and stderr the given files or file descriptors,
     or PIPE (then read from .stdout and .stderr, text if text), or STDOUT for stderr (stdout None: this process's own;
-    stderr None: stdout's); limits, ignore, start_new_session, tmpfs: see become(). Forked by the server (a Forked),
-    or with FORK off a subprocess.Popen."""
+    stderr None: stdout's); limits, ignore, start_new_session, tmpfs, real_workers: see become(). Forked by the server
+    (a Forked), or with FORK off a subprocess.Popen (torchrun's workers are then real processes anyway)."""
     if FORK:
-        return Forked(argv, cwd, env, stdout, stderr, text, limits, ignore, start_new_session, tmpfs)
+        return Forked(argv, cwd, env, stdout, stderr, text, limits, ignore, start_new_session, tmpfs, real_workers)
     argv = on_private_tmpfs(argv, **tmpfs) if tmpfs else [str(a) for a in argv]
     # a preexec_fn is safe beside the tests' threads here: it makes system calls only, taking no lock one of them held
     preexec = functools.partial(set_signals_and_limits, limits or {}, ignore)
@@ -170,14 +171,15 @@ def on_private_tmpfs(argv, mount, options, before=None, after=None):
 class Forked:
     """Process's argv forked by the fork server, seen as a Popen."""
 
-    def __init__(self, argv, cwd, env, stdout, stderr, text, limits, ignore, start_new_session, tmpfs):
+    def __init__(self, argv, cwd, env, stdout, stderr, text, limits, ignore, start_new_session, tmpfs,
+                 real_workers=False, server_path=None):
         self.args, self.returncode, self.stdout, self.stderr = argv, None, None, None
-        server = Server.get(env)
         self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.connection.connect(server.path)
+        self.connection.connect(server_path or Server.get(env).path)  # server_path: a forked launcher's own server
         request = json.dumps({"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()), "env": dict(env),
                               "umask": current_umask(), "limits": limits or {}, "ignore": list(ignore),
-                              "new_session": start_new_session, "tmpfs": tmpfs}).encode()
+                              "new_session": start_new_session, "tmpfs": tmpfs,
+                              "real_workers": real_workers}).encode()
         with contextlib.ExitStack() as sent:  # the descriptors the command gets, closed here once they are sent
             stdin = sent.enter_context(open(os.devnull))  # what a test's subprocess reads: nothing
             out = self._descriptor(stdout, 1, "stdout", text, sent)
@@ -312,19 +314,22 @@ def serve(path):
                 return json.loads(message), fds
             for fd in fds:
                 os.close(fd)
-            connection.send(str(pid).encode())
+            with contextlib.suppress(OSError):  # a client killed outright (a launcher, for its workers) hears nothing
+                connection.send(str(pid).encode())
             status = os.waitpid(pid, 0)[1]
-            connection.send(str(os.waitstatus_to_exitcode(status)).encode())
+            with contextlib.suppress(OSError):
+                connection.send(str(os.waitstatus_to_exitcode(status)).encode())
             os._exit(0)
         connection.close()
         for fd in fds:
             os.close(fd)
 
 
-def become(request, fds, base_path, default_threads):
+def become(request, fds, base_path, default_threads, server_path):
     """This process becomes the command request describes, as a preexec_fn would leave it: its signals and limits
-    set (set_signals_and_limits), in a session of its own if start_new_session, on its tmpfs if tmpfs. Returns
-    what to run: ("script", path), ("code", source) or ("module", name)."""
+    set (set_signals_and_limits), in a session of its own if start_new_session, on its tmpfs if tmpfs; torchrun's
+    launcher forks its workers from this server (server_path) unless real_workers. Returns what to run: ("script",
+    path), ("code", source) or ("module", name)."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -364,7 +369,31 @@ def become(request, fds, base_path, default_threads):
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else default_threads)
+    if (kind, target) == ("module", "torch.distributed.run") and not request["real_workers"]:
+        fork_workers_from(server_path)
     return kind, target, tmpfs.get("after")
+
+
+def fork_workers_from(server_path):
+    """torchrun's launcher, in this process, forks its workers from the server at server_path, as it would start
+    them: `python -u SCRIPT ARGS` in a session of their own, its stdout and stderr theirs unless it redirects them.
+    They are not its children, and /proc shows the server's environment for them: a test that finds the workers
+    there asks for real_workers."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    start_for_real = subprocess_handler.SubprocessHandler._popen
+
+    def start(handler, args, env):
+        args = list(args)
+        if args[1:2] == ["-u"]:  # python -u: its streams unbuffered, as PYTHONUNBUFFERED leaves them
+            del args[1]
+            env = dict(env, PYTHONUNBUFFERED="1")
+        if not forkable(args):
+            return start_for_real(handler, args, env)
+        return Forked(args, None, env, handler._stdout or 1, handler._stderr or 2, False, None, (), True, None,
+                      server_path=server_path)
+
+    subprocess_handler.SubprocessHandler._popen = start
 
 
 def set_signals_and_limits(limits, ignore):
@@ -474,4 +503,4 @@ if __name__ == "__main__":
 
     gc.freeze()  # what is imported stays out of every collection: a forked process's collector never touches it
     request, fds = serve(sys.argv[1])
-    run_then_exit(*become(request, fds, base_path, default_threads))
+    run_then_exit(*become(request, fds, base_path, default_threads, sys.argv[1]))

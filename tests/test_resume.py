@@ -427,7 +427,7 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
     with open(tmp_path / "out.txt", "w") as out:
         proc = start_command(script_command(args, nproc=2, torchrun=True), tmp_path, script_env(), stdout=out,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             stderr=subprocess.STDOUT, start_new_session=True, real_workers=True)  # in /proc
     try:
         wait_for_step(proc, run, 3)
         workers = worker_pids(proc.pid)
