@@ -45,7 +45,10 @@ WRITES = re.compile(r"(?:--export-hf|--output|--log-dir|--json|--trace|mkdir -p)
 # Shakespeare preset's batch, a short validation
 SHRINK = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--max-steps", "3", "--total-batch-size", "256",
           "--val-tokens", "1024", "--num-samples", "1", "--max-new-tokens", "4"]
-SHORT = ["--max-steps", "2", "--val-tokens", "1024", "--num-samples", "1", "--max-new-tokens", "4"]  # --init-from DIR
+# --init-from DIR's runs: 2 steps of 256 tokens, evaluated on 1024 (its preset's 1,024-token steps cost seconds here)
+EVAL_SHORT = ["--val-tokens", "1024"]
+SHORT = ["--max-steps", "2", "--seq-len", "32", "--total-batch-size", "256", *EVAL_SHORT, "--num-samples", "1",
+         "--max-new-tokens", "4"]
 BIN = os.path.dirname(sys.executable)  # the environment's console scripts: lm_eval, hf
 
 gpt2_server = test_pretrained.gpt2_server  # a tiny stand-in for OpenAI's weights, served as the Hub serves them
@@ -391,7 +394,7 @@ def test_the_export_commands(exported, gpt2_server, fake_hub, capsys, monkeypatc
     for args in commands_of("Exporting to Hugging Face", "python train_gpt2.py --"):
         if "--export-hf" in args or ("hf/modern" in args and "hf/modern" not in written):
             continue
-        code, printed, err = run_python(args, capsys, exported, () if "--eval-only" in args else SHORT)
+        code, printed, err = run_python(args, capsys, exported, EVAL_SHORT if "--eval-only" in args else SHORT)
         assert code == 0, (args, err)
         assert "the weights in hf/" in printed and "val loss" in printed
 
