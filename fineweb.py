@@ -71,7 +71,7 @@ STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasat
 def init_worker(parent_pid):
     global encoding, open_parquet
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    for signum in STOP_SIGNALS:  # as forked, the main process's handler: stop_workers' SIGTERM must end a worker
+    for signum in STOP_SIGNALS:  # as forked, the main process's handler: a SIGTERM from `kill` must end a worker
         signal.signal(signum, signal.SIG_DFL)
     if sys.platform == "linux":  # a `kill -9` of the main process takes the workers with it, not left to finish alone
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -108,8 +108,8 @@ def stop_workers(pool):
     # without waiting for the units in flight, which can be a whole .txt file; ProcessPoolExecutor has no public
     # way to do that before Python 3.14's terminate_workers()
     workers = list(pool._processes.values())
-    for worker in workers:
-        worker.terminate()
+    for worker in workers:  # SIGKILL: a worker still starting runs this process's own SIGTERM handler, forked with it
+        worker.kill()
     for worker in workers:
         worker.join()
     # a worker stopped while sending its tokens leaves half a message in the result pipe, and the pool's thread

@@ -328,6 +328,18 @@ def test_workers_stopped_while_sending_results_do_not_hang_the_pool():
     assert result.returncode == 0 and result.stdout.strip() == "stopped", result.stderr
 
 
+def test_workers_stopped_while_starting_do_not_hang_the_pool():
+    # A run with nothing left to read (a resume past its last input) stops its pool as soon as it starts: a worker
+    # still starting had the main process's SIGTERM handler, which the stop's SIGTERM ran, and the main process waited
+    # for it forever (seen once in 15 runs of the suite, on a loaded machine)
+    script = os.path.join(REPO, "tests", "scripts", "stop_workers_while_starting.py")
+    try:
+        result = run_command([sys.executable, script, REPO], None, dict(os.environ), timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("stop_workers waited for a worker that was still starting")
+    assert result.returncode == 0 and result.stdout.strip() == "stopped", result.stderr
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="forkserver and fork are POSIX start methods")
 def test_the_default_start_method_does_not_matter(tmp_path):
     # Python 3.14 made forkserver the default on Linux, where a worker's parent is the fork server
