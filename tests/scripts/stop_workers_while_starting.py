@@ -11,7 +11,7 @@ init_worker = fineweb.init_worker
 
 
 def slow_to_start(parent_pid):  # a loaded machine's slow start: the stop comes before the worker's own set-up
-    time.sleep(1)
+    time.sleep(0.5)
     init_worker(parent_pid)
 
 
