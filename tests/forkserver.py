@@ -377,8 +377,8 @@ def become(request, fds, base_path, default_threads, server_path):
 def fork_workers_from(server_path):
     """torchrun's launcher, in this process, forks its workers from the server at server_path, as it would start
     them: `python -u SCRIPT ARGS` in a session of their own, its stdout and stderr theirs unless it redirects them.
-    They are not its children, and /proc shows the server's environment for them: a test that finds the workers
-    there asks for real_workers."""
+    They are not its children (helpers.ranks_of finds them), and /proc shows the server's environment for them:
+    real_workers has the launcher start real ones."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     start_for_real = subprocess_handler.SubprocessHandler._popen

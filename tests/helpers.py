@@ -291,19 +291,31 @@ def wait_for_output(proc, path, text, timeout=120):
         time.sleep(0.005)
 
 
-def ranks_of(launcher_pid, log_dir):
-    """{rank: pid} of the ranks that tests/scripts/ranks.py forked: rank 0 is the one holding log_dir's lock open."""
+def ranks_of(launcher_pid, log_dir, forked_for_it=False):
+    """{rank: pid} of a launcher's two ranks: its children (tests/scripts/ranks.py forks them), or if forked_for_it,
+    what the fork server forked for it in its directory (torchrun's workers: each under a supervisor of the server, as
+    the launcher is). Rank 0 is the one holding log_dir's lock open."""
     lock, ranks = os.path.realpath(os.path.join(log_dir, ".lock")), {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    server = parent_of(parent_of(launcher_pid)) if forked_for_it else None
+    directory = os.readlink(f"/proc/{launcher_pid}/cwd")
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+            if forked_for_it:
+                if pid == launcher_pid or parent_of(parent_of(pid)) != server or os.readlink(f"/proc/{pid}/cwd") != \
+                        directory:
                     continue
+            elif parent_of(pid) != launcher_pid:
+                continue
             fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
+        except (OSError, TypeError):  # gone meanwhile
             continue
-        ranks[0 if lock in fds else 1] = int(pid)
+        ranks[0 if lock in fds else 1] = pid
     return ranks
+
+
+def parent_of(pid):
+    stat = process_stat(pid)
+    return stat and stat[1]
 
 
 def process_stat(pid):

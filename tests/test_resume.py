@@ -402,24 +402,6 @@ def test_a_signal_to_another_rank_as_rank_0_moves_the_old_run_aside_stops_the_ru
     assert checkpoint_names(tmp_path / "log") == ["ckpt_000001.pt"]
 
 
-def worker_pids(agent_pid):
-    """{rank: pid} of torchrun's worker processes, read from /proc."""
-    workers = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, IndexError, ValueError):
-            continue
-        if b"RANK" in env:
-            workers[int(env[b"RANK"])] = int(pid)
-    return workers
-
-
 def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     """Preemption may reach the ranks at different moments: a signal to rank 1 alone must stop both ranks at the
     same step, with one checkpoint and exit code 0 (no hang, no mismatched collectives)."""
@@ -427,10 +409,10 @@ def test_sigterm_to_one_rank_under_torchrun(shards, tmp_path):
     args = TINY + ["--data", shards, "--max-steps", "100000", "--checkpoint-every", "0", "--log-dir", run]
     with open(tmp_path / "out.txt", "w") as out:
         proc = start_command(script_command(args, nproc=2, torchrun=True), tmp_path, script_env(), stdout=out,
-                             stderr=subprocess.STDOUT, start_new_session=True, real_workers=True)  # in /proc
+                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_step(proc, run, 3)
-        workers = worker_pids(proc.pid)
+        workers = ranks_of(proc.pid, run, forked_for_it=forkserver.FORK)
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGTERM)
         assert proc.wait(60) == 0, open(tmp_path / "out.txt").read()[-3000:]
