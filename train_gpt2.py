@@ -705,7 +705,7 @@ def print_samples(model, cfg, enc, device, autocast_ctx, seed, step, rows, show=
     at most rows at a time (if show: the other ranks sample too, as under FSDP each lends its slices of the weights,
     but print nothing)."""
     prompt = enc.encode_ordinary(cfg.prompt) or [EOT]
-    recipe = RECIPES[cfg.recipe].named.removeprefix(", ") or "GPT-2's recipe"
+    recipe = RECIPES[cfg.recipe].named or "GPT-2's recipe"
     can_sample, lines = run_log.sample_notes(model, prompt, recipe)  # and what to know of them, or why there are none
     if can_sample:
         generator = torch.Generator(device=device).manual_seed(seed)

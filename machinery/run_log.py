@@ -104,9 +104,10 @@ def first_lines(run, micro_batch_said):
     print(what_runs(run))
     padding = max(0, cfg.vocab_size - GPT2_VOCAB)
     padded = f" (and {padding} rows of vocabulary padding, never predicted)" if padding else ""
+    named = f", {run.recipe.named}" if run.recipe.named else ""
     compiled = "on" if cfg.compile else "off"
     print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {parameters(run.model) / 1e6:.2f}M "
-          f"parameters{padded}{run.recipe.named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, "
+          f"parameters{padded}{named} | {env.world_size} process(es) on {env.device_type}, {cfg.dtype}, "
           f"compile {compiled}")
     if cfg.eval_only:
         print(f"data: {cfg.data}, {len(run.val):,} validation tokens | micro-batch {run.micro_batch} x {cfg.seq_len}")

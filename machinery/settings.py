@@ -83,7 +83,7 @@ class Recipe(NamedTuple):
     check_settings: Callable  # (cfg, given) -> None, or raises UsageError for what it cannot honour
     hf_format: tuple  # hf_format.Format: the class of transformers its model is, and its files (--export-hf)
     from_pretrained: Callable  # (--init-from's name or directory, GPTConfig, cache_dir) -> its model, with its weights
-    named: str  # what the run's model line adds after the parameters: "" for GPT-2's, the default
+    named: str  # its name on the run's model line, after the parameters: "" for GPT-2's, the default
     memory: tuple  # StepMemory: what its training step holds, for the memory model (step_memory.py)
     schedule: tuple = ()  # its own settings its get_lr reads, besides --max-steps, --warmup-steps, --min-lr-ratio
 

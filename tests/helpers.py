@@ -296,18 +296,22 @@ def ranks_of(launcher_pid, log_dir, forked_for_it=False):
     what the fork server forked for it in its directory (torchrun's workers: each under a supervisor of the server, as
     the launcher is). Rank 0 is the one holding log_dir's lock open."""
     lock, ranks = os.path.realpath(os.path.join(log_dir, ".lock")), {}
-    server = parent_of(parent_of(launcher_pid)) if forked_for_it else None
-    directory = os.readlink(f"/proc/{launcher_pid}/cwd")
+    if forked_for_it:
+        server, directory = parent_of(parent_of(launcher_pid)), os.readlink(f"/proc/{launcher_pid}/cwd")
+
+    def launched(pid):
+        if not forked_for_it:
+            return parent_of(pid) == launcher_pid
+        if pid == launcher_pid or parent_of(parent_of(pid)) != server:
+            return False
+        return os.readlink(f"/proc/{pid}/cwd") == directory  # not another command of this server's
+
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            if forked_for_it:
-                if pid == launcher_pid or parent_of(parent_of(pid)) != server or os.readlink(f"/proc/{pid}/cwd") != \
-                        directory:
-                    continue
-            elif parent_of(pid) != launcher_pid:
+            if not launched(pid):
                 continue
             fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except (OSError, TypeError):  # gone meanwhile
+        except OSError:  # gone meanwhile
             continue
         ranks[0 if lock in fds else 1] = pid
     return ranks

@@ -306,4 +306,4 @@ STEP_MEMORY = settings.StepMemory(optimizer_bytes=(4, 8), saved_per_token=(42, 6
 
 RECIPE = settings.Recipe(model=GPT, optimizers=make_optimizers, get_lr=get_lr, presets=PRESETS, settings=SETTINGS,
                          check_settings=check_settings, hf_format=HF_FORMAT, from_pretrained=from_pretrained,
-                         named=", the modern recipe", memory=STEP_MEMORY, schedule=("cooldown_frac",))
+                         named="the modern recipe", memory=STEP_MEMORY, schedule=("cooldown_frac",))
