@@ -1,21 +1,26 @@
 """
-One call on a GPU machine, prepared here: what the project needs measured, in order, within --budget seconds (8
+The calls on a GPU machine, prepared here: what the project needs measured, in order, within --budget seconds (8
 minutes), each part in a process of its own, then one table of everything. A part starts only while time is left for
-it; what had none is named, for the next call (--parts).
+it; what had none is named, for the next call (--parts). The comparison of the recipes at 124M is a call of its own.
 
-    python benchmarks/gpu_check.py --out $OUT             # on one H100: every part, in at most 8 minutes
-    python benchmarks/gpu_check.py --parts modern-peak,compile-modes --out $OUT   # a second call: what had no time
+    python benchmarks/gpu_check.py --out $OUT             # on one H100: every part but the last, in at most 8 minutes
+    python benchmarks/gpu_check.py --parts recipes-124m --budget 300 --out $OUT   # the second call: the recipes
+    python benchmarks/gpu_check.py --parts compile-modes --out $OUT   # a later call: what had no time
     python benchmarks/gpu_check.py --cpu                  # any machine, before the GPU call: every part starts
     python benchmarks/gpu_check.py --dry-run              # any machine: the commands, in order
 
 The parts, most needed first (the speed-ups that a call ranked and settled are out of it):
-  tests          python -m pytest -q tests/test_cuda.py: the CUDA-only tests (the FP8 head under inductor too)
-  ladder         benchmarks/speed_ladder.py: the trainer's defaults against what they replaced, and the FP8 head on
-                 them, ranked (5 timed steps)
-  core-all       benchmarks/core_speed.py --device cuda: every example, as the end of a run scores it
-  modern-peak    benchmarks/small_cards.py --caps 0 -- --recipe modern: the modern recipe's peak memory
-  compile-modes  benchmarks/speed_ladder.py: the defaults again, coordinate descent, max-autotune, CUDA graphs
-                 (minutes of compiling each)
+  tests           python -m pytest -q tests/test_cuda.py: the CUDA-only tests (the FP8 head under inductor too)
+  ladder          benchmarks/speed_ladder.py: the trainer's defaults against what they replaced, and the FP8 head on
+                  them, ranked (5 timed steps)
+  modern-peak     benchmarks/small_cards.py --caps 0 -- --recipe modern: the modern recipe's tok/s, MFU and peak memory
+  profile-modern  benchmarks/profile_step.py --recipe modern: the 10 operations that take the most of its step
+  profile-gpt2    benchmarks/profile_step.py: the same of GPT-2's step, to set beside it
+  core-all        benchmarks/core_speed.py --device cuda: every example, as the end of a run scores it
+  compile-modes   benchmarks/speed_ladder.py: the defaults again, coordinate descent, max-autotune, CUDA graphs
+                  (minutes of compiling each)
+  recipes-124m    benchmarks/recipes_124m.py: GPT-2 124M against the modern recipe on shards of real text, made
+                  there (a call of its own, about 5 minutes)
 Each part's whole output is written to --out (PART.txt, and the JSON of those that write one). --cpu runs each part's
 command as the GPU call would, alone in a fresh process, with the flags that make it a CPU pass: the CUDA tests are
 collected and skip, the benchmarks read their flags and inputs and print their plan (--dry-run).
@@ -44,6 +49,7 @@ class Part(NamedTuple):
     command: list  # after `python`; {out} is --out, {inner} the seconds given less the time to stop and report
     what: str
     on_cpu: list = []  # flags added to command by --cpu: a pass of its code on the CPU, or its plan (--dry-run)
+    alone: bool = False  # a call of its own: run only where --parts names it
 
 
 LADDER_PLAN = ["--dry-run", "--device", "cuda"]  # each rung's command for a GPU, read by the trainer's parser
@@ -53,17 +59,25 @@ PARTS = [
     Part("ladder", 270, [os.path.join(BENCHMARKS, "speed_ladder.py"), "--rungs",
                          "defaults,full-loss,given-batch,fp8-head", *LADDER_STEPS, "--time-budget", "{inner}",
                          "--json", "{out}/ladder.json"], "ladder", LADDER_PLAN),
-    Part("core-all", 180, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda"], "CORE, every example",
-         ["--dry-run"]),
     Part("modern-peak", 120, [os.path.join(BENCHMARKS, "small_cards.py"), "--caps", "0", "--steps", "3", "--json",
                               "{out}/modern_peak.json", "--", "--recipe", "modern"], "modern recipe, whole card",
+         ["--dry-run"]),
+    Part("profile-modern", 90, [os.path.join(BENCHMARKS, "profile_step.py"), "--top", "10", "--recipe", "modern"],
+         "profile, modern recipe", ["--dry-run"]),
+    Part("profile-gpt2", 90, [os.path.join(BENCHMARKS, "profile_step.py"), "--top", "10"], "profile, GPT-2",
+         ["--dry-run"]),
+    Part("core-all", 180, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda"], "CORE, every example",
          ["--dry-run"]),
     Part("compile-modes", 600, [os.path.join(BENCHMARKS, "speed_ladder.py"), "--rungs",
                                 "defaults,coordinate-descent,max-autotune,cuda-graphs", *LADDER_STEPS,
                                 "--time-budget", "{inner}", "--json", "{out}/compile_modes.json"], "compile modes",
          LADDER_PLAN),
+    Part("recipes-124m", 300, [os.path.join(BENCHMARKS, "recipes_124m.py"), "--budget", "{inner}", "--out",
+                               "{out}/recipes_124m"], "GPT-2 against the modern recipe at 124M", ["--dry-run"],
+         alone=True),
 ]
 NAMES = [part.name for part in PARTS]
+FIRST_CALL = [part.name for part in PARTS if not part.alone]
 LEAST = 30  # seconds: a part is not started with less
 STOPPING = 20  # seconds a ladder keeps back from its time to stop its last rung and write its table
 
@@ -139,10 +153,13 @@ def result_rows(part, status, output, out):
         if part.name.startswith("core"):
             ours = next(line for line in output.splitlines() if line.startswith("ours,"))
             return [(part.what, ours if status == "done" else f"{status}: {ours}")]
+        if part.name.startswith("profile") or part.name == "recipes-124m":  # their last line sums them up
+            return [(part.what, last[:300] if status == "done" else f"{status}: {last[:150]}")]
         with open(json_written(part, out)) as f:
             row = json.load(f)["rows"][0]
-        return [(part.what, f"B {row['micro_batch']} | {row['tok_per_sec']:,.0f} tok/s | {row['peak_gib']:.2f} GiB | "
-                            f"1st step {row['first_step_s']:.1f} s")]
+        mfu = "MFU -" if row["mfu"] is None else f"MFU {100 * row['mfu']:.1f}%"
+        return [(part.what, f"B {row['micro_batch']} | {row['tok_per_sec']:,.0f} tok/s | {mfu} | "
+                            f"{row['peak_gib']:.2f} GiB | 1st step {row['first_step_s']:.1f} s")]
     except (OSError, ValueError, KeyError, IndexError, StopIteration):  # none written: the run's last line says why
         return [(part.what, f"{status}: {last[:150]}")]
 
@@ -163,8 +180,9 @@ def table(rows, header):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default=",".join(NAMES), help=f"those to run, in this order: {', '.join(NAMES)} "
-                                                                 f"(default: all)")
+    parser.add_argument("--parts", default=",".join(FIRST_CALL), help=f"those to run, in this order: "
+                        f"{', '.join(NAMES)} (default: all but {', '.join(sorted(set(NAMES) - set(FIRST_CALL)))}, "
+                        f"a call of its own)")
     parser.add_argument("--budget", type=int, default=480, help="seconds for them all (default: 480, 8 minutes)")
     parser.add_argument("--out", default="gpu_check_out", help="where each part's output goes (default: "
                                                                "gpu_check_out/)")

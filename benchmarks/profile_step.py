@@ -35,6 +35,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (default: 3)")
     parser.add_argument("--top", type=int, default=25, help="rows of the table (default: 25)")
     parser.add_argument("--trace", default="", help="also write a Chrome/Perfetto trace to this .json file")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be profiled, and stop")
     args, trainer_flags = parser.parse_known_args(argv)
     if args.warmup < 0 or args.steps <= 0 or args.top <= 0:
         parser.exit(2, "error: --warmup must be zero or more, --steps and --top positive\n")
@@ -52,6 +53,9 @@ def main(argv=None):
     except UsageError as e:
         sys.exit(f"error: {e}")
     device, device_type = env.device, env.device_type
+    if args.dry_run:
+        print(f"dry run: {shapes(cfg)} | {args.warmup} steps, then {args.steps} profiled, on {device_type}")
+        return
     train_gpt2.set_tf32(cfg.dtype != "fp32")
     if device_type == "cpu":
         memory.keep_freed_memory(True)  # as train_gpt2.py does on a CPU whose micro-batch fits
@@ -84,13 +88,28 @@ def main(argv=None):
     # on a GPU the CPU only launches kernels, so the time that counts is the device's
     sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
     where = torch.cuda.get_device_name() if device_type == "cuda" else device_type
-    print(f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab {cfg.vocab_size}, attn {cfg.attn}, "
-          f"loss {cfg.loss} | B={cfg.batch_size}, T={cfg.seq_len}, {cfg.dtype}, compile "
-          f"{cfg.compile_mode if cfg.compile else 'off'} | {args.steps} profiled steps on {where}, sorted by {sort_by}")
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=args.top))
+    print(f"{shapes(cfg)} | {args.steps} profiled steps on {where}, sorted by {sort_by}")
+    averages = prof.key_averages()
+    print(averages.table(sort_by=sort_by, row_limit=args.top))
     if args.trace:
         prof.export_chrome_trace(args.trace)
         print(f"trace written to {args.trace}")
+    print(largest_shares(averages, sort_by, args.steps))
+
+
+def shapes(cfg):
+    return (f"recipe {cfg.recipe}, {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab "
+            f"{cfg.vocab_size}, attn {cfg.attn}, loss {cfg.loss} | B={cfg.batch_size}, T={cfg.seq_len}, {cfg.dtype}, "
+            f"compile {cfg.compile_mode if cfg.compile else 'off'}")
+
+
+def largest_shares(averages, sort_by, steps, count=5):
+    """One line: the count operations that took the most of sort_by's time, each with its share of the total, and
+    the total a step (the table's columns, for a summary a glance reads)."""
+    times = sorted(((getattr(event, sort_by), event.key) for event in averages), reverse=True)
+    total = sum(time for time, _ in times) or 1
+    top = ", ".join(f"{name[:48]} {100 * time / total:.1f}%" for time, name in times[:count])
+    return f"{total / 1000 / steps:.1f} ms a step; the most: {top}"
 
 
 if __name__ == "__main__":

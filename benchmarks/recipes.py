@@ -19,6 +19,7 @@ evaluation are what run here.
 
 import argparse
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -38,6 +39,7 @@ from train_gpt2 import TrainConfig, evaluate_val, make_model, make_optimizers  #
 from variations import modern  # noqa: E402
 
 
+@functools.lru_cache(maxsize=1)  # seconds of tokenizing, once a process
 def standard_library_tokens():
     """(train, val, vocabulary size): the standard library's .py files (but the top-level test package, idlelib and
     site-packages) tokenized with GPT-2's BPE, every tenth file (in sorted order) held out for validation, in a fixed
@@ -92,17 +94,24 @@ def train_recipe(cfg, train, val, device, eval_every, threads):
     return losses, float(np.median(times))
 
 
-def tokens_to_reach(losses, target, tokens_per_step):
-    """The tokens after which the validation loss first reached target, interpolated linearly between evaluations
-    (None if it never did)."""
-    for (step0, loss0), (step1, loss1) in zip(losses, losses[1:]):
+def first_reached(points, target):
+    """The x at which a curve of points [(x, loss)] first reached target, interpolated linearly between points (None
+    if it never did)."""
+    if points and points[0][1] <= target:
+        return points[0][0]
+    for (x0, loss0), (x1, loss1) in zip(points, points[1:]):
         if loss1 <= target:
-            between = (loss0 - target) / (loss0 - loss1) if loss0 > target else 0.0
-            return (step0 + between * (step1 - step0)) * tokens_per_step
+            return x0 + (loss0 - target) / (loss0 - loss1) * (x1 - x0)
     return None
 
 
-def parse_args():
+def tokens_to_reach(losses, target, tokens_per_step):
+    """The tokens after which the validation losses [(step, loss)] first reached target (None if they never did)."""
+    step = first_reached(losses, target)
+    return None if step is None else step * tokens_per_step
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["gpt2", "modern"], choices=["gpt2", "modern"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1337])
@@ -127,7 +136,7 @@ def parse_args():
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for name in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "eval_every", "val_tokens"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -150,8 +159,8 @@ def recipe_config(args, recipe, seed, vocab_size):
     return cfg
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args.device == "cpu":
         memory.keep_freed_memory(True)  # as train_gpt2.py does on a CPU
     train, val, vocab_size = standard_library_tokens()

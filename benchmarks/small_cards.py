@@ -71,8 +71,8 @@ def run_capped(gib, history, args):
 
 
 def measure(gib, data_dir, work, args, history=""):
-    """The row of one run: {"cap_gib", "micro_batch", "search_s", "first_step_s", "tok_per_sec", "peak_gib"}, or
-    {"cap_gib", "failed": its last lines}."""
+    """The row of one run: {"cap_gib", "micro_batch", "search_s", "first_step_s", "tok_per_sec", "mfu" (None where
+    the GPU's peak is unknown), "peak_gib"}, or {"cap_gib", "failed": its last lines}."""
     log_dir = os.path.join(work, f"log_{gib:g}")
     command = [sys.executable, __file__, "--run-capped", str(gib), "--history", history, "--",
                *trainer_args(data_dir, log_dir, args.steps, args.trainer_args)]
@@ -83,22 +83,26 @@ def measure(gib, data_dir, work, args, history=""):
     found = SEARCH_LINE.search(result.stdout)
     with open(os.path.join(log_dir, "log.jsonl")) as f:
         start = next(json.loads(line) for line in f if '"event"' in line)
+    later = steps[1:] or steps  # the first step compiles
     return {"cap_gib": gib, "micro_batch": start["micro_batch"], "search_s": float(found.group(2)) if found else None,
             "first_step_s": steps[0]["dt_ms"] / 1000,
-            "tok_per_sec": statistics.median_low([r["tok_per_sec"] for r in steps[1:]] or [steps[0]["tok_per_sec"]]),
+            "tok_per_sec": statistics.median_low([r["tok_per_sec"] for r in later]),
+            "mfu": statistics.median_low([r["mfu"] for r in later]) if all("mfu" in r for r in later) else None,
             "peak_gib": max(r.get("peak_mem_gb", 0) for r in steps)}
 
 
 def table(rows):
-    lines = [f"{'memory':<32} {'micro-batch':>11} {'search s':>9} {'1st step s':>10} {'tok/s':>10} {'peak GiB':>9}"]
+    lines = [f"{'memory':<32} {'micro-batch':>11} {'search s':>9} {'1st step s':>10} {'tok/s':>10} {'MFU':>6} "
+             f"{'peak GiB':>9}"]
     for row in rows:
         name = "the whole card" if not row["cap_gib"] else f"{row['cap_gib']:g} GiB ({CARDS.get(row['cap_gib'], '')})"
         if "failed" in row:
             lines.append(f"{name:<32} failed:\n{row['failed']}")
             continue
         search = "-" if row["search_s"] is None else f"{row['search_s']:.1f}"  # none when --batch-size fit at once
+        mfu = "-" if row.get("mfu") is None else f"{100 * row['mfu']:.1f}%"  # none where the GPU's peak is unknown
         lines.append(f"{name:<32} {row['micro_batch']:>11} {search:>9} {row['first_step_s']:>10.1f} "
-                     f"{row['tok_per_sec']:>10,.0f} {row['peak_gib']:>9.2f}")
+                     f"{row['tok_per_sec']:>10,.0f} {mfu:>6} {row['peak_gib']:>9.2f}")
     return lines
 
 

@@ -247,8 +247,10 @@ def test_small_cards_runs_the_trainer_and_reads_its_row(shards, tmp_path, capsys
     args.trainer_args = TINY  # its flags after small_cards' own, so that they win
     row = small_cards.measure(0, shards, str(tmp_path), args)
     assert row["micro_batch"] == 4 and row["search_s"] is None and row["first_step_s"] > 0 and row["tok_per_sec"] > 0
+    assert row["mfu"] is None  # a CPU's peak FLOPs are not known
     lines = small_cards.table([row, {"cap_gib": 22.0, "failed": "error: out of memory"}])
-    assert lines[1].split()[:4] == ["the", "whole", "card", "4"]
+    assert lines[1].split()[:4] == ["the", "whole", "card", "4"] and lines[1].split()[-2] == "-"
+    assert small_cards.table([{**row, "mfu": 0.375}])[1].split()[-2] == "37.5%"
     assert lines[2] == f"{'22 GiB (a 24 GB RTX 3090/4090)':<32} failed:\nerror: out of memory"
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, needs_muon, run_script
+from helpers import REPO, needs_muon, run_main
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import recipes  # noqa: E402
@@ -39,13 +39,13 @@ def test_the_standard_library_is_split_by_file_and_renumbered():
 
 
 @needs_muon
-def test_both_recipes_end_to_end(tmp_path):
+def test_both_recipes_end_to_end(tmp_path, capsys):
     out = tmp_path / "recipes.json"
-    result = run_script(["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "4",
-                         "--steps", "4", "--eval-every", "2", "--val-tokens", "256", "--seeds", "1", "2",
-                         "--json", out], cwd=REPO, timeout=300, script=os.path.join(REPO, "benchmarks", "recipes.py"))
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    code, stdout, stderr = run_main(["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16",
+                                     "--batch-size", "4", "--steps", "4", "--eval-every", "2", "--val-tokens", "256",
+                                     "--seeds", "1", "2", "--json", out], capsys, main=recipes.main)
+    assert code == 0, stderr
+    lines = stdout.splitlines()
     assert lines[0].startswith(f"Python {sys.version.split()[0]} standard library: ")
     header = next(line for line in lines if line.startswith("step "))
     assert header.split()[2:] == ["gpt2", "s1", "modern", "s1", "gpt2", "s2", "modern", "s2"]

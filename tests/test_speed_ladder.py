@@ -149,8 +149,11 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
     import gpu_check
 
     code, out, _ = run_main(["--dry-run"], capsys, main=gpu_check.main)
-    assert code == 0 and [line.split(" ")[0] for line in out.splitlines()] == gpu_check.NAMES
+    first_call = ["tests", "ladder", "modern-peak", "profile-modern", "profile-gpt2", "core-all", "compile-modes"]
+    assert code == 0 and [line.split(" ")[0] for line in out.splitlines()] == first_call
     assert "--rungs defaults,full-loss,given-batch,fp8-head" in out.splitlines()[1]
+    code, out, _ = run_main(["--dry-run", "--parts", "recipes-124m"], capsys, main=gpu_check.main)
+    assert code == 0 and out.startswith("recipes-124m (at most 300 s): ") and "recipes_124m.py --budget 280" in out
     if not torch.cuda.is_available():
         code, _, err = run_main([], capsys, main=gpu_check.main)
         assert code == 2 and err.startswith("error: gpu_check.py measures a CUDA GPU, and PyTorch sees none here")
@@ -160,7 +163,14 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
         "ladder": "the ladder's table\n",
         "core-all": "gpt2 shapes\nours, 91,037 examples (all a task), 65,536 tokens a pass: first 30.0 s, then 90.0 s: "
                     "1,011.5 examples/s; CORE 0.0100\nplain, ...\n",
+        "modern-peak": "the card's table\n",
+        "profile-modern": "the table\n152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0%\n\n",
+        "profile-gpt2": "the table\nTraceback (most recent call last):\nRuntimeError: no kernel image\n",
+        "recipes-124m": "the curves\nGPT-2's final val loss 3.2000: the modern recipe reaches it after 20,000,000 "
+                        "tokens (64% of GPT-2's)\n",
     }
+    modern_peak = {"rows": [{"cap_gib": 0, "micro_batch": 64, "search_s": None, "first_step_s": 30.5,
+                             "tok_per_sec": 416480.0, "mfu": 0.36, "peak_gib": 31.25}]}
     ladder = {"rungs": [
         {"rung": "9. trainer defaults", "status": "ok", "micro_batch": 64, "tok_per_sec": 466568.0, "mfu": 0.403,
          "peak_mem_gib": 28.95, "launch_s": 35.2, "first_step_s": 21.0, "loss": 10.9794, "speedup": None,
@@ -171,27 +181,34 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
         now[0] += 100
         if part.name == "ladder":
             (tmp_path / "ladder.json").write_text(json.dumps(ladder))
-        return "done", 100.0, outputs[part.name]
+        if part.name == "modern-peak":
+            (tmp_path / "modern_peak.json").write_text(json.dumps(modern_peak))
+        return ("failed: exit 1" if part.name == "profile-gpt2" else "done"), 100.0, outputs[part.name]
 
     monkeypatch.setattr(gpu_check, "run_part", part_run)
     monkeypatch.setattr(gpu_check, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    code, out, err = run_main(["--out", tmp_path, "--budget", "320"], capsys, main=gpu_check.main)
+    code, out, err = run_main(["--out", tmp_path, "--budget", "620"], capsys, main=gpu_check.main)
     assert code == 0, err
-    table = out.splitlines()[-7:]
+    table = out.splitlines()[-9:]
     assert table[0].startswith(f"NVIDIA H100 80GB HBM3, torch {torch.__version__}, commit ") and \
-        table[0].endswith(": 300 s of --budget 320")
+        table[0].endswith(": 600 s of --budget 620")
     assert [line.split("  ")[0].strip() for line in table[1:]] == [
-        "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 12. FP8 head", "CORE, every example",
-        "modern recipe, whole card", "compile modes"], table
+        "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 12. FP8 head", "modern recipe, whole card",
+        "profile, modern recipe", "profile, GPT-2", "CORE, every example", "compile modes"], table
     assert table[1].endswith("10 passed in 61.02s [100 s]")
     assert "B 64 | 466,568 tok/s | MFU 40.3% | 28.95 GiB | launch 35 s, 1st step 21.0 s | loss 10.9794" in table[2]
     assert table[3].endswith("failed: CUDA out of memory")
-    assert "ours, 91,037 examples (all a task)" in table[4]
-    assert all(line.endswith("not run: no time left of --budget 320 s (--parts " + name + ")")
-               for line, name in zip(table[5:], ["modern-peak", "compile-modes"]))
+    assert table[4].endswith("B 64 | 416,480 tok/s | MFU 36.0% | 31.25 GiB | 1st step 30.5 s [100 s]")
+    assert table[5].endswith("152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0% [100 s]")
+    assert table[6].endswith("failed: exit 1: RuntimeError: no kernel image [100 s]")
+    assert "ours, 91,037 examples (all a task)" in table[7]
+    assert table[8].endswith("not run: no time left of --budget 620 s (--parts compile-modes)")
     assert (tmp_path / "table.txt").read_text().splitlines() == table
+    code, out, err = run_main(["--out", tmp_path, "--parts", "recipes-124m"], capsys, main=gpu_check.main)
+    assert code == 0 and out.splitlines()[-1].startswith("GPT-2 against the modern recipe at 124M  GPT-2's final val "
+                                                         "loss 3.2000: the modern recipe reaches it after 20,000,000 ")
 
 
 def test_every_part_of_the_gpu_check_starts_alone_on_the_cpu(tmp_path):
@@ -204,11 +221,13 @@ def test_every_part_of_the_gpu_check_starts_alone_on_the_cpu(tmp_path):
     assert not [line for line in table if "failed" in line or "timed out" in line or "not run" in line], table
     parts = {line.split("  ")[0].split(":")[0].strip() for line in table[1:]}
     assert parts == {"tests/test_cuda.py", "ladder", "CORE, every example", "modern recipe, whole card",
-                     "compile modes"}, table
+                     "profile, modern recipe", "profile, GPT-2", "compile modes"}, table
     assert re.search(r"tests/test_cuda.py +\d+ skipped in", table[1]), table[1]  # every CUDA test collected, skipped
     for part in ("ladder", "modern recipe", "compile modes"):  # each run's command, read by the trainer's parser
         assert any(line.startswith(part) and "python train_gpt2.py --data" in line for line in table), table
     assert sum("dry run: gpt2 shapes" in line for line in table) == 1, table
+    for part, recipe in (("profile, modern recipe", "modern"), ("profile, GPT-2", "gpt2")):  # the flags each profiles
+        assert any(line.startswith(part) and f"dry run: recipe {recipe}, 12 layers" in line for line in table), table
 
 
 def test_loss_memory_on_cpu(capsys):
