@@ -99,13 +99,14 @@ class ReadLock:
 @contextlib.contextmanager
 def without_readers(path, wait):
     """An exclusive flock on path while inside, so that it can be deleted or moved: no reader is loading it
-    (ReadLock). Yields True; or at once False if a reader holds it and not wait."""
+    (ReadLock). Yields True; or at once False if a reader holds it and not wait. Where no lock can be taken, it yields
+    True unguarded: a reader whose file goes says so, and the training that deletes it goes on."""
     if fcntl is None:
         yield True
         return
-    fd = os.open(path, os.O_RDONLY)
+    fd, taken = exclusive_try(path)
     try:
-        if lock(fd, wait=False) is False:
+        if taken is False:
             if not wait:
                 yield False
                 return
@@ -113,4 +114,27 @@ def without_readers(path, wait):
             lock(fd)
         yield True
     finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def exclusive_try(path):
+    """(a descriptor of path, what lock(descriptor, wait=False) returned), or (None, None) where no exclusive lock
+    can be taken. Linux's NFS client runs flock as a lock of the whole file that, exclusive, needs the file opened to
+    write (EBADF otherwise); a directory's flock stays local there."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fd, lock(fd, wait=False)
+    except OSError as e:
         os.close(fd)
+        if e.errno != errno.EBADF:
+            raise
+    try:
+        fd = os.open(path, os.O_WRONLY)  # neither truncates nor writes: a descriptor NFS will lock
+    except OSError:  # not ours to open so (read-only, or a directory): deleting it needs only its folder's rights
+        return None, None
+    try:
+        return fd, lock(fd, wait=False)
+    except OSError:
+        os.close(fd)
+        raise

@@ -1,9 +1,12 @@
 """Checkpoints as files that other processes read: a damaged --fsdp directory is skipped, or refused in one line, as
 a damaged file is; and a reader beside the running training (--eval-only, --sample, --export-hf) reads a whole
 checkpoint, while the training never waits long for it, nor fails because of it."""
+import fcntl
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -11,8 +14,11 @@ import types
 import pytest
 
 import train_gpt2
-from helpers import TINY, expect_usage_error, run_main, start_script, wait_for_step, write_shards
+from helpers import REPO, TINY, expect_usage_error, run_main, start_script, wait_for_step, write_shards
 from machinery import checkpoints, files, locks, resume
+
+sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
+import read_lock_as_on_nfs  # noqa: E402
 
 SHARDED = ["--max-steps", "8", "--checkpoint-every", "4", "--fsdp"]
 
@@ -139,6 +145,26 @@ def test_a_reader_that_chose_a_checkpoint_being_pruned_picks_again(sharded, tmp_
     (ckpt, path), = chosen
     assert path == str(log_dir / "ckpt_000004.dcp") and ckpt["step"] == 4
     assert "warning" not in capsys.readouterr().out
+
+
+def test_on_nfs_the_training_prunes_without_readers_and_passes_a_held_checkpoint_by(tmp_path, monkeypatch):
+    """On NFS, flock is a lock of the whole file that, exclusive, needs the file opened to write: the prune after a
+    save failed there with EBADF, ending a cluster's run at its third checkpoint. It now locks a descriptor opened to
+    write: a checkpoint another process reads stays, the others go, and a sharded checkpoint's directory goes too."""
+    monkeypatch.setattr(fcntl, "flock", read_lock_as_on_nfs.nfs_flock)
+    for name in ("ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.dcp", "ckpt_000008.pt"):
+        (tmp_path / name).mkdir() if name.endswith(".dcp") else (tmp_path / name).write_bytes(b"x")
+    reader = subprocess.Popen([sys.executable, read_lock_as_on_nfs.__file__, REPO, str(tmp_path / "ckpt_000004.pt")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "held\n"
+        checkpoints.prune_checkpoints(tmp_path, keep=1)  # at once, as on a local disk
+        assert sorted(os.listdir(tmp_path)) == ["ckpt_000004.pt", "ckpt_000008.pt"]
+    finally:
+        reader.communicate("")  # lets go
+    assert reader.returncode == 0
+    checkpoints.prune_checkpoints(tmp_path, keep=1)
+    assert os.listdir(tmp_path) == ["ckpt_000008.pt"]
 
 
 def test_saving_a_step_again_waits_for_the_reader_of_its_old_checkpoint(tmp_path, capsys):
