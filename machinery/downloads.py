@@ -221,6 +221,9 @@ def download(url, path, check, what, hint, headers=None):
     except OSError as e:
         raise UsageError(f"cannot write to the cache directory {cache_dir} ({e}); "
                          f"pass --cache-dir or set $GPT2_CACHE_DIR to a writable directory") from None
+    except KeyboardInterrupt:
+        raise UsageError(f"stopped by Ctrl-C while downloading {url}; nothing was cached, and the same command "
+                         f"downloads it again") from None
     finally:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)

@@ -3,10 +3,14 @@ forward pass written out on the raw tensors. The file is a tiny random model wri
 from 127.0.0.1, so nothing here needs the network. Also --init-from DIR, a directory of Hugging Face's format as the
 Hub has them, and the refusals of what neither recipe computes."""
 import contextlib
+import http.server
 import json
 import math
 import os
 import re
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -14,12 +18,23 @@ from safetensors.torch import save_file
 
 import train_gpt2
 from evaluation import hellaswag
-from helpers import REPO, expect_usage_error, run_main, run_script, serve_hellaswag, synthetic_examples, write_jsonl
+from helpers import (
+    REPO,
+    expect_usage_error,
+    run_main,
+    run_script,
+    serve_hellaswag,
+    serving,
+    start_script,
+    synthetic_examples,
+    write_jsonl,
+)
 from machinery import downloads
 from machinery.errors import UsageError
 from machinery.tokenizer import gpt2_tokenizer
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE = 2, 2, 32, 1024  # OpenAI's files always have 1024 positions
+HALF = 4 * downloads.DOWNLOAD_CHUNK  # bytes a stalled download has when it is stopped
 
 
 def hf_gpt2_weights(seed=0):
@@ -193,6 +208,46 @@ def test_eval_only_init_from_gpt2_prints_its_hellaswag_accuracy(gpt2_server, tmp
     assert code == 0, err
     assert out.strip().splitlines()[-1] == (
         f"step     0 | hellaswag acc_norm {acc_norm:.4f} acc {acc:.4f} ({n} examples)")
+
+
+def test_ctrl_c_during_the_download_is_one_line_and_caches_nothing(tmp_path, monkeypatch):
+    """Ctrl-C while OpenAI's weights download (from a server that sends half the file, then waits): one line that
+    says so, exit 2, no traceback, and no part of the file left in the cache."""
+    sent, finish = threading.Event(), threading.Event()
+
+    class HalfThenWait(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(2 * HALF))
+            self.end_headers()
+            self.wfile.write(bytes(HALF))
+            self.wfile.flush()
+            sent.set()
+            finish.wait(60)
+
+        def log_message(self, *args):
+            pass
+
+    cache, out = tmp_path / "cache", tmp_path / "out.txt"
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), HalfThenWait)) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        training = start_script(["--init-from", "gpt2", "--cache-dir", cache, "--device", "cpu"], tmp_path, out)
+        try:
+            assert sent.wait(60), out.read_text()
+            deadline = time.time() + 60
+            while not [p for p in (cache / "gpt2").glob("*.tmp") if p.stat().st_size == HALF]:  # all of it written
+                assert time.time() < deadline and training.poll() is None, out.read_text()
+                time.sleep(0.01)
+            training.send_signal(signal.SIGINT)
+            training.wait(60)
+        finally:
+            finish.set()
+    lines = out.read_text().strip().splitlines()
+    assert training.returncode == 2 and "Traceback" not in out.read_text(), lines
+    assert lines[-1] == f"error: stopped by Ctrl-C while downloading {url}/openai-community/gpt2/resolve/main/" \
+                        f"model.safetensors; nothing was cached, and the same command downloads it again"
+    assert os.listdir(cache / "gpt2") == []
 
 
 def test_eval_only_that_cannot_download_gpt2_says_so_in_one_line(gpt2_server, tmp_path):
