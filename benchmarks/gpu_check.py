@@ -14,8 +14,8 @@ The parts, most needed first (the speed-ups that a call ranked and settled are o
   ladder          benchmarks/speed_ladder.py: the trainer's defaults against what they replaced, and the FP8 head on
                   them, ranked (5 timed steps)
   modern-peak     benchmarks/small_cards.py --caps 0 -- --recipe modern: the modern recipe's tok/s, MFU and peak memory
-  profile-modern  benchmarks/profile_step.py --recipe modern: the 10 operations that take the most of its step
-  profile-gpt2    benchmarks/profile_step.py: the same of GPT-2's step, to set beside it
+  profiles        benchmarks/profile_step.py --recipes modern gpt2: the 10 operations that take the most of each
+                  recipe's step, side by side
   core-all        benchmarks/core_speed.py --device cuda: every example, as the end of a run scores it
   compile-modes   benchmarks/speed_ladder.py: the defaults again, coordinate descent, max-autotune, CUDA graphs
                   (minutes of compiling each)
@@ -30,6 +30,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,10 +63,8 @@ PARTS = [
     Part("modern-peak", 120, [os.path.join(BENCHMARKS, "small_cards.py"), "--caps", "0", "--steps", "3", "--json",
                               "{out}/modern_peak.json", "--", "--recipe", "modern"], "modern recipe, whole card",
          ["--dry-run"]),
-    Part("profile-modern", 90, [os.path.join(BENCHMARKS, "profile_step.py"), "--top", "10", "--recipe", "modern"],
-         "profile, modern recipe", ["--dry-run"]),
-    Part("profile-gpt2", 90, [os.path.join(BENCHMARKS, "profile_step.py"), "--top", "10"], "profile, GPT-2",
-         ["--dry-run"]),
+    Part("profiles", 150, [os.path.join(BENCHMARKS, "profile_step.py"), "--top", "10", "--recipes", "modern", "gpt2"],
+         "profile", ["--dry-run"]),
     Part("core-all", 180, [os.path.join(BENCHMARKS, "core_speed.py"), "--device", "cuda"], "CORE, every example",
          ["--dry-run"]),
     Part("compile-modes", 600, [os.path.join(BENCHMARKS, "speed_ladder.py"), "--rungs",
@@ -153,7 +152,11 @@ def result_rows(part, status, output, out):
         if part.name.startswith("core"):
             ours = next(line for line in output.splitlines() if line.startswith("ours,"))
             return [(part.what, ours if status == "done" else f"{status}: {ours}")]
-        if part.name.startswith("profile") or part.name == "recipes-124m":  # their last line sums them up
+        if part.name == "profiles":  # a line of each recipe's, at its end
+            summaries = [line for line in output.splitlines() if re.match(r"\w+: [\d.]+ ms a step; ", line)]
+            rows = [(f"{part.what}, {line.split(':')[0]}", line.split(": ", 1)[1][:300]) for line in summaries]
+            return rows + ([(part.what, f"{status}: {last[:150]}")] if status != "done" or not rows else [])
+        if part.name == "recipes-124m":  # its last line sums it up
             return [(part.what, last[:300] if status == "done" else f"{status}: {last[:150]}")]
         with open(json_written(part, out)) as f:
             row = json.load(f)["rows"][0]

@@ -4,12 +4,14 @@ the most time: self CUDA time on a GPU, self CPU time elsewhere. The place to st
 
     python benchmarks/profile_step.py                                   # GPT-2 124M, B=64, T=1024, on the GPU
     python benchmarks/profile_step.py --batch-size 16 --trace step.json  # also a trace for https://ui.perfetto.dev
+    python benchmarks/profile_step.py --recipes gpt2 modern --top 10  # each recipe's step, and a line of each
     python benchmarks/profile_step.py --device cpu --n-layer 2 --n-head 2 --n-embd 64 --batch-size 4 --seq-len 32
 
-The model, batch and speed settings are train_gpt2.py's own flags, with its defaults (--model, --n-layer, --n-head,
---n-embd, --vocab-size, --attn, --loss, --batch-size, --seq-len, --dtype, --compile, --compile-mode, --fused-adamw,
---device), and the model is built and compiled as train_gpt2.py does it. Each step is one micro-batch of random
-tokens: forward, backward, gradient clipping and the AdamW update.
+The model, batch and speed settings are train_gpt2.py's own flags, with its defaults (--recipe, --model, --n-layer,
+--n-head, --n-embd, --vocab-size, --attn, --loss, --batch-size, --seq-len, --dtype, --compile, --compile-mode,
+--fused-adamw, --device), and the model is built and compiled as train_gpt2.py does it. Each step is one micro-batch
+of random tokens: forward, backward, gradient clipping and the recipe's optimizer update. The last line sums the
+table up: the time a step, and the five operations that take the most of it.
 """
 
 import argparse
@@ -29,33 +31,49 @@ from train_gpt2 import autocast_context, make_optimizers  # noqa: E402
 
 
 def parse_args(argv=None):
+    """(profile_step's own flags, [(config, given)] of each recipe to profile)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warmup", type=int, default=3,
                         help="unprofiled steps first: compilation, autotuning, allocator (default: 3)")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (default: 3)")
     parser.add_argument("--top", type=int, default=25, help="rows of the table (default: 25)")
     parser.add_argument("--trace", default="", help="also write a Chrome/Perfetto trace to this .json file")
+    parser.add_argument("--recipes", nargs="+", choices=list(train_gpt2.RECIPES), default=[],
+                        help="profile each in turn, in this process, and sum them up side by side (default: "
+                             "--recipe's alone)")
     parser.add_argument("--dry-run", action="store_true", help="print what would be profiled, and stop")
     args, trainer_flags = parser.parse_known_args(argv)
     if args.warmup < 0 or args.steps <= 0 or args.top <= 0:
         parser.exit(2, "error: --warmup must be zero or more, --steps and --top positive\n")
-    cfg, given = train_gpt2.parse_args(trainer_flags)
-    return args, cfg, given
+    runs = [train_gpt2.parse_args(trainer_flags + ["--recipe", recipe]) for recipe in args.recipes]
+    return args, runs or [train_gpt2.parse_args(trainer_flags)]
 
 
 def main(argv=None):
-    args, cfg, given = parse_args(argv)
-    try:
-        env = train_gpt2.set_up_distributed(cfg.device)
-        cfg = dataclasses.replace(cfg, total_batch_size=cfg.batch_size * cfg.seq_len)  # one micro-batch per step
-        # no data is read, but marking --data as given keeps the trainer from switching to its Shakespeare preset
-        cfg = train_gpt2.final_config(train_gpt2.draft_config(cfg, given | {"data"}, env), env)
-    except UsageError as e:
-        sys.exit(f"error: {e}")
+    args, runs = parse_args(argv)
+    summaries = []
+    for cfg, given in runs:
+        try:
+            env = train_gpt2.set_up_distributed(cfg.device)
+            cfg = dataclasses.replace(cfg, total_batch_size=cfg.batch_size * cfg.seq_len)  # one micro-batch a step
+            # no data is read, but marking --data as given keeps the trainer from switching to its Shakespeare preset
+            cfg = train_gpt2.final_config(train_gpt2.draft_config(cfg, given | {"data"}, env), env)
+        except UsageError as e:
+            sys.exit(f"error: {e}")
+        if args.dry_run:
+            print(f"dry run: {shapes(cfg)} | {args.warmup} steps, then {args.steps} profiled, on {env.device_type}")
+            continue
+        trace = args.trace.replace(".json", f".{cfg.recipe}.json") if args.trace and len(runs) > 1 else args.trace
+        summaries.append(profile_steps(args, cfg, env, trace))
+        torch._dynamo.reset()  # the next recipe compiles afresh, as its own run would
+    if len(summaries) > 1:
+        print("\n".join(summaries))
+
+
+def profile_steps(args, cfg, env, trace):
+    """Profiles --steps training steps of cfg's model after --warmup ones; prints the table, and returns the line that
+    sums it up (largest_shares)."""
     device, device_type = env.device, env.device_type
-    if args.dry_run:
-        print(f"dry run: {shapes(cfg)} | {args.warmup} steps, then {args.steps} profiled, on {device_type}")
-        return
     train_gpt2.set_tf32(cfg.dtype != "fp32")
     if device_type == "cpu":
         memory.keep_freed_memory(True)  # as train_gpt2.py does on a CPU whose micro-batch fits
@@ -91,10 +109,12 @@ def main(argv=None):
     print(f"{shapes(cfg)} | {args.steps} profiled steps on {where}, sorted by {sort_by}")
     averages = prof.key_averages()
     print(averages.table(sort_by=sort_by, row_limit=args.top))
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
-        print(f"trace written to {args.trace}")
-    print(largest_shares(averages, sort_by, args.steps))
+    if trace:
+        prof.export_chrome_trace(trace)
+        print(f"trace written to {trace}")
+    summary = f"{cfg.recipe}: {largest_shares(averages, sort_by, args.steps)}"
+    print(summary, flush=True)
+    return summary
 
 
 def shapes(cfg):

@@ -125,15 +125,24 @@ def test_ladder_rejects_bad_input():
 
 
 def test_profile_step_on_cpu(tmp_path):
-    trace = tmp_path / "trace.json"
+    """Both recipes in one process (GPT-2's alone where torch has no Muon): a table and a trace of each, then a line of
+    each whose shares are the table's own Self CPU column."""
+    recipes = ["gpt2", "modern"] if MUON else ["gpt2"]
     result = run("profile_step.py", "--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "64",
                  "--batch-size", "2", "--seq-len", "16", "--vocab-size", "50257", "--warmup", "1", "--steps", "2",
-                 "--top", "10", "--trace", str(trace))
+                 "--top", "10", "--trace", str(tmp_path / "trace.json"), "--recipes", *recipes)
     assert result.returncode == 0, result.stderr
-    assert "sorted by self_cpu_time_total" in result.stdout
+    assert result.stdout.count("sorted by self_cpu_time_total") == len(recipes)
     assert "aten::mm" in result.stdout and "Self CPU time total" in result.stdout
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert sum(event.get("name") == "train_step" for event in events) == 2  # the profiled steps, marked in the trace
+    for recipe in recipes:
+        trace = tmp_path / (f"trace.{recipe}.json" if len(recipes) > 1 else "trace.json")
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert sum(event.get("name") == "train_step" for event in events) == 2  # the profiled steps, marked
+    summaries = result.stdout.strip().splitlines()[-len(recipes):]
+    assert [line.split(":")[0] for line in summaries] == recipes
+    table_mm = re.search(r"^ +aten::mm +([\d.]+)%", result.stdout, re.M).group(1)  # GPT-2's table comes first
+    summed_up = re.search(r" ms a step; the most: .*aten::mm ([\d.]+)%", summaries[0]).group(1)
+    assert abs(float(summed_up) - float(table_mm)) <= 0.056  # one rounded to 0.1, the other to 0.01
 
 
 def test_profile_step_reports_bad_flags():
@@ -149,7 +158,7 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
     import gpu_check
 
     code, out, _ = run_main(["--dry-run"], capsys, main=gpu_check.main)
-    first_call = ["tests", "ladder", "modern-peak", "profile-modern", "profile-gpt2", "core-all", "compile-modes"]
+    first_call = ["tests", "ladder", "modern-peak", "profiles", "core-all", "compile-modes"]
     assert code == 0 and [line.split(" ")[0] for line in out.splitlines()] == first_call
     assert "--rungs defaults,full-loss,given-batch,fp8-head" in out.splitlines()[1]
     code, out, _ = run_main(["--dry-run", "--parts", "recipes-124m"], capsys, main=gpu_check.main)
@@ -164,8 +173,8 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
         "core-all": "gpt2 shapes\nours, 91,037 examples (all a task), 65,536 tokens a pass: first 30.0 s, then 90.0 s: "
                     "1,011.5 examples/s; CORE 0.0100\nplain, ...\n",
         "modern-peak": "the card's table\n",
-        "profile-modern": "the table\n152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0%\n\n",
-        "profile-gpt2": "the table\nTraceback (most recent call last):\nRuntimeError: no kernel image\n",
+        "profiles": "modern's table\nmodern: 152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0%\n"
+                    "gpt2's table\nTraceback (most recent call last):\nRuntimeError: no kernel image\n",
         "recipes-124m": "the curves\nGPT-2's final val loss 3.2000: the modern recipe reaches it after 20,000,000 "
                         "tokens (64% of GPT-2's)\n",
     }
@@ -183,28 +192,28 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
             (tmp_path / "ladder.json").write_text(json.dumps(ladder))
         if part.name == "modern-peak":
             (tmp_path / "modern_peak.json").write_text(json.dumps(modern_peak))
-        return ("failed: exit 1" if part.name == "profile-gpt2" else "done"), 100.0, outputs[part.name]
+        return ("failed: exit 1" if part.name == "profiles" else "done"), 100.0, outputs[part.name]
 
     monkeypatch.setattr(gpu_check, "run_part", part_run)
     monkeypatch.setattr(gpu_check, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    code, out, err = run_main(["--out", tmp_path, "--budget", "620"], capsys, main=gpu_check.main)
+    code, out, err = run_main(["--out", tmp_path, "--budget", "520"], capsys, main=gpu_check.main)
     assert code == 0, err
     table = out.splitlines()[-9:]
     assert table[0].startswith(f"NVIDIA H100 80GB HBM3, torch {torch.__version__}, commit ") and \
-        table[0].endswith(": 600 s of --budget 620")
+        table[0].endswith(": 500 s of --budget 520")
     assert [line.split("  ")[0].strip() for line in table[1:]] == [
         "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 12. FP8 head", "modern recipe, whole card",
-        "profile, modern recipe", "profile, GPT-2", "CORE, every example", "compile modes"], table
+        "profile, modern", "profile", "CORE, every example", "compile modes"], table
     assert table[1].endswith("10 passed in 61.02s [100 s]")
     assert "B 64 | 466,568 tok/s | MFU 40.3% | 28.95 GiB | launch 35 s, 1st step 21.0 s | loss 10.9794" in table[2]
     assert table[3].endswith("failed: CUDA out of memory")
     assert table[4].endswith("B 64 | 416,480 tok/s | MFU 36.0% | 31.25 GiB | 1st step 30.5 s [100 s]")
-    assert table[5].endswith("152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0% [100 s]")
-    assert table[6].endswith("failed: exit 1: RuntimeError: no kernel image [100 s]")
+    assert table[5].endswith("  152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0% [100 s]")
+    assert table[6].endswith("  failed: exit 1: RuntimeError: no kernel image")  # GPT-2's run failed
     assert "ours, 91,037 examples (all a task)" in table[7]
-    assert table[8].endswith("not run: no time left of --budget 620 s (--parts compile-modes)")
+    assert table[8].endswith("not run: no time left of --budget 520 s (--parts compile-modes)")
     assert (tmp_path / "table.txt").read_text().splitlines() == table
     code, out, err = run_main(["--out", tmp_path, "--parts", "recipes-124m"], capsys, main=gpu_check.main)
     assert code == 0 and out.splitlines()[-1].startswith("GPT-2 against the modern recipe at 124M  GPT-2's final val "
@@ -221,13 +230,13 @@ def test_every_part_of_the_gpu_check_starts_alone_on_the_cpu(tmp_path):
     assert not [line for line in table if "failed" in line or "timed out" in line or "not run" in line], table
     parts = {line.split("  ")[0].split(":")[0].strip() for line in table[1:]}
     assert parts == {"tests/test_cuda.py", "ladder", "CORE, every example", "modern recipe, whole card",
-                     "profile, modern recipe", "profile, GPT-2", "compile modes"}, table
+                     "profile", "compile modes"}, table
     assert re.search(r"tests/test_cuda.py +\d+ skipped in", table[1]), table[1]  # every CUDA test collected, skipped
     for part in ("ladder", "modern recipe", "compile modes"):  # each run's command, read by the trainer's parser
         assert any(line.startswith(part) and "python train_gpt2.py --data" in line for line in table), table
     assert sum("dry run: gpt2 shapes" in line for line in table) == 1, table
-    for part, recipe in (("profile, modern recipe", "modern"), ("profile, GPT-2", "gpt2")):  # the flags each profiles
-        assert any(line.startswith(part) and f"dry run: recipe {recipe}, 12 layers" in line for line in table), table
+    profiles = (tmp_path / "profiles.txt").read_text()  # both recipes' flags read
+    assert re.search(r"dry run: recipe modern, 12 layers.*dry run: recipe gpt2, 12 layers", profiles, re.S), profiles
 
 
 def test_loss_memory_on_cpu(capsys):
