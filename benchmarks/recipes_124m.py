@@ -31,6 +31,8 @@ import sysconfig
 import tempfile
 import time
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from recipes import first_reached  # noqa: E402
@@ -38,7 +40,9 @@ from recipes import first_reached  # noqa: E402
 RECIPES = ["gpt2", "modern"]
 TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
 LARGEST_FILE = 1_000_000  # bytes: larger files are generated tables and stubs more than code or prose
-BYTES_PER_TOKEN = 2.2  # of Python sources in GPT-2's tokens: each space of an indent is a token of its own
+# bytes a GPT-2 token: Python sources have 2.2 (each space of an indent is a token), English prose 3.3; the text
+# written is enough for the tokens were it all prose, and fineweb.py stops at --max-tokens
+BYTES_PER_TOKEN = 3.3
 JSONL_BYTES = 16_000_000  # a jsonl file's text: several files, so that fineweb.py's workers share them
 STOPPING = 20  # seconds a stopped trainer is given to save its checkpoint and exit
 GPU_DEFAULTS = dict(steps=200, total_batch_size=131072, evals=10, val_tokens=1048576)
@@ -153,7 +157,13 @@ def shard_tokens(args):
 
 
 def text_bytes(args):
-    return int(shard_tokens(args)[0] * BYTES_PER_TOKEN * 1.2)  # a fifth more: fineweb.py stops at --max-tokens
+    return int(shard_tokens(args)[0] * BYTES_PER_TOKEN)
+
+
+def training_tokens(shard_dir):
+    """The tokens of the train shards fineweb.py wrote in shard_dir."""
+    names = [name for name in os.listdir(shard_dir) if "_train_" in name and name.endswith(".npy")]
+    return sum(len(np.load(os.path.join(shard_dir, name), mmap_mode="r")) for name in names)
 
 
 def fineweb_command(args, text_dir, shard_dir):
@@ -313,6 +323,10 @@ def measure(args, commands, work, out):
         if name == "fineweb":
             if statuses[name] != "done":
                 sys.exit(f"error: fineweb.py {statuses[name]}; its output is in {out}/fineweb.txt")
+            made = training_tokens(os.path.join(work, "shards"))
+            if made < args.steps * args.total_batch_size:  # the packages had too little text: a run sees some twice
+                print(f"warning: the text made {made:,} training tokens, fewer than the {args.steps} steps train on "
+                      f"({args.steps * args.total_batch_size:,}): both runs see some of it twice", flush=True)
             continue
         log = os.path.join(work, f"log_{name}", "log.jsonl")
         try:
@@ -322,7 +336,8 @@ def measure(args, commands, work, out):
             print(f"{name}: no curve ({e}); its output is in {out}/{name}.txt")
     compared = set(curves) == set(RECIPES) and curves["gpt2"]["vals"][-1][1] > 0  # GPT-2 validated after training
     comparison = compare(curves["gpt2"], curves["modern"]) if compared else None
-    return dict(text_files=files, text_bytes=size, statuses=statuses, curves=curves, comparison=comparison)
+    return dict(text_files=files, text_bytes=size, training_tokens=made, statuses=statuses, curves=curves,
+                comparison=comparison)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ def test_both_recipes_on_shards_of_the_packages_text(tmp_path, capsys, forked_py
         assert f"--data {work}" in (tmp_path / "out" / f"{recipe}.txt").read_text()  # the flags-given line
     saved = json.loads((tmp_path / "out" / "recipes_124m.json").read_text())
     assert saved["statuses"] == {"fineweb": "done", "gpt2": "done", "modern": "done"}
+    assert saved["training_tokens"] == 4 * 256 and "warning" not in out  # each token trained on once
     curves = saved["curves"]
     assert [[step for step, *_ in curves[r]["vals"]] for r in ("gpt2", "modern")] == [[0, 2, 4], [0, 2, 4]]
     assert curves["modern"]["vals"][0][3] == pytest.approx(math.log(50257), abs=1e-3)  # a zero head: uniform
