@@ -88,9 +88,10 @@ def test_a_command_past_its_time_is_stopped_as_ctrl_c_stops_it(tmp_path):
 def test_both_recipes_on_shards_of_the_packages_text(tmp_path, capsys, forked_python_commands):
     work = tmp_path / "work"
     work.mkdir()
-    code, out, err = run_main(["--cpu", "--steps", "4", "--total-batch-size", "256", "--evals", "2", "--val-tokens",
-                               "256", "--workers", "1", "--out", tmp_path / "out", "--work", work, "--",
-                               "--batch-size", "4"], capsys, main=recipes_124m.main)  # after --: both trainers'
+    code, out, err = run_main(["--cpu", "--steps", "2", "--total-batch-size", "128", "--evals", "1", "--val-tokens",
+                               "128", "--workers", "1", "--out", tmp_path / "out", "--work", work, "--",
+                               "--batch-size", "4", "--seq-len", "32", "--block-size", "32"], capsys,
+                              main=recipes_124m.main)  # after --: both trainers' flags
     assert code == 0, out + err
     assert os.listdir(work) == []  # the text, shards and checkpoints gone
     assert sorted(os.listdir(tmp_path / "out")) == ["fineweb.txt", "gpt2.txt", "log_gpt2.jsonl", "log_modern.jsonl",
@@ -101,11 +102,11 @@ def test_both_recipes_on_shards_of_the_packages_text(tmp_path, capsys, forked_py
         assert f"--data {work}" in (tmp_path / "out" / f"{recipe}.txt").read_text()  # the flags-given line
     saved = json.loads((tmp_path / "out" / "recipes_124m.json").read_text())
     assert saved["statuses"] == {"fineweb": "done", "gpt2": "done", "modern": "done"}
-    assert saved["training_tokens"] == 4 * 256 and "warning" not in out  # each token trained on once
+    assert saved["training_tokens"] == 2 * 128 and "warning" not in out  # each token trained on once
     curves = saved["curves"]
-    assert [[step for step, *_ in curves[r]["vals"]] for r in ("gpt2", "modern")] == [[0, 2, 4], [0, 2, 4]]
+    assert [[step for step, *_ in curves[r]["vals"]] for r in ("gpt2", "modern")] == [[0, 2], [0, 2]]
     assert curves["modern"]["vals"][0][3] == pytest.approx(math.log(50257), abs=1e-3)  # a zero head: uniform
-    assert 9 < curves["gpt2"]["vals"][0][3] < 11.5 and curves["gpt2"]["vals"][-1][1] == 4 * 256
+    assert 9 < curves["gpt2"]["vals"][0][3] < 11.5 and curves["gpt2"]["vals"][-1][1] == 2 * 128
     assert out.splitlines()[-1].startswith(f"GPT-2's final val loss {curves['gpt2']['vals'][-1][3]:.4f}: the modern "
                                            f"recipe ")
     assert saved["lines"] == out.splitlines()[-len(saved["lines"]):]
