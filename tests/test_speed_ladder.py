@@ -220,11 +220,15 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
                                                          "loss 3.2000: the modern recipe reaches it after 20,000,000 ")
 
 
-def test_every_part_of_the_gpu_check_starts_alone_on_the_cpu(tmp_path):
-    """gpu_check.py --cpu: each part's command as the GPU call runs it, alone in a fresh interpreter (where nothing
-    else imported first can hide a module that fails to import), with the flags of its CPU pass; each ends well."""
-    result = run("gpu_check.py", "--cpu", "--out", tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_every_part_of_the_gpu_check_starts_alone_on_the_cpu(tmp_path, capsys, forked_python_commands):
+    """gpu_check.py --cpu: each part's command as the GPU call runs it, in a process of its own that imports this
+    project's modules afresh (forked by the tests' fork server, which holds torch, numpy and tiktoken imported, but
+    nothing of ours: a module of ours that fails to import, alone, fails here), with the flags of its CPU pass; each
+    ends well."""
+    import gpu_check
+
+    code, out, err = run_main(["--cpu", "--out", tmp_path], capsys, main=gpu_check.main)
+    assert code == 0, out + err
     table = (tmp_path / "table.txt").read_text().splitlines()
     assert table[0].startswith("CPU pass, torch "), table
     assert not [line for line in table if "failed" in line or "timed out" in line or "not run" in line], table
