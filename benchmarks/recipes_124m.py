@@ -40,9 +40,7 @@ from recipes import first_reached  # noqa: E402
 RECIPES = ["gpt2", "modern"]
 TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
 LARGEST_FILE = 1_000_000  # bytes: larger files are generated tables and stubs more than code or prose
-# bytes a GPT-2 token: Python sources have 2.2 (each space of an indent is a token), English prose 3.3; the text
-# written is enough for the tokens were it all prose, and fineweb.py stops at --max-tokens
-BYTES_PER_TOKEN = 3.3
+BYTES_PER_TOKEN = 3.3  # text written a token needed: prose's rate, above Python's 2.2, so that there is enough
 JSONL_BYTES = 16_000_000  # a jsonl file's text: several files, so that fineweb.py's workers share them
 STOPPING = 20  # seconds a stopped trainer is given to save its checkpoint and exit
 GPU_DEFAULTS = dict(steps=200, total_batch_size=131072, evals=10, val_tokens=1048576)
