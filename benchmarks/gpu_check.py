@@ -153,7 +153,8 @@ def result_rows(part, status, output, out):
             ours = next(line for line in output.splitlines() if line.startswith("ours,"))
             return [(part.what, ours if status == "done" else f"{status}: {ours}")]
         if part.name == "profiles":  # a line of each recipe's, at its end
-            summaries = [line for line in output.splitlines() if re.match(r"\w+: [\d.]+ ms a step; ", line)]
+            lines = [line for line in output.splitlines() if re.match(r"\w+: [\d.]+ ms a step; ", line)]
+            summaries = dict.fromkeys(lines)  # printed after each table, then together at the end: a row each
             rows = [(f"{part.what}, {line.split(':')[0]}", line.split(": ", 1)[1][:300]) for line in summaries]
             return rows + ([(part.what, f"{status}: {last[:150]}")] if status != "done" or not rows else [])
         if part.name == "recipes-124m":  # its last line sums it up

@@ -20,6 +20,7 @@ import os
 import sys
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
@@ -63,7 +64,9 @@ def main(argv=None):
         if args.dry_run:
             print(f"dry run: {shapes(cfg)} | {args.warmup} steps, then {args.steps} profiled, on {env.device_type}")
             continue
-        trace = args.trace.replace(".json", f".{cfg.recipe}.json") if args.trace and len(runs) > 1 else args.trace
+        trace = args.trace
+        if trace and len(runs) > 1:  # a trace of each: step.json -> step.gpt2.json, step.modern.json
+            trace = f"{os.path.splitext(trace)[0]}.{cfg.recipe}{os.path.splitext(trace)[1]}"
         summaries.append(profile_steps(args, cfg, env, trace))
         torch._dynamo.reset()  # the next recipe compiles afresh, as its own run would
     if len(summaries) > 1:
@@ -125,7 +128,11 @@ def shapes(cfg):
 
 def largest_shares(averages, sort_by, steps, count=5):
     """One line: the count operations that took the most of sort_by's time, each with its share of the total, and
-    the total a step (the table's columns, for a summary a glance reads)."""
+    the total a step (the table's columns, for a summary a glance reads). On a GPU, of its kernels alone: an
+    operation of the CPU carries its kernels' time too, which would count it twice (the table's total leaves it out)."""
+    if sort_by == "self_device_time_total":
+        averages = [event for event in averages
+                    if event.device_type != DeviceType.CPU and not getattr(event, "is_user_annotation", False)]
     times = sorted(((getattr(event, sort_by), event.key) for event in averages), reverse=True)
     total = sum(time for time, _ in times) or 1
     top = ", ".join(f"{name[:48]} {100 * time / total:.1f}%" for time, name in times[:count])

@@ -40,7 +40,7 @@ from recipes import first_reached  # noqa: E402
 RECIPES = ["gpt2", "modern"]
 TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
 LARGEST_FILE = 1_000_000  # bytes: larger files are generated tables and stubs more than code or prose
-BYTES_PER_TOKEN = 3.3  # text written a token needed: prose's rate, above Python's 2.2, so that there is enough
+BYTES_PER_TOKEN = 5  # text written a token needed: Python's sources take 2.2, English prose 4 to 5: enough for either
 JSONL_BYTES = 16_000_000  # a jsonl file's text: several files, so that fineweb.py's workers share them
 STOPPING = 20  # seconds a stopped trainer is given to save its checkpoint and exit
 GPU_DEFAULTS = dict(steps=200, total_batch_size=131072, evals=10, val_tokens=1048576)
@@ -76,6 +76,8 @@ def parse_args(argv=None):
     for name in ("steps", "total_batch_size", "evals", "val_tokens"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.work and not os.path.isdir(args.work):
+        parser.error(f"--work {args.work}: no such directory; make it, or leave --work out for a temporary one")
     if args.budget <= 2 * STOPPING:
         parser.error(f"--budget {args.budget}: give it more than {2 * STOPPING} s (a stopped trainer has {STOPPING})")
     args.trainer_flags = trainer_flags
@@ -150,7 +152,7 @@ def shard_tokens(args):
     """(all tokens, the validation shard's): the tokens both recipes train on, once each, and a tenth of the text
     held out, or --val-tokens if more (one more token: the last target)."""
     train = args.steps * args.total_batch_size
-    val = max(train // 9, args.val_tokens + 1)
+    val = max(-(-train // 9), args.val_tokens + 1)  # a ninth, rounded up: the train shards all of its size but the last
     return train + val, val
 
 
@@ -184,11 +186,14 @@ def trainer_command(args, recipe, shard_dir, log_dir):
 
 def run_command(command, output, timeout):
     """Runs command, its output to the file output, for at most timeout seconds, then stops it as Ctrl-C does (a
-    trainer saves and exits); its status: 'done', 'failed: exit N' or 'stopped after N s'."""
+    trainer saves and exits); its status: 'done', 'failed: exit N' or 'stopped after N s'. In a session of its own,
+    so that the stop reaches the compile workers it starts; this script interrupted (Ctrl-C, or gpu_check.py's part
+    out of time) kills it at once, so that no run is left holding the GPU."""
+    timeout = max(1, timeout)
     with open(output, "w") as out:
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        process.wait(timeout=max(1, timeout))
+        process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGINT)
         try:
@@ -197,6 +202,10 @@ def run_command(command, output, timeout):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         return f"stopped after {timeout:.0f} s"
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
     return "done" if process.returncode == 0 else f"failed: exit {process.returncode}"
 
 
@@ -213,18 +222,19 @@ def read_curve(log):
     if not steps:
         raise ValueError(f"{log} has no training step")
     later = [steps[s] for s in sorted(steps) if s > 0] or [steps[0]]
-    median = statistics.median(r["dt_ms"] for r in later) / 1000
-    step_seconds = [steps[s]["dt_ms"] / 1000 if s in steps and s > 0 else median for s in range(max(steps) + 1)]
+    median_step = statistics.median(r["dt_ms"] for r in later) / 1000
+    step_seconds = [steps[s]["dt_ms"] / 1000 if s in steps and s > 0 else median_step for s in range(max(steps) + 1)]
     seconds = list(itertools.accumulate(step_seconds, initial=0.0))  # seconds[s]: after s steps
     vals = [(r["step"], r["tokens"], seconds[r["step"]], r["val_loss"]) for r in records
             if "val_loss" in r and r["step"] < len(seconds)]
 
-    def median_of(key):
+    def of_steps(key, summed_up):
         found = [r[key] for r in later if r.get(key) is not None]
-        return statistics.median(found) if found else None
+        return summed_up(found) if found else None
 
-    return dict(vals=vals, tok_per_sec=median_of("tok_per_sec"), mfu=median_of("mfu"),
-                peak_gib=median_of("peak_mem_gb"))
+    return dict(vals=vals, tok_per_sec=of_steps("tok_per_sec", statistics.median),
+                mfu=of_steps("mfu", statistics.median),
+                peak_gib=of_steps("peak_mem_gb", max))  # each step's peak is the run's so far
 
 
 def compare(gpt2, modern):
@@ -284,19 +294,14 @@ def report(curves, comparison, statuses):
 def main(argv=None):
     args = parse_args(argv)
     out = os.path.abspath(args.out)
+    if args.dry_run:
+        print(f"text: the installed packages' files, about {text_bytes(args) / 1e6:.1f} MB, as jsonl in WORK/text")
+        for name, command in commands_in(args, "WORK"):
+            print(f"{name}: {' '.join(command)}")
+        return
+    os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="recipes_124m_", dir=args.work) as work:
-        text_dir, shard_dir = os.path.join(work, "text"), os.path.join(work, "shards")
-        commands = [("fineweb", fineweb_command(args, text_dir, shard_dir))] + [
-            (recipe, trainer_command(args, recipe, shard_dir, os.path.join(work, f"log_{recipe}")))
-            for recipe in RECIPES]
-        if args.dry_run:
-            print(f"text: the installed packages' files, about {text_bytes(args) / 1e6:.1f} MB, as jsonl in "
-                  f"{text_dir}")
-            for name, command in commands:
-                print(f"{name}: {' '.join(command)}")
-            return
-        os.makedirs(out, exist_ok=True)
-        measured = measure(args, commands, work, out)
+        measured = measure(args, commands_in(args, work), work, out)
     lines = (report(measured["curves"], measured["comparison"], measured["statuses"]) if measured["curves"] else
              ["no recipe logged a step"])
     print("\n".join(lines))
@@ -304,6 +309,13 @@ def main(argv=None):
         json.dump(dict(args=vars(args), **measured, lines=lines), f, indent=1)
     if measured["comparison"] is None:
         sys.exit(1)
+
+
+def commands_in(args, work):
+    """[(name, command)]: fineweb.py's over the text in work, then each recipe's trainer's."""
+    shard_dir = os.path.join(work, "shards")
+    return [("fineweb", fineweb_command(args, os.path.join(work, "text"), shard_dir))] + [
+        (recipe, trainer_command(args, recipe, shard_dir, os.path.join(work, f"log_{recipe}"))) for recipe in RECIPES]
 
 
 def measure(args, commands, work, out):
@@ -315,8 +327,11 @@ def measure(args, commands, work, out):
     print(f"text: {files:,} files of the installed packages, {size / 1e6:.1f} MB", flush=True)
     curves, statuses = {}, {}
     for i, (name, command) in enumerate(commands):
-        statuses[name] = run_command(command, os.path.join(out, f"{name}.txt"),
-                                     (deadline - time.monotonic()) / (len(commands) - i))
+        try:
+            statuses[name] = run_command(command, os.path.join(out, f"{name}.txt"),
+                                         (deadline - time.monotonic()) / (len(commands) - i))
+        except KeyboardInterrupt:  # Ctrl-C, or gpu_check.py's part out of time: what was logged is reported
+            statuses[name] = "interrupted"
         print(f"{name}: {statuses[name]}", flush=True)
         if name == "fineweb":
             if statuses[name] != "done":
@@ -332,6 +347,8 @@ def measure(args, commands, work, out):
             curves[name] = read_curve(log)
         except (OSError, ValueError, KeyError) as e:
             print(f"{name}: no curve ({e}); its output is in {out}/{name}.txt")
+        if statuses[name] == "interrupted":
+            break
     compared = set(curves) == set(RECIPES) and curves["gpt2"]["vals"][-1][1] > 0  # GPT-2 validated after training
     comparison = compare(curves["gpt2"], curves["modern"]) if compared else None
     return dict(text_files=files, text_bytes=size, training_tokens=made, statuses=statuses, curves=curves,

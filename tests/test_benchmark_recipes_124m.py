@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 
 import pytest
@@ -44,15 +45,16 @@ def write_log(log_dir, records):
 
 def test_a_curve_is_read_from_the_log_with_the_first_step_at_the_median_steps_time(tmp_path):
     steps = [dict(step=s, tokens=(s + 1) * 100, train_loss=5.0, dt_ms=ms, tok_per_sec=100_000 / ms, mfu=m,
-                  peak_mem_gb=g) for s, ms, m, g in ((0, 30000, 0.01, 9.0), (1, 100, 0.4, 2.0), (2, 300, 0.2, 2.0),
-                                                     (3, 200, 0.3, 2.0))]
+                  peak_mem_gb=g) for s, ms, m, g in ((0, 30000, 0.01, 1.5), (1, 100, 0.4, 2.0), (2, 300, 0.2, 2.5),
+                                                     (3, 200, 0.3, 3.0))]
     vals = [dict(step=0, tokens=0, val_loss=10.8), dict(step=2, tokens=200, val_loss=7.0),
             dict(step=4, tokens=400, val_loss=6.0)]
     write_log(tmp_path / "log", [vals[0], *steps[:2], vals[1], *steps[2:], vals[2]])  # then a half-written line
     curve = recipes_124m.read_curve(tmp_path / "log" / "log.jsonl")
     # steps 1-3 took 0.1, 0.3 and 0.2 s: the median 0.2 s stands for step 0's 30 s of compiling
     assert curve["vals"] == [(0, 0, 0.0, 10.8), (2, 200, pytest.approx(0.3), 7.0), (4, 400, pytest.approx(0.8), 6.0)]
-    assert (curve["tok_per_sec"], curve["mfu"], curve["peak_gib"]) == (500, 0.3, 2.0)  # step 0's left out
+    # the median step's speed and MFU, step 0's left out; the peak memory the run's, the last step's running maximum
+    assert (curve["tok_per_sec"], curve["mfu"], curve["peak_gib"]) == (500, 0.3, 3.0)
 
 
 def test_the_modern_recipes_share_of_tokens_and_seconds_by_hand():
@@ -82,6 +84,27 @@ def test_a_command_past_its_time_is_stopped_as_ctrl_c_stops_it(tmp_path):
     status = recipes_124m.run_command([sys.executable, "-c", script], tmp_path / "out.txt", 1)
     assert status == "stopped after 1 s"
     assert recipes_124m.run_command([sys.executable, "-c", "exit(3)"], tmp_path / "out.txt", 30) == "failed: exit 3"
+
+
+def test_a_command_goes_with_the_benchmark_interrupted(tmp_path, monkeypatch):
+    """Ctrl-C to this script (or gpu_check.py's stop of its part, which reaches this process's group, not the
+    command's session) kills the command at once: no trainer is left holding the GPU."""
+    script = "import os, time\nopen(os.environ['PID_FILE'], 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    monkeypatch.setenv("PID_FILE", str(tmp_path / "pid"))
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(KeyboardInterrupt):
+            recipes_124m.run_command([sys.executable, "-c", script], tmp_path / "out.txt", 30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(ProcessLookupError):  # killed, and reaped
+        os.kill(int((tmp_path / "pid").read_text()), 0)
 
 
 @needs_muon

@@ -1,6 +1,6 @@
 """On a CUDA GPU only, skipped elsewhere: the trainer's default step (inductor, bf16 autocast, fused AdamW) on a tiny
-model, both losses compiled by inductor against float64, the chunked loss's memory, and the FP8 head of speedups.py
-under inductor. The rest of the suite pins the CPU."""
+model, both losses compiled by inductor against float64, the chunked loss's memory, the FP8 head of speedups.py
+under inductor, and benchmarks/profile_step.py's summary against its table. The rest of the suite pins the CPU."""
 import copy
 import math
 
@@ -152,3 +152,22 @@ def test_the_fp8_head_under_inductor():
     assert loss == pytest.approx(want_loss, rel=1e-2) and loss != want_loss
     for grad, want in zip(grads, want_grads):
         assert (grad - want).norm() <= 0.1 * want.norm() + 1e-6
+
+
+def test_the_profiles_summary_is_the_tables_cuda_total(tmp_path):
+    """benchmarks/profile_step.py on the GPU: its summary's time a step, summed over the kernels alone, is the table's
+    own "Self CUDA time total" over the steps profiled (each kernel counted once, not with its CPU operation too)."""
+    import re
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    result = subprocess.run([sys.executable, f"{REPO}/benchmarks/profile_step.py", "--n-layer", "2", "--n-head", "2",
+                             "--n-embd", "64", "--batch-size", "4", "--seq-len", "64", "--block-size", "64",
+                             "--warmup", "2", "--steps", "2", "--top", "5"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    total = re.search(r"Self CUDA time total: ([\d.]+)(ms|us|s)", result.stdout)
+    table_ms = float(total.group(1)) * {"s": 1000, "ms": 1, "us": 1e-3}[total.group(2)] / 2
+    summary_ms = float(re.search(r"^gpt2: ([\d.]+) ms a step; ", result.stdout, re.M).group(1))
+    assert summary_ms == pytest.approx(table_ms, rel=0.02, abs=0.06), result.stdout[-2000:]

@@ -5,6 +5,7 @@ import os
 import re
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -145,6 +146,23 @@ def test_profile_step_on_cpu(tmp_path):
     assert abs(float(summed_up) - float(table_mm)) <= 0.056  # one rounded to 0.1, the other to 0.01
 
 
+def test_the_profiles_summary_on_a_gpu_counts_the_kernels_alone():
+    """With CUDA, kineto gives a CPU operation its kernels' device time, and each kernel is an event of its own: the
+    summary's total and ranking are the kernels' alone (as the table's own total is), not each kernel twice."""
+    import profile_step
+    from torch.autograd import DeviceType
+
+    def event(key, device, us, annotation=False):
+        return types.SimpleNamespace(key=key, device_type=device, self_device_time_total=us,
+                                     is_user_annotation=annotation)
+
+    averages = [event("aten::mm", DeviceType.CPU, 600), event("sm90_gemm", DeviceType.CUDA, 600),
+                event("train_step", DeviceType.CUDA, 1000, annotation=True),
+                event("triton_fused", DeviceType.CUDA, 200)]
+    line = profile_step.largest_shares(averages, "self_device_time_total", steps=2)
+    assert line == "0.4 ms a step; the most: sm90_gemm 75.0%, triton_fused 25.0%"  # 800 us over 2 steps
+
+
 def test_profile_step_reports_bad_flags():
     result = run("profile_step.py", "--device", "cpu", "--n-embd", "65", "--n-head", "2")
     assert result.returncode != 0
@@ -174,7 +192,9 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
                     "1,011.5 examples/s; CORE 0.0100\nplain, ...\n",
         "modern-peak": "the card's table\n",
         "profiles": "modern's table\nmodern: 152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0%\n"
-                    "gpt2's table\nTraceback (most recent call last):\nRuntimeError: no kernel image\n",
+                    "gpt2's table\ngpt2: 120.5 ms a step; the most: aten::mm 50.0%\n"  # each line, then both again
+                    "modern: 152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0%\n"
+                    "gpt2: 120.5 ms a step; the most: aten::mm 50.0%\n",
         "recipes-124m": "the curves\nGPT-2's final val loss 3.2000: the modern recipe reaches it after 20,000,000 "
                         "tokens (64% of GPT-2's)\n",
     }
@@ -192,7 +212,7 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
             (tmp_path / "ladder.json").write_text(json.dumps(ladder))
         if part.name == "modern-peak":
             (tmp_path / "modern_peak.json").write_text(json.dumps(modern_peak))
-        return ("failed: exit 1" if part.name == "profiles" else "done"), 100.0, outputs[part.name]
+        return ("failed: exit 1" if part.name == "core-all" else "done"), 100.0, outputs[part.name]
 
     monkeypatch.setattr(gpu_check, "run_part", part_run)
     monkeypatch.setattr(gpu_check, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
@@ -205,14 +225,14 @@ def test_the_gpu_check_plans_its_parts_and_tables_what_they_measured(tmp_path, c
         table[0].endswith(": 500 s of --budget 520")
     assert [line.split("  ")[0].strip() for line in table[1:]] == [
         "tests/test_cuda.py", "ladder: 9. trainer defaults", "ladder: 12. FP8 head", "modern recipe, whole card",
-        "profile, modern", "profile", "CORE, every example", "compile modes"], table
+        "profile, modern", "profile, gpt2", "CORE, every example", "compile modes"], table
     assert table[1].endswith("10 passed in 61.02s [100 s]")
     assert "B 64 | 466,568 tok/s | MFU 40.3% | 28.95 GiB | launch 35 s, 1st step 21.0 s | loss 10.9794" in table[2]
     assert table[3].endswith("failed: CUDA out of memory")
     assert table[4].endswith("B 64 | 416,480 tok/s | MFU 36.0% | 31.25 GiB | 1st step 30.5 s [100 s]")
     assert table[5].endswith("  152.0 ms a step; the most: aten::mm 41.0%, triton_red_fused 9.0% [100 s]")
-    assert table[6].endswith("  failed: exit 1: RuntimeError: no kernel image")  # GPT-2's run failed
-    assert "ours, 91,037 examples (all a task)" in table[7]
+    assert table[6].endswith("  120.5 ms a step; the most: aten::mm 50.0%")  # each recipe's row once
+    assert "  failed: exit 1: ours, 91,037 examples (all a task)" in table[7]  # what it printed, with its status
     assert table[8].endswith("not run: no time left of --budget 520 s (--parts compile-modes)")
     assert (tmp_path / "table.txt").read_text().splitlines() == table
     code, out, err = run_main(["--out", tmp_path, "--parts", "recipes-124m"], capsys, main=gpu_check.main)
