@@ -31,11 +31,13 @@ import sysconfig
 import tempfile
 import time
 
-import numpy as np
-
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from recipes import first_reached  # noqa: E402
+from speed_ladder import as_flags  # noqa: E402
+
+from machinery.shard_files import open_shard, shard_paths  # noqa: E402
 
 RECIPES = ["gpt2", "modern"]
 TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
@@ -139,15 +141,6 @@ def write_text(directory, max_bytes, seed=0):
 # The commands
 
 
-def as_flags(settings):
-    """{"batch_size": 64, "compile": False} -> ["--batch-size", "64", "--no-compile"]"""
-    flags = []
-    for name, value in settings.items():
-        flag = name.replace("_", "-")
-        flags += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
-    return flags
-
-
 def shard_tokens(args):
     """(all tokens, the validation shard's): the tokens both recipes train on, once each, and a tenth of the text
     held out, or --val-tokens if more (one more token: the last target)."""
@@ -161,9 +154,8 @@ def text_bytes(args):
 
 
 def training_tokens(shard_dir):
-    """The tokens of the train shards fineweb.py wrote in shard_dir."""
-    names = [name for name in os.listdir(shard_dir) if "_train_" in name and name.endswith(".npy")]
-    return sum(len(np.load(os.path.join(shard_dir, name), mmap_mode="r")) for name in names)
+    """The tokens of the train shards fineweb.py wrote in shard_dir, as the trainer lists and reads them."""
+    return sum(len(open_shard(path)) for path in shard_paths(shard_dir)[0])
 
 
 def fineweb_command(args, text_dir, shard_dir):
